@@ -1,0 +1,3 @@
+from sparsedecode.cli import main
+
+main()

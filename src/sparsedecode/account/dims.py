@@ -1,0 +1,195 @@
+"""Model dimensions that set the bytes of a decode step (ByteCross §3.1).
+
+`ModelDims` reads a Hugging Face config.json (a path, a dict, or a hub id when
+the hub is reachable) or a name from the known-model table. The attention
+shape is general: query heads x head_dim need not equal the hidden size, and
+`head_dim` is read from the config when present (Qwen3, Gemma-style configs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sparsedecode.account.known import KNOWN_MODELS, known_model
+from sparsedecode.errors import InputError
+
+# Families whose decoder carries extra per-layer parameters we must count.
+_QKV_BIAS = {"qwen2"}
+_QK_NORM = {"qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Per-layer shapes of a decoder-only transformer.
+
+    d: hidden size; d_ff: feed-forward size; n_heads / n_kv_heads: query and
+    KV heads; head_dim: d_h; vocab: vocabulary size.
+    """
+
+    name: str
+    n_layers: int
+    d: int
+    d_ff: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        for f in ("n_layers", "d", "d_ff", "n_heads", "n_kv_heads", "head_dim", "vocab"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise InputError(f"model dims: {f} must be a positive integer, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise InputError(
+                f"model dims: {self.n_heads} query heads are not a multiple of "
+                f"{self.n_kv_heads} KV heads; check num_key_value_heads"
+            )
+
+    # -- parameter counts of one layer ------------------------------------
+    @property
+    def q_width(self) -> int:
+        """Output width of the query projection, n_heads * head_dim."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Output width of the key (or value) projection, n_kv_heads * head_dim."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def mlp_params(self) -> int:
+        """gate, up and down: 3 * d * d_ff (Eq. 2)."""
+        return 3 * self.d * self.d_ff
+
+    @property
+    def attn_params(self) -> int:
+        """q, k, v and o weights (Eq. 3 in its general form)."""
+        return 2 * self.d * self.q_width + 2 * self.d * self.kv_width
+
+    @property
+    def proj_params(self) -> int:
+        """P: the seven projections of one layer (§3.3)."""
+        return self.mlp_params + self.attn_params
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """Keys and values one layer stores per token: 2 * h_kv * d_h (Eq. 4)."""
+        return 2 * self.kv_width
+
+    @property
+    def other_params(self) -> int:
+        """Read every step and never sparsified: LM head, one embedding row,
+        all norm weights, and q/k/v biases where the family has them."""
+        per_layer = 2 * self.d
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        if self.qkv_bias:
+            per_layer += self.q_width + 2 * self.kv_width
+        return self.vocab * self.d + self.d + self.n_layers * per_layer + self.d
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # -- construction ----------------------------------------------------
+    @classmethod
+    def from_config(cls, config: dict, name: str | None = None) -> ModelDims:
+        """Dims from the fields of a HF config.json; a missing field is named."""
+        if not isinstance(config, dict):
+            raise InputError(f"config must be a JSON object, got {type(config).__name__}")
+        if "text_config" in config and "hidden_size" not in config:
+            config = config["text_config"]
+
+        def need(key: str) -> int:
+            if config.get(key) is None:
+                raise InputError(
+                    f"config is missing '{key}'; add it to config.json (a decoder-only "
+                    "Llama/Mistral/Qwen2/Qwen3 config has hidden_size, intermediate_size, "
+                    "num_hidden_layers, num_attention_heads and vocab_size)"
+                )
+            return config[key]
+
+        d = need("hidden_size")
+        n_heads = need("num_attention_heads")
+        # HF's own default: no num_key_value_heads means multi-head attention.
+        n_kv = config.get("num_key_value_heads") or n_heads
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            if d % n_heads:
+                raise InputError(
+                    f"config has no 'head_dim' and hidden_size {d} is not divisible by "
+                    f"num_attention_heads {n_heads}; add head_dim to config.json"
+                )
+            head_dim = d // n_heads
+        model_type = str(config.get("model_type", "llama"))
+        return cls(
+            name=name or str(config.get("_name_or_path") or model_type),
+            n_layers=need("num_hidden_layers"),
+            d=d,
+            d_ff=need("intermediate_size"),
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            vocab=need("vocab_size"),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type in _QKV_BIAS or bool(config.get("attention_bias", False)),
+            qk_norm=model_type in _QK_NORM,
+            model_type=model_type,
+        )
+
+    @classmethod
+    def known(cls, name: str) -> ModelDims:
+        """Dims of a model in the known-model table."""
+        m = known_model(name)
+        return cls.from_config(m.config, name=m.name)
+
+
+def load_config(ref: str | os.PathLike | dict) -> tuple[dict, str]:
+    """The config dict and a display name for a path, folder, dict or hub id."""
+    if isinstance(ref, dict):
+        return ref, str(ref.get("_name_or_path") or ref.get("model_type", "config"))
+    p = Path(ref)
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        try:
+            return json.loads(p.read_text()), p.parent.name if p.name == "config.json" else p.stem
+        except json.JSONDecodeError as e:
+            raise InputError(f"{p} is not valid JSON ({e}); pass a HF config.json") from e
+    ref = str(ref)
+    if ref.count("/") == 1 and not ref.startswith((".", "/")) and not ref.endswith(".json"):
+        return _hub_config(ref), ref
+    raise InputError(f"no config at '{ref}': pass a config.json, a folder holding one, or a hub id")
+
+
+def _hub_config(repo_id: str) -> dict:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(repo_id, "config.json")
+    except Exception as e:  # offline, gated, or no such repo: all the same fix
+        raise InputError(
+            f"could not fetch config.json of '{repo_id}' from the hub ({type(e).__name__}); "
+            "pass --config PATH to a local config.json"
+        ) from None
+    return json.loads(Path(path).read_text())
+
+
+def resolve_dims(model: str | None = None, config: str | os.PathLike | dict | None = None) -> ModelDims:
+    """Dims from exactly one of a known model name or a config reference."""
+    if (model is None) == (config is None):
+        raise InputError("give exactly one of --model NAME or --config PATH")
+    if model is not None:
+        return ModelDims.known(model)
+    cfg, name = load_config(config)
+    return ModelDims.from_config(cfg, name=name)
+
+
+__all__ = ["KNOWN_MODELS", "ModelDims", "load_config", "resolve_dims"]

@@ -1,0 +1,1 @@
+"""Dispatch: latency tables, request mixes, policies and the runtime gate."""

@@ -1,0 +1,1 @@
+"""The decode loop: chunked prefill, captured decode step, sampling and generation."""

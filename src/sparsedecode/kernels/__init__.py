@@ -1,0 +1,1 @@
+"""Kernels, one file each: Triton kernel + launcher + `*_ref` in plain PyTorch."""

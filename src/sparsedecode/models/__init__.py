@@ -1,0 +1,1 @@
+"""Model loading (HF folders, hub ids, GGUF, embedded PyPI defaults) and the compact decoder."""

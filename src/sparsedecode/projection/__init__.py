@@ -1,0 +1,1 @@
+"""Projection branch: thresholds, calibrators (TEAL, CATS, SATS) and token routing."""

@@ -1,0 +1,1 @@
+"""Quality harnesses: perplexity protocols, retrieval tests, bootstrap intervals."""

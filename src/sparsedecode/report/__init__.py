@@ -1,0 +1,1 @@
+"""Tables and figures rebuilt from records alone."""

@@ -1,0 +1,1 @@
+"""Timing harness: fresh-process cells, campaigns in blocks, paired statistics."""
