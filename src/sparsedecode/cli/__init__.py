@@ -1,0 +1,36 @@
+"""The one command, `sparsedecode`, with subcommands.
+
+Each group lives in a module of its own and registers itself on `app`;
+shared option parsing lives in `cli/common.py`. Heavy imports (torch) happen
+inside the commands that need them, so `sparsedecode account` stays instant.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from sparsedecode.errors import InputError
+
+app = typer.Typer(
+    name="sparsedecode",
+    help="Faster single-sequence LLM decoding by reading fewer bytes per step.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+# Registration order is the order of `sparsedecode --help`.
+from sparsedecode.cli import account as _account  # noqa: E402,F401
+from sparsedecode.cli import engine as _engine  # noqa: E402,F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app, turning InputError into one line and exit code 2."""
+    try:
+        app(args=argv, standalone_mode=True)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,1 @@
+"""`sparsedecode account`: the byte account on the command line (being written)."""
