@@ -182,7 +182,9 @@ def _hub_config(repo_id: str) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def resolve_dims(model: str | None = None, config: str | os.PathLike | dict | None = None) -> ModelDims:
+def resolve_dims(
+    model: str | None = None, config: str | os.PathLike | dict | None = None
+) -> ModelDims:
     """Dims from exactly one of a known model name or a config reference."""
     if (model is None) == (config is None):
         raise InputError("give exactly one of --model NAME or --config PATH")

@@ -1,0 +1,62 @@
+"""Options shared by several subcommands, defined once, and output helpers.
+
+Numbers arrive as strings and are parsed by the account's own parsers, so bad
+input fails with one line that says how to fix it (exit code 2), never a
+traceback or a usage box.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="Known model name (see `sparsedecode models`).")
+]
+ConfigOpt = Annotated[
+    str | None,
+    typer.Option("--config", help="A HF config.json, a folder holding one, or a hub id."),
+]
+RpOpt = Annotated[str, typer.Option("--rp", help="Projection keep ratio r_P in (0, 1].")]
+RkvOpt = Annotated[str, typer.Option("--rkv", help="KV keep ratio r_KV in (0, 1].")]
+FfOnlyOpt = Annotated[
+    bool,
+    typer.Option("--ff-only", help="Sparsify only gate/up/down, not the attention projections."),
+]
+WeightBytesOpt = Annotated[
+    str, typer.Option("--weight-bytes", help="Bytes per weight element (2 = 16-bit, 0.5 = 4-bit).")
+]
+KvBytesOpt = Annotated[str, typer.Option("--kv-bytes", help="Bytes per KV-cache element.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
+
+
+def parse_float(text: str, what: str, positive: bool = False) -> float:
+    """A float from user text, or an InputError saying what was expected."""
+    from sparsedecode.errors import InputError
+
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise InputError(f"{what} '{text}' is not a number") from None
+    if positive and not v > 0:
+        raise InputError(f"{what} must be positive, got {text}")
+    return v
+
+
+def emit_json(obj: dict) -> None:
+    """One JSON object on stdout; infinities become null."""
+    json.dump(_finite(obj), sys.stdout, indent=1)
+    sys.stdout.write("\n")
+
+
+def _finite(x):
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
