@@ -1,0 +1,74 @@
+"""Device and dtype choice, and a probe that the device can actually run the dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparsedecode.errors import InputError
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(device=None) -> torch.device:
+    """`device` as a torch.device; None or 'auto' picks CUDA when present."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"unknown device '{device}': use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"device '{device}' is not available: this torch sees no CUDA GPU; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(
+                f"device '{device}' does not exist: {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+    elif dev.type != "cpu":
+        raise InputError(f"device type '{dev.type}' is not supported; use cpu or cuda")
+    return dev
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """`dtype` (name or torch.dtype) or the default: float32 on CPU, bfloat16 (float16 if
+    the GPU lacks bf16) on CUDA."""
+    if dtype is None or dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise InputError(f"unknown dtype '{dtype}': use float32, bfloat16 or float16") from None
+
+
+def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise an InputError if a matmul and SDPA in `dtype` fail on `device`."""
+    name = str(dtype).removeprefix("torch.")
+    fix = "use --dtype float32" if device.type == "cpu" else "use --dtype float16"
+    if not dtype.is_floating_point:
+        raise InputError(f"dtype {name} is not a floating-point type; use float32, bfloat16 or float16")
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(False):
+        cap = torch.cuda.get_device_capability(device)
+        raise InputError(
+            f"this GPU (compute capability {cap[0]}.{cap[1]}) cannot run bfloat16 natively "
+            f"(needs 8.0 or newer); {fix}"
+        )
+    try:
+        a = torch.ones(4, 8, device=device, dtype=dtype)
+        _ = F.linear(a, a)
+        q = a.view(1, 1, 4, 8)
+        _ = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except (RuntimeError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{device.type} cannot run dtype {name} here ({first}); {fix}") from None
+
+
+__all__ = ["DTYPES", "check_dtype", "resolve_device", "resolve_dtype"]

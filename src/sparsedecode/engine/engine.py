@@ -1,0 +1,276 @@
+"""The decode loop: chunked prefill, a captured decode step, sampling and generation.
+
+Protocol of ByteCross App. A: allocate the cache once for prompt + generated
+tokens, prefill densely in chunks of 512 (causal SDPA over the cached prefix),
+then decode one token per step. On CUDA the step (the whole model forward of
+one token plus the float32 cast of its logits) is optionally compiled with
+torch.compile and then captured in a CUDA graph. Its inputs are two static
+device tensors, the token id and the position, updated in place before each
+replay, so nothing inside the step waits on the host; the host only reads
+the sampled token afterwards, to stream it and to stop at EOS. On CPU the
+same step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsedecode.engine.attention import get_backend
+from sparsedecode.engine.device import check_dtype, resolve_device, resolve_dtype
+from sparsedecode.engine.sampling import check_sampling, sample
+from sparsedecode.errors import InputError
+
+DEFAULT_MAX_LEN = 4096
+
+
+@dataclass
+class Generation:
+    """Result of `Engine.generate`: ids, text and wall-clock times in seconds."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stopped_at_eos: bool = False
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return len(self.prompt_ids) / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Decode steps per second (the first new token comes from the prefill)."""
+        steps = max(len(self.ids) - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 and steps else float("nan")
+
+
+class Engine:
+    """A loaded model with its static cache; batch 1. Build it with `load`."""
+
+    def __init__(self, model, args, *, tokenizer, source_path, device, dtype, attention,
+                 name, init, eos_ids=(), compile=None):
+        self.model, self.args = model, args
+        self.dims = args.dims()
+        self.tokenizer = tokenizer
+        self.source_path = source_path
+        self.device, self.dtype = device, dtype
+        self.attention = attention
+        self.name, self.init = name, init
+        self.max_len = model.max_len
+        self.eos_ids = tuple(dict.fromkeys(int(e) for e in eos_ids))
+        self.pos = 0  # tokens in the cache (host copy; the step reads `_pos`)
+        self._tok = torch.zeros(1, 1, dtype=torch.long, device=device)  # (1, 1) static input
+        self._pos = torch.zeros(1, dtype=torch.long, device=device)  # (1,) static input
+        use_cuda = device.type == "cuda"
+        self.compile = (use_cuda if compile is None else bool(compile)) and compile is not False
+        self.cuda_graph = use_cuda and attention != "sdpa_fused"  # sdpa_fused slices on the host
+        self._step_fn = self._decode_forward
+        if self.compile:
+            self._step_fn = torch.compile(self._decode_forward, fullgraph=True, dynamic=False)
+        self._graph = None
+        self._graph_out = None
+
+    # -- the model calls ----------------------------------------------------
+    def _decode_forward(self) -> torch.Tensor:
+        return self.model(self._tok, self._pos, None)[0, -1].float()  # (V,)
+
+    def _check_len(self, n: int, what: str) -> None:
+        window = self.args.max_position
+        if n > window:
+            raise InputError(
+                f"{what} of {n} tokens exceeds the model window of {window} tokens; "
+                "shorten the prompt or the number of new tokens"
+            )
+        if n > self.max_len:
+            raise InputError(
+                f"{what} of {n} tokens exceeds the allocated cache of {self.max_len} tokens "
+                f"(model window {window}); load with a larger --max-len (up to {window}) "
+                "or shorten the prompt"
+            )
+
+    def _as_ids(self, ids) -> torch.Tensor:
+        t = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)  # (L,)
+        if t.numel() == 0:
+            raise InputError("empty prompt: give at least one token")
+        return t
+
+    @torch.inference_mode()
+    def prefill(self, ids, chunk: int = 512, *, start: int = 0, all_logits: bool = False):
+        """Run ids (L,) through the model at positions [start, start+L) in chunks of `chunk`.
+
+        Returns the float32 logits of the last position (V,), or of every
+        position (L, V) with all_logits. The cache then holds start+L tokens.
+        """
+        ids = self._as_ids(ids)
+        if chunk < 1:
+            raise InputError(f"prefill chunk must be >= 1, got {chunk}")
+        L = ids.numel()
+        self._check_len(start + L, "the prompt")
+        outs = []
+        for s in range(0, L, chunk):
+            piece = ids[s : s + chunk]  # (l,)
+            p0 = start + s
+            pos = torch.arange(p0, p0 + piece.numel(), device=self.device)  # (l,)
+            logits = self.model(piece[None], pos, p0)[0]  # (l, V)
+            outs.append(logits.float() if all_logits else logits[-1:].float())
+        self.pos = start + L
+        return torch.cat(outs) if all_logits else outs[-1][0]
+
+    def forward_logits(self, ids, chunk: int = 512) -> torch.Tensor:
+        """Float32 logits (L, V) of every position of ids (L,), starting from an empty cache."""
+        return self.prefill(ids, chunk=chunk, all_logits=True)
+
+    @torch.inference_mode()
+    def decode_step(self, token) -> torch.Tensor:
+        """Feed one token (int or (1,) device tensor) at the next position; return its
+        float32 logits (V,). On CUDA the result is the graph's static output buffer:
+        read it before the next step."""
+        if self.pos >= self.max_len:
+            raise InputError(
+                f"the cache of {self.max_len} tokens is full; load with a larger --max-len "
+                f"(model window {self.args.max_position})"
+            )
+        if isinstance(token, torch.Tensor):
+            self._tok.copy_(token.reshape(1, 1))
+        else:
+            self._tok.fill_(int(token))
+        self._pos.fill_(self.pos)
+        out = self.decode_replay()
+        self.pos += 1
+        return out
+
+    def decode_replay(self) -> torch.Tensor:
+        """Run the decode step on the current static token and position (the timed unit)."""
+        if not self.cuda_graph:
+            return self._step_fn()
+        if self._graph is None:
+            self._capture()
+        self._graph.replay()
+        return self._graph_out
+
+    def _capture(self) -> None:
+        # Warm-up on a side stream (compiles, autotunes, allocates), then capture.
+        # The warm-ups rewrite the cache slot at `_pos`, which the real step rewrites too.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self._step_fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._graph_out = self._step_fn()
+        self._graph = graph
+
+    def reset(self) -> None:
+        """Forget the cached tokens (the buffers stay allocated)."""
+        self.pos = 0
+
+    # -- generation ----------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids of a prompt; with chat=True, wrapped in the model's chat template."""
+        if self.tokenizer is None:
+            raise InputError(
+                f"'{self.name}' was loaded without a tokenizer (init='{self.init}'); pass token ids"
+            )
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InputError(f"'{self.name}' has no chat template; drop --chat")
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def tokens(self, ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int | None = None, stop_ids: Sequence[int] | None = None,
+               timing: Generation | None = None) -> Iterator[int]:
+        """Yield new token ids after prefilling ids, stopping after an EOS id or max_new_tokens."""
+        check_sampling(temperature, top_p)
+        if max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        ids = self._as_ids(ids)
+        self._check_len(ids.numel() + max_new_tokens, f"the prompt ({ids.numel()}) plus {max_new_tokens} new tokens")
+        stop = set(self.eos_ids if stop_ids is None else stop_ids)
+        gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+        t0 = time.perf_counter()
+        logits = self.prefill(ids)
+        nxt = sample(logits, temperature, top_p, gen)  # (1,)
+        tok = int(nxt)
+        t1 = time.perf_counter()
+        if timing is not None:
+            timing.prefill_s = t1 - t0
+        for i in range(max_new_tokens):
+            if timing is not None:
+                timing.decode_s = time.perf_counter() - t1
+                timing.stopped_at_eos = tok in stop
+            yield tok
+            if tok in stop or i == max_new_tokens - 1:
+                return
+            nxt = sample(self.decode_step(nxt), temperature, top_p, gen)
+            tok = int(nxt)  # the one host sync per step, outside the captured step
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, chat: bool = False,
+                 on_text: Callable[[str], None] | None = None,
+                 stop_ids: Sequence[int] | None = None) -> Generation:
+        """Generate from a prompt string or token ids; `on_text` receives text as it streams.
+
+        Stops at the model's EOS ids (or `stop_ids`), which are kept in `ids` but not in `text`.
+        """
+        ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
+        out = Generation(prompt_ids=list(ids))
+        shown = ""
+        for tok in self.tokens(ids, max_new_tokens, temperature=temperature, top_p=top_p,
+                               seed=seed, stop_ids=stop_ids, timing=out):
+            out.ids.append(tok)
+            if self.tokenizer is not None and on_text is not None:
+                text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+                if not text.endswith("\ufffd") and len(text) > len(shown):
+                    on_text(text[len(shown):])
+                    shown = text
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+            if on_text is not None and len(out.text) > len(shown):
+                on_text(out.text[len(shown):])
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Engine({self.name!r}, {self.args.model_type}, device={self.device}, "
+                f"dtype={str(self.dtype).removeprefix('torch.')}, max_len={self.max_len}, "
+                f"attention={self.attention!r}, init={self.init!r})")
+
+
+def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
+         attention: str = "split_k", compile: bool | None = None, seed: int | None = 0,
+         quiet: bool = False) -> Engine:
+    """Load `ref` (known name, HF folder, hub id, .gguf file, or a config dict with
+    init='random') into an Engine whose static cache holds `max_len` tokens
+    (default min(model window, 4096)). `compile` defaults to True on CUDA."""
+    from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
+
+    get_backend(attention)  # an unknown backend fails before any download
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    check_dtype(dev, dt)
+    if max_len is not None and max_len < 1:
+        raise InputError(f"max_len must be >= 1, got {max_len}")
+    ckpt = resolve(ref, init=init, quiet=quiet)
+    model, args = build_model(ckpt, dev, dt, seed=seed)
+    max_len = max_len or min(args.max_position, DEFAULT_MAX_LEN)
+    args.check_length(max_len)
+    model.setup_cache(max_len, batch=1, attention=attention)
+    tokenizer = load_tokenizer(ckpt) if ckpt.kind != "random" else None
+    eos = list(args.eos_ids) + list(extra_eos_ids(ckpt))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return Engine(model, args, tokenizer=tokenizer, source_path=ckpt.source, device=dev, dtype=dt,
+                  attention=attention, name=ckpt.name, init=init, eos_ids=eos, compile=compile)
+
+
+__all__ = ["DEFAULT_MAX_LEN", "Engine", "Generation", "load"]

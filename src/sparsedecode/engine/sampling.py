@@ -1,0 +1,31 @@
+"""Next-token choice from one row of logits, on the device (no host sync)."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsedecode.errors import InputError
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    if temperature < 0:
+        raise InputError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise InputError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None):
+    """Token id (1,) long from logits (V,): greedy at temperature 0, else nucleus sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)  # (1,)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (V,)
+    if top_p >= 1:
+        return torch.multinomial(probs, 1, generator=generator)
+    p_sorted, order = probs.sort(descending=True)  # (V,)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+    outside = (p_sorted.cumsum(-1) - p_sorted) >= top_p
+    p_sorted = p_sorted.masked_fill(outside, 0.0)
+    return order.gather(-1, torch.multinomial(p_sorted, 1, generator=generator))  # (1,)
+
+
+__all__ = ["check_sampling", "sample"]

@@ -1,0 +1,212 @@
+"""The compact decoder: Llama 3.x, Mistral, Qwen2 and Qwen3 in one small module tree.
+
+gpt-fast style (ByteCross App. A runs its modes 'inside the gpt-fast decoding
+loop'): a static KV cache allocated once, RoPE tables indexed by a position
+tensor, and two paths through each attention layer:
+
+- prefill (`start` is a host int): a chunk of L tokens at positions
+  [start, start+L) writes its keys/values into the cache and attends the whole
+  cached prefix with PyTorch SDPA, causal within the chunk;
+- decode (`start is None`): one token per sequence at the position held in a
+  device tensor; attention reads cache entries [0, pos+1) through the named
+  backend of `engine.attention`, so the step has no host sync and no Python
+  branch on tensor values and can be captured in a CUDA graph.
+
+Module and parameter names follow Hugging Face's (`layers.N.self_attn.q_proj`
+...), so a HF state dict loads after dropping its leading 'model.'. The seven
+projections of a layer (q, k, v, o, gate, up, down) stay separate `nn.Linear`
+modules: each is one site the projection branch (ByteCross §3.3) can replace
+by a sparse module with the same call signature (see `projection_sites`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sparsedecode.engine.attention import decode_attention
+from sparsedecode.models.args import ModelArgs
+from sparsedecode.models.rope import apply_rope, rope_tables
+
+ATTN_SITES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_SITES = ("gate_proj", "up_proj", "down_proj")
+SITES = ATTN_SITES + MLP_SITES
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, as HF does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Static keys and values of one layer, (B, Hkv, T, D) each, written in place."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (B, Hkv, L, D) at cache positions pos (L,)."""
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q_width, kv_width = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.dim, q_width, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, kv_width, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, kv_width, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_width, args.dim, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.qk_norm = args.qk_norm
+        self.cache: KVCache | None = None
+        self.backend = "split_k"
+
+    def forward(self, x, cos, sin, pos, start: int | None):
+        """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start: see module doc."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)  # (B, L, Hq, D)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)  # (B, L, Hkv, D)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, L, D)
+        v = v.transpose(1, 2)  # (B, Hkv, L, D)
+        self.cache.update(pos, k, v)
+        if start is None:
+            y = decode_attention(
+                q[:, :, 0], self.cache.k, self.cache.v, pos + 1, backend=self.backend
+            )  # (B, Hq, D)
+            y = y.reshape(B, 1, self.n_heads * self.head_dim)
+        else:
+            y = self._prefill_attention(q, start, L).transpose(1, 2)  # (B, L, Hq, D)
+            y = y.reshape(B, L, self.n_heads * self.head_dim)
+        return self.o_proj(y)
+
+    def _prefill_attention(self, q, start: int, L: int):
+        """SDPA of a chunk's queries (B, Hq, L, D) over cache entries [0, start+L)."""
+        end = start + L
+        k, v = self.cache.k[:, :, :end], self.cache.v[:, :, :end]  # (B, Hkv, end, D)
+        gqa = self.n_heads != self.n_kv_heads
+        if start == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # Query i of the chunk sits at position start+i and sees keys 0..start+i.
+        rows = torch.arange(start, end, device=q.device)[:, None]  # (L, 1)
+        mask = torch.arange(end, device=q.device)[None, :] <= rows  # (L, end)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.d_ff, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.d_ff, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.d_ff, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = FeedForward(args)
+
+    def forward(self, x, cos, sin, pos, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding, `n_layers` blocks, final norm and LM head (tied or not)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab, bias=False)
+        self.tie_weights()
+        self.max_len = 0
+
+    def tie_weights(self) -> None:
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def setup_cache(self, max_len: int, batch: int = 1, attention: str = "split_k") -> None:
+        """Allocate the static KV caches and RoPE tables on the model's device and dtype."""
+        w = self.embed_tokens.weight
+        a = self.args
+        for layer in self.layers:
+            layer.self_attn.cache = KVCache(batch, a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
+            layer.self_attn.backend = attention
+        cos, sin = rope_tables(a, max_len, device=w.device, dtype=w.dtype)  # (T, D) each
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.max_len = max_len
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor, start: int | None = None):
+        """Logits (B, L, vocab) in the model dtype for tokens idx (B, L) at positions pos (L,).
+
+        `start` (host int) selects the prefill path and must equal pos[0]; None is
+        the decode path (L == 1, position only on the device).
+        """
+        x = self.embed_tokens(idx)  # (B, L, dim)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (L, D)
+        for layer in self.layers:
+            x = layer(x, cos, sin, pos, start)
+        return self.lm_head(self.norm(x))  # (B, L, vocab)
+
+    def projection_sites(self):
+        """(layer index, site name, parent module) of each of the seven projections per layer.
+
+        A projection-sparsity mode replaces `getattr(parent, site)` by a module
+        with the same call signature; nothing else in the decoder changes.
+        """
+        for i, layer in enumerate(self.layers):
+            for site in ATTN_SITES:
+                yield i, site, layer.self_attn
+            for site in MLP_SITES:
+                yield i, site, layer.mlp
+
+
+def init_random_(model: Transformer, std: float = 0.02, seed: int | None = 0) -> None:
+    """Fill weights in place, on their device: N(0, std) matrices, unit norms, zero biases."""
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+__all__ = ["SITES", "KVCache", "ModelArgs", "Transformer", "init_random_"]

