@@ -2,81 +2,110 @@
 
 Every mode of the engine (dense, projection, selection, window, both) reads
 its cache through the backend named here, so a speedup is never an artifact
-of a slow baseline.
+of a slow baseline: §4.4 shows a masked or fused dense baseline inflating the
+gain of the same KV window at 128K from 1.29x to 6.92x.
 
 Shapes: q (B, Hq, D) is the one query of the step; k_cache, v_cache
 (B, Hkv, T, D) are allocated caches; entries [start, end) are read, where
-`end` (and `start`) are int or 0-d/(B,) integer tensors so the call can live
+`end` (and `start`) are int or 0-d/(1,)/(B,) integer tensors so the call can live
 inside a captured decode step. Query heads of a GQA group are heads
 g*Hq/Hkv .. (g+1)*Hq/Hkv-1 (Hugging Face's repeat_kv order).
 
 Backends:
 - split_k: flash-decoding, the KV range split across programs and merged by
-  log-sum-exp (our Triton kernel on CUDA, the same math in PyTorch on CPU).
+  log-sum-exp (kernels/decode_attention.py: our Triton kernel on CUDA, the same
+  math in PyTorch on CPU). Capturable with tensor bounds; reads only [start, end).
 - sdpa_masked: attention over the whole allocated cache with a length mask
-  (gpt-fast style): reads all T entries whatever the valid length.
-- sdpa_fused: unmasked PyTorch SDPA over the valid slice [start, end).
-
-NOTE: placeholder implementation in plain PyTorch; the split-K kernel
-replaces `_split_k` (see kernels/decode_attention.py).
+  (gpt-fast style): capturable, but reads all T entries whatever the valid
+  length. A masked-but-read baseline, labelled as such.
+- sdpa_fused: unmasked PyTorch SDPA over the valid slice [start, end): reads
+  only valid entries but needs the bounds on the host (see `_fused`).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.decode_attention import (
+    check_inputs,
+    merge_lse,
+    split_k_attention,
+    split_k_ref,
+)
+
+__all__ = ["BACKENDS", "decode_attention", "get_backend", "merge_lse", "split_k_lse"]
 
 
-def _bounds(end, start, T, device):
-    end = torch.as_tensor(end, device=device).reshape(-1, 1, 1)  # (B|1, 1, 1)
-    start = torch.as_tensor(start, device=device).reshape(-1, 1, 1)
-    pos = torch.arange(T, device=device).view(1, 1, T)
-    return (pos >= start) & (pos < end)  # (B|1, 1, T)
+def _in_range(end, start, T: int, device) -> Tensor:
+    """Boolean (B|1, 1, 1, T) mask of positions in [start, end), from ints or tensors."""
+    end = torch.as_tensor(end, device=device).reshape(-1, 1, 1, 1)  # (B|1, 1, 1, 1)
+    start = torch.as_tensor(start, device=device).reshape(-1, 1, 1, 1)
+    pos = torch.arange(T, device=device).view(1, 1, 1, T)
+    return (pos >= start) & (pos < end)  # (B|1, 1, 1, T)
 
 
 def _masked(q, k_cache, v_cache, end, start=0, scale=None):
-    B, Hq, D = q.shape
-    Hkv, T = k_cache.shape[1], k_cache.shape[2]
-    g = Hq // Hkv
-    qg = q.view(B, Hkv, g, D)
-    mask = _bounds(end, start, T, q.device).unsqueeze(1)  # (B|1, 1, 1, T)
-    out = F.scaled_dot_product_attention(
-        qg, k_cache, v_cache, attn_mask=mask, scale=scale, enable_gqa=False
-    )  # (B, Hkv, g, D)
-    return out.reshape(B, Hq, D)
+    """SDPA over all T allocated entries with a length mask (gpt-fast style).
+
+    The G query heads of a KV group ride as G query rows of one SDPA head, so K/V
+    are not repeated. Reads the whole cache whatever `end` is. Needs end > start.
+    """
+    B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
+    qg = q.view(B, Hkv, G, D)  # (B, Hkv, G, D)
+    mask = _in_range(end, start, T, q.device)  # (B|1, 1, 1, T)
+    out = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=scale)
+    return out.reshape(B, Hq, D)  # (B, Hq, D)
+
+
+def _host_bounds(x, B: int) -> list[int]:
+    if isinstance(x, Tensor):
+        vals = x.reshape(-1).tolist()
+        return vals * B if len(vals) == 1 else vals
+    return [int(x)] * B
 
 
 def _fused(q, k_cache, v_cache, end, start=0, scale=None):
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
-    s, e = int(start), int(end)  # host values: this path slices the valid prefix
-    qg = q.view(B, Hkv, Hq // Hkv, D)
-    out = F.scaled_dot_product_attention(qg, k_cache[:, :, s:e], v_cache[:, :, s:e], scale=scale)
-    return out.reshape(B, Hq, D)
+    """Unmasked SDPA over the valid slice [start, end) of each row.
+
+    Slicing needs the bounds as host ints: tensor bounds are read with `.tolist()`,
+    a device sync, so this backend cannot be captured in a CUDA graph with a
+    tensor `end` (the shape of the slice changes every step). Rows with different
+    bounds are attended one at a time. Needs end > start.
+    """
+    B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
+    starts, ends = _host_bounds(start, B), _host_bounds(end, B)
+    qg = q.view(B, Hkv, G, D)  # (B, Hkv, G, D)
+    if len(set(starts)) == 1 and len(set(ends)) == 1:
+        s, e = max(starts[0], 0), min(ends[0], T)
+        out = F.scaled_dot_product_attention(qg, k_cache[:, :, s:e], v_cache[:, :, s:e], scale=scale)
+        return out.reshape(B, Hq, D)
+    rows = [
+        F.scaled_dot_product_attention(
+            qg[b : b + 1], k_cache[b : b + 1, :, max(s, 0) : min(e, T)],
+            v_cache[b : b + 1, :, max(s, 0) : min(e, T)], scale=scale,
+        )
+        for b, (s, e) in enumerate(zip(starts, ends, strict=True))
+    ]
+    return torch.cat(rows).reshape(B, Hq, D)
+
+
+def split_k_lse(q, k_cache, v_cache, end, start=0, scale=None):
+    """Split-K attention over [start, end) and its log-sum-exp.
+
+    Returns (out (B, Hq, D) in q's dtype, lse (B, Hq) float32, natural log of the
+    scaled scores; an empty range gives 0 and -inf). The Triton kernel on CUDA,
+    `split_k_ref` elsewhere. Merge calls over disjoint ranges with `merge_lse`.
+    """
+    if q.is_cuda:
+        return split_k_attention(q, k_cache, v_cache, end, start, scale)
+    return split_k_ref(q, k_cache, v_cache, end, start, scale)
 
 
 def _split_k(q, k_cache, v_cache, end, start=0, scale=None):
     return split_k_lse(q, k_cache, v_cache, end, start, scale)[0]
-
-
-def split_k_lse(q, k_cache, v_cache, end, start=0, scale=None):
-    """Attention over [start, end) and its log-sum-exp (B, Hq), float32."""
-    B, Hq, D = q.shape
-    Hkv, T = k_cache.shape[1], k_cache.shape[2]
-    g = Hq // Hkv
-    scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    qg = q.view(B, Hkv, g, D).float()
-    s = torch.einsum("bhgd,bhtd->bhgt", qg, k_cache.float()) * scale  # (B, Hkv, g, T)
-    mask = _bounds(end, start, T, q.device).unsqueeze(1)
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, g)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-    out = torch.einsum("bhgt,bhtd->bhgd", p, v_cache.float())
-    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 
 BACKENDS = {"split_k": _split_k, "sdpa_masked": _masked, "sdpa_fused": _fused}
@@ -96,5 +125,6 @@ def decode_attention(q, k_cache, v_cache, end, *, start=0, backend="split_k", sc
     """Attention of one query per sequence over cache entries [start, end).
 
     q: (B, Hq, D); k_cache, v_cache: (B, Hkv, T, D). Returns (B, Hq, D) in q's dtype.
+    `scale` defaults to 1/sqrt(D).
     """
     return get_backend(backend)(q, k_cache, v_cache, end, start, scale)

@@ -1,0 +1,435 @@
+"""Split-K (flash-decoding) attention for one decode query per sequence (ByteCross §4.1, §4.4, App. A).
+
+At batch 1 a decode step has one query per head, so a kernel that gives each
+(sequence, head) one program leaves most SMs idle while it streams a long
+cache. Split-K cuts the read range [start, end) of every (sequence, KV head)
+into NUM_SPLITS chunks handled by separate programs; each program returns a
+normalised partial output and the log-sum-exp (LSE) of its scores, and a small
+merge kernel combines the splits by LSE. The paper reads every mode's cache
+through such a kernel (flash_attn_with_kvcache wrapped as an opaque custom
+operator, App. A): §4.4 shows that a masked or fused dense baseline inflates
+the apparent KV speedup about fivefold at 128K.
+
+Design points:
+- One program handles all G query heads of a GQA group against its KV chunk,
+  so each K/V byte crosses the memory bus once (heads g*G..(g+1)*G-1 share KV
+  head g, Hugging Face's repeat_kv order).
+- NUM_SPLITS is static (T_alloc, batch*heads, SM count), so the launch grid
+  never depends on the runtime length and the call can be captured in a CUDA
+  graph. The chunk length is derived on the device from the runtime length,
+  chunk = BLOCK_N * ceil(ceil(len / NUM_SPLITS) / BLOCK_N), so every active
+  program gets an equal share however short the valid range is within a large
+  allocation. Programs past the last active chunk exit at once and the merge
+  reads only the active splits (an empty split is an LSE of -inf).
+- `start` lets a window read its recent entries in place from an offset and its
+  sinks in a second call, the two merged by `merge_lse` (App. A) with no copy.
+- An empty range gives output 0 and LSE -inf, never NaN.
+
+`split_k_ref` is the same chunking and merge in plain PyTorch: the CPU path of
+the engine and the oracle of the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from sparsedecode.errors import InputError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+BLOCK_N = 64  # keys per inner iteration: 16 KB of K and of V per tile at D=128 in bf16
+MAX_SPLITS = 128  # the merge holds all split LSEs of a head in one vector
+# Target programs per SM at full length. The default tile config uses ~70 KB of shared
+# memory, so three programs are resident per SM (228 KB); 6 per SM is two full waves,
+# e.g. 99 splits x 8 KV heads = 792 programs on an H200's 132 SMs at 128K.
+PROGRAMS_PER_SM = 6
+CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int, int, int]:
+    """Validate decode-attention operands; returns (B, Hq, Hkv, G, T, D)."""
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise InputError(
+            f"decode attention wants q (B, Hq, D) and caches (B, Hkv, T, D); "
+            f"got q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}"
+        )
+    if k_cache.shape != v_cache.shape:
+        raise InputError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    B, Hq, D = q.shape
+    Bk, Hkv, T, Dk = k_cache.shape
+    if Bk != B or Dk != D:
+        raise InputError(
+            f"q {tuple(q.shape)} does not match caches {tuple(k_cache.shape)} in batch or head dim"
+        )
+    if Hkv == 0 or Hq % Hkv:
+        raise InputError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in DTYPES:
+        raise InputError(
+            f"decode attention runs in float16, bfloat16 or float32 with one dtype for q, k, v; "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if not (q.device == k_cache.device == v_cache.device):
+        raise InputError(f"q, k_cache, v_cache live on {q.device}, {k_cache.device}, {v_cache.device}")
+    return B, Hq, Hkv, Hq // Hkv, T, D
+
+
+def _chunk_len(length, num_splits: int, block_n: int):
+    """Keys per split for a valid length (int or tensor): BLOCK_N-aligned equal shares, 0 if empty."""
+    per = (length + num_splits - 1) // num_splits
+    return (per + block_n - 1) // block_n * block_n
+
+
+def default_num_splits(T: int, batch_heads: int, device: torch.device, block_n: int = BLOCK_N) -> int:
+    """Static split count: enough programs to fill the GPU a few times over at full length.
+
+    Depends only on the allocation T, batch*KV heads and the SM count, never on the
+    runtime length, so the grid of a captured call is fixed.
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = PROGRAMS_PER_SM * _sm_count(index)
+        splits = -(-target // batch_heads)
+    else:
+        splits = CPU_SPLITS
+    return max(1, min(splits, -(-T // block_n), MAX_SPLITS))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _bound(x, B: int, device: torch.device, name: str, dtype: torch.dtype | None = torch.int64) -> Tensor:
+    """An int or 0-d/(1,)/(B,) integer tensor as a (B|1,) tensor on `device` (no host sync).
+
+    dtype=None keeps a tensor's integer dtype (the kernel loads any), saving a cast kernel.
+    """
+    if isinstance(x, Tensor):
+        integer = not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+        if not integer or x.numel() not in (1, B):
+            raise InputError(
+                f"{name} must be an int or an integer tensor of 1 or B={B} elements; "
+                f"got {x.dtype} {tuple(x.shape)}"
+            )
+        return x.reshape(-1).to(device=device, dtype=dtype or x.dtype)
+    return torch.tensor([int(x)], device=device, dtype=dtype or torch.int64)
+
+
+def _merge(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge normalised partials o (..., S, D) with their LSEs (..., S) along S.
+
+    Returns (..., D) float32 and (...,) float32; all -inf gives 0 and -inf, never NaN.
+    """
+    m = lse.amax(-1, keepdim=True)  # (..., 1)
+    m = m.masked_fill(torch.isinf(m), 0.0)
+    w = torch.exp(lse - m)  # (..., S), 0 for empty splits
+    total = w.sum(-1, keepdim=True)  # (..., 1), >= 1 unless every split is empty
+    out = torch.matmul(w.unsqueeze(-2), o).squeeze(-2) / total.clamp_min(1.0)  # (..., D)
+    return out, (m + torch.log(total)).squeeze(-1)  # log(0) = -inf for an empty range
+
+
+def merge_lse(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Combine attention over disjoint ranges into attention over their union (App. A).
+
+    outs: list of (B, Hq, D) outputs, lses: list of (B, Hq) float32 natural-log LSEs of
+    the scaled scores. Returns ((B, Hq, D) in the dtype of outs[0], (B, Hq) float32).
+    A range that was empty (lse -inf) contributes nothing.
+    """
+    if len(outs) != len(lses) or not outs:
+        raise InputError("merge_lse needs one lse per output and at least one output")
+    o = torch.stack([x.float() for x in outs], dim=-2)  # (B, Hq, n, D)
+    lse = torch.stack([x.float() for x in lses], dim=-1)  # (B, Hq, n)
+    out, lse_out = _merge(o, lse)
+    return out.to(outs[0].dtype), lse_out
+
+
+def split_k_ref(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, end, start=0, scale: float | None = None,
+    num_splits: int | None = None, block_n: int = BLOCK_N,
+) -> tuple[Tensor, Tensor]:
+    """Split-K attention in plain PyTorch: the kernel's chunking and LSE merge, in float32.
+
+    q (B, Hq, D); caches (B, Hkv, T, D); reads [start, end) per row, bounds being ints
+    or 0-d/(B,) integer tensors (clamped to [0, T]; no host sync). Returns
+    (out (B, Hq, D) in q's dtype, lse (B, Hq) float32, natural log of the scaled scores).
+    """
+    B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
+    S = num_splits or default_num_splits(T, B * Hkv, q.device, block_n)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    dev = q.device
+    lo = _bound(start, B, dev, "start").clamp(0, T).view(-1, 1, 1)  # (B|1, 1, 1)
+    hi = _bound(end, B, dev, "end").clamp(0, T).view(-1, 1, 1)
+    pos = torch.arange(T, device=dev).view(1, 1, T)
+    if S == 1:
+        member = (pos >= lo) & (pos < hi)  # (B|1, 1, T): one split covers the range
+    else:
+        chunk = _chunk_len((hi - lo).clamp_min(0), S, block_n)  # (B|1, 1, 1), as the kernel derives it
+        first = lo + torch.arange(S, device=dev).view(1, S, 1) * chunk  # (B|1, S, 1)
+        member = (pos >= first) & (pos < torch.minimum(first + chunk, hi))  # (B|1, S, T)
+
+    qg = q.view(B, Hkv, G, D).float()
+    scores = torch.matmul(qg, k_cache.float().transpose(-1, -2)) * scale  # (B, Hkv, G, T)
+    sc = scores.unsqueeze(3).masked_fill(~member.view(-1, 1, 1, S, T), -math.inf)  # (B, Hkv, G, S, T)
+    m = sc.amax(-1, keepdim=True)  # (B, Hkv, G, S, 1), -inf for empty splits
+    e = torch.exp(sc - m.masked_fill(torch.isinf(m), 0.0))  # 0 off the split
+    l_sum = e.sum(-1, keepdim=True)  # (B, Hkv, G, S, 1), >= 1 unless the split is empty
+    lse_s = (m + torch.log(l_sum)).squeeze(-1)  # (B, Hkv, G, S)
+    p = (e / l_sum.clamp_min(1.0)).view(B, Hkv, G * S, T)
+    o_s = torch.matmul(p, v_cache.float()).view(B, Hkv, G, S, D)  # normalised partial outputs
+    if S == 1:
+        out, lse = o_s[..., 0, :], lse_s[..., 0]  # merging one split is the identity
+    else:
+        out, lse = _merge(o_s, lse_s)  # (B, Hkv, G, D), (B, Hkv, G)
+    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["start_int", "end_int"])
+    def _split_kernel(
+        Q, K, V, O_part, L_part, Start, End,
+        start_int, end_int, T, qk_scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_start, stride_end,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        # Scores use tl.dot with the G query heads padded to BLOCK_G >= 16 rows. The
+        # alternative, a broadcast multiply + sum, materialises G*BLOCK_N*D products in
+        # registers and forces tiny tiles or spills; the tensor-core dot wastes only
+        # arithmetic on the padding rows, and the tensor cores idle in memory-bound
+        # decode anyway, so the loads (16-byte vectors along D) set the pace.
+        pid_bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid_bh // HKV
+        h = pid_bh % HKV
+        if START_T:
+            lo_all = tl.load(Start + b * stride_start).to(tl.int32)
+        else:
+            lo_all = start_int
+        if END_T:
+            hi_all = tl.load(End + b * stride_end).to(tl.int32)
+        else:
+            hi_all = end_int
+        lo_all = tl.maximum(lo_all, 0)
+        hi_all = tl.minimum(hi_all, T)
+        length = tl.maximum(hi_all - lo_all, 0)
+        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo_all + split * chunk
+        hi = tl.minimum(lo + chunk, hi_all)
+        if lo < hi:
+            offs_g = tl.arange(0, BLOCK_G)
+            offs_n = tl.arange(0, BLOCK_N)
+            offs_d = tl.arange(0, BLOCK_D)
+            heads = h * G + offs_g  # (BLOCK_G,)
+            mask_g = offs_g < G
+            mask_d = offs_d < D
+            b64 = b.to(tl.int64)
+            q = tl.load(
+                Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0,
+            )  # (BLOCK_G, BLOCK_D)
+            if DOT_F32:
+                q = q.to(tl.float32)
+            k_base = K + b64 * stride_kb + h.to(tl.int64) * stride_kh
+            v_base = V + b64 * stride_vb + h.to(tl.int64) * stride_vh
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_sum = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            for t0 in range(lo, hi, BLOCK_N):
+                t = t0 + offs_n  # (BLOCK_N,)
+                mask_n = t < hi
+                mask_kv = mask_n[:, None] & mask_d[None, :]
+                k = tl.load(k_base + t[:, None] * stride_kt + offs_d[None, :], mask=mask_kv, other=0.0)
+                if DOT_F32:
+                    k = k.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+                s = tl.where(mask_n[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, 1)
+                v = tl.load(v_base + t[:, None] * stride_vt + offs_d[None, :], mask=mask_kv, other=0.0)
+                p_v = p.to(v.dtype)
+                if DOT_F32:
+                    p_v = p_v.to(tl.float32)
+                    v = v.to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PRECISION)
+                m = m_new
+            lse = (m + tl.log2(l_sum)) * 0.6931471805599453  # natural log
+            row = (b64 * HKV * G + heads) * NUM_SPLITS + split  # (BLOCK_G,)
+            tl.store(O_part + row[:, None] * D + offs_d[None, :], acc / l_sum[:, None],
+                     mask=mask_g[:, None] & mask_d[None, :])
+            tl.store(L_part + row, lse, mask=mask_g)
+
+    @triton.jit(do_not_specialize=["start_int", "end_int"])
+    def _merge_kernel(
+        O_part, L_part, Out, Lse, Start, End,
+        start_int, end_int, T, stride_ob, stride_oh,
+        stride_start, stride_end,
+        HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        TILE_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        START_T: tl.constexpr, END_T: tl.constexpr,
+    ):
+        pid = tl.program_id(0)  # b * HQ + query head
+        b = pid // HQ
+        hq = pid % HQ
+        if START_T:
+            lo_all = tl.load(Start + b * stride_start).to(tl.int32)
+        else:
+            lo_all = start_int
+        if END_T:
+            hi_all = tl.load(End + b * stride_end).to(tl.int32)
+        else:
+            hi_all = end_int
+        length = tl.maximum(tl.minimum(hi_all, T) - tl.maximum(lo_all, 0), 0)
+        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        n_active = tl.cdiv(length, tl.maximum(chunk, 1))  # splits past it never wrote
+        base = pid.to(tl.int64) * NUM_SPLITS
+        offs_s = tl.arange(0, BLOCK_S)
+        lse_s = tl.load(L_part + base + offs_s, mask=offs_s < n_active, other=float("-inf"))
+        m = tl.max(lse_s, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.exp(lse_s - m), 0)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, n_active, TILE_S):
+            offs = s0 + tl.arange(0, TILE_S)
+            mask_t = offs < n_active
+            w = tl.exp(tl.load(L_part + base + offs, mask=mask_t, other=float("-inf")) - m)  # (TILE_S,)
+            o = tl.load(O_part + (base + offs)[:, None] * D + offs_d[None, :],
+                        mask=mask_t[:, None] & mask_d[None, :], other=0.0)  # (TILE_S, BLOCK_D)
+            acc += tl.sum(w[:, None] * o, 0)
+        out = acc / tl.where(total > 0, total, 1.0)
+        lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        out_ptrs = Out + b.to(tl.int64) * stride_ob + hq * stride_oh + offs_d
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask_d)
+        tl.store(Lse + pid, lse)
+
+
+def _kernel_config(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel.
+
+    64 keys x D per tile; with 3 stages Triton keeps two K and V tiles in flight
+    (2 x 32 KB at D=128 in bf16, ~70 KB of shared memory with its scratch, per an sm_90
+    compile), so three programs are resident per Hopper SM with ~190 KB of loads
+    in flight, far above what 4.8 TB/s at ~1 us latency needs per SM (~36 KB).
+    """
+    if D > 128 or dtype == torch.float32:
+        return 32, 4, 2
+    return BLOCK_N, 4, 3
+
+
+@torch.library.custom_op("sparsedecode::split_k_decode", mutates_args=())
+def _split_k_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, start_t: Tensor | None, end_t: Tensor | None,
+    start_int: int, end_int: int, scale: float, num_splits: int,
+    block_n: int, num_warps: int, num_stages: int,
+) -> tuple[Tensor, Tensor]:
+    # Opaque to torch.compile (as the paper wraps flash_attn_with_kvcache, App. A): the
+    # host-side choices below (split count from the SM count, tile config; 0 = default)
+    # run eagerly at trace and capture time and are static for a given shape.
+    B, Hq, D = q.shape
+    Hkv, T = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    if not block_n:
+        block_n, num_warps, num_stages = _kernel_config(D, q.dtype)
+    num_splits = num_splits or default_num_splits(T, B * Hkv, q.device, block_n)
+    o_part = torch.empty((B, Hq, num_splits, D), device=q.device, dtype=torch.float32)
+    l_part = torch.empty((B, Hq, num_splits), device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32)
+    block_d = max(16, triton.next_power_of_2(D))
+    bounds = (
+        start_t if start_t is not None else l_part,
+        end_t if end_t is not None else l_part,
+        start_int, end_int, T,
+    )
+    strides = (
+        0 if start_t is None or start_t.numel() == 1 else start_t.stride(0),
+        0 if end_t is None or end_t.numel() == 1 else end_t.stride(0),
+    )
+    flags = dict(START_T=start_t is not None, END_T=end_t is not None)
+    _split_kernel[(B * Hkv, num_splits)](
+        q, k_cache, v_cache, o_part, l_part, *bounds, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *strides,
+        HKV=Hkv, G=G, D=D, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(G)),
+        BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
+        num_warps=num_warps, num_stages=num_stages, **flags,
+    )
+    _merge_kernel[(B * Hq,)](
+        o_part, l_part, out, lse, *bounds, out.stride(0), out.stride(1), *strides,
+        HQ=Hq, D=D, NUM_SPLITS=num_splits, BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
+        TILE_S=16, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **flags,
+    )
+    return out, lse
+
+
+@_split_k_op.register_fake
+def _(q, k_cache, v_cache, start_t, end_t, start_int, end_int, scale, num_splits, *config):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def split_k_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, end, start=0, scale: float | None = None,
+    num_splits: int | None = None, config: tuple[int, int, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Split-K decode attention with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    q (B, Hq, D); k_cache, v_cache (B, Hkv, T, D) with unit stride along D; reads
+    [start, end) of each row, where bounds are ints or 0-d/(1,)/(B,) integer tensors on
+    q's device (clamped to [0, T] on the device: no host sync, so the call can be
+    captured). Returns (out (B, Hq, D) in q's dtype, lse (B, Hq) float32, natural log
+    of the scaled scores; an empty range gives 0 and -inf). `num_splits` and `config`
+    (BLOCK_N, num_warps, num_stages) override the static defaults, for tuning. Python-int
+    bounds are baked into a captured graph; pass tensors for bounds that move.
+    """
+    if triton is None:
+        raise InputError("the split_k kernel needs Triton: pip install triton (or use split_k_ref on CPU)")
+    B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
+    if D > MAX_HEAD_DIM or D < 8:
+        raise InputError(f"head dim {D} is not supported by the split_k kernel (8..{MAX_HEAD_DIM})")
+    if not (q.is_cuda or _interpreting()):
+        raise InputError(
+            "the split_k Triton kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1); use split_k_ref"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise InputError(
+            "k_cache and v_cache need unit stride along the head dim (a copy would cost a cache read)"
+        )
+    if (T - 1) * max(k_cache.stride(2), v_cache.stride(2)) + D >= 2**31:
+        raise InputError(f"a KV head slab of {T} entries exceeds the kernel's 32-bit in-head offsets")
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise InputError(f"num_splits must be in 1..{MAX_SPLITS}; got {num_splits}")
+    block_n, num_warps, num_stages = config or (0, 0, 0)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    bounds = []
+    for x, name in ((start, "start"), (end, "end")):
+        if isinstance(x, Tensor):
+            bounds.append((_bound(x, B, q.device, name, dtype=None), 0))
+        else:
+            bounds.append((None, int(x)))
+    (start_t, start_int), (end_t, end_int) = bounds
+    return _split_k_op(q, k_cache, v_cache, start_t, end_t, start_int, end_int, float(scale),
+                       num_splits or 0, block_n, num_warps, num_stages)

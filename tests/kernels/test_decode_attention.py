@@ -1,0 +1,313 @@
+"""Decode-attention backends against a float64 reference (issue 3, acceptance item 2).
+
+Tolerances are set against the error of a same-precision PyTorch reference
+(plain softmax attention computed in the test dtype): a backend may be off by at
+most twice that error plus a small floor. The Triton kernel runs on CPU under
+TRITON_INTERPRET=1 in a subprocess (the interpreter is chosen when @triton.jit
+runs, at import), and on CUDA when there is one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsedecode.engine.attention import BACKENDS, decode_attention, get_backend, split_k_lse
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.decode_attention import merge_lse, split_k_attention, split_k_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+
+
+def make(B, Hkv, G, T, D, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, D, generator=gen)  # (B, Hq, D)
+    k = torch.randn(B, Hkv, T, D, generator=gen)  # (B, Hkv, T, D)
+    v = torch.randn(B, Hkv, T, D, generator=gen)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
+def attend(q, k, v, start, end, dtype=torch.float64):
+    """Plain softmax attention over [start[b], end[b]) in `dtype`: (out (B, Hq, D), lse (B, Hq))."""
+    B, Hq, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    qg = q.to(dtype).view(B, Hkv, Hq // Hkv, D)  # (B, Hkv, G, D)
+    s = torch.matmul(qg, k.to(dtype).transpose(-1, -2)) / math.sqrt(D)  # (B, Hkv, G, T)
+    pos = torch.arange(T, device=q.device)
+    lo = torch.as_tensor(start, device=q.device).reshape(-1, 1, 1, 1)
+    hi = torch.as_tensor(end, device=q.device).reshape(-1, 1, 1, 1)
+    s = s.masked_fill(~((pos >= lo) & (pos < hi)), -math.inf)
+    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)  # (B, Hkv, G)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = torch.matmul(p, v.to(dtype))  # (B, Hkv, G, D)
+    return out.reshape(B, Hq, D), lse.reshape(B, Hq)
+
+
+def mismatch(got, want, tol, what) -> str | None:
+    """None when |got - want| <= tol everywhere, else a message with count, worst index and values."""
+    got, want = got.double().cpu(), want.double().cpu()
+    both_inf = torch.isinf(got) & torch.isinf(want) & (torch.sign(got) == torch.sign(want))
+    err = (got - want).abs().masked_fill(both_inf, 0.0).nan_to_num(math.inf)
+    bad = err > tol
+    if not bad.any():
+        return None
+    worst = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    first = [tuple(int(j) for j in i) for i in bad.nonzero()[:5]]
+    return (
+        f"{what}: {int(bad.sum())} of {err.numel()} elements off by more than {tol:.3g} "
+        f"(max {err.max().item():.3g} at {worst}: got {got[worst].item():.6g}, want "
+        f"{want[worst].item():.6g}); first off at {first}"
+    )
+
+
+def out_tol(q, k, v, start, end, ref64):
+    """Twice the error of a same-precision PyTorch reference, plus a floor."""
+    same = attend(q, k, v, start, end, dtype=q.dtype)[0]
+    return 2 * (same.double() - ref64).abs().max().item() + FLOOR[q.dtype]
+
+
+def lse_tol(ref_lse):
+    return 1e-5 * (1 + ref_lse.abs().max().item())
+
+
+def check(got_out, got_lse, q, k, v, start, end, what):
+    """Failure messages (possibly none) of one call against float64."""
+    ref_out, ref_lse = attend(q, k, v, start, end)
+    msgs = [mismatch(got_out, ref_out, out_tol(q, k, v, start, end, ref_out), f"{what} out")]
+    if got_lse is not None:
+        msgs.append(mismatch(got_lse, ref_lse, lse_tol(ref_lse), f"{what} lse"))
+    return [m for m in msgs if m]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("G", [1, 3, 7])
+@pytest.mark.parametrize("length", [1, 7, 1000, 4097])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_backends_agree_with_float64(backend, length, G, dtype):
+    D = 80 if G == 3 else 64  # one odd head dim
+    B, Hkv = 2, 2
+    q, k, v = make(B, Hkv, G, length + 3, D, dtype, seed=length * 10 + G)
+    end = torch.tensor([length, max(1, length // 2)])  # rows of different lengths, slack past end
+    out = decode_attention(q, k, v, end, backend=backend)
+    assert out.shape == q.shape and out.dtype == dtype
+    msgs = check(out, None, q, k, v, 0, end, f"{backend} len={length} G={G} {dtype}")
+    assert not msgs, "\n".join(msgs)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_start_offsets(backend, dtype):
+    q, k, v = make(2, 2, 3, 1200, 64, dtype, seed=3)
+    start, end = torch.tensor([5, 900]), torch.tensor([1100, 1200])
+    out = decode_attention(q, k, v, end, start=start, backend=backend)
+    msgs = check(out, None, q, k, v, start, end, f"{backend} start offsets {dtype}")
+    assert not msgs, "\n".join(msgs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_ref_lse_and_splits(num_splits, dtype):
+    q, k, v = make(2, 2, 7, 1030, 96, dtype, seed=num_splits)
+    start, end = torch.tensor([0, 17]), torch.tensor([1030, 999])
+    out, lse = split_k_ref(q, k, v, end, start, num_splits=num_splits)
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    msgs = check(out, lse, q, k, v, start, end, f"split_k_ref S={num_splits} {dtype}")
+    assert not msgs, "\n".join(msgs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_of_disjoint_ranges_equals_union(dtype):
+    """A window reads sinks [0, 4) and recent entries [600, 1000) in place; merged (App. A)."""
+    q, k, v = make(1, 2, 4, 1024, 64, dtype, seed=7)
+    sinks = split_k_lse(q, k, v, 4)
+    recent = split_k_lse(q, k, v, torch.tensor(1000), torch.tensor(600))
+    out, lse = merge_lse([sinks[0], recent[0]], [sinks[1], recent[1]])
+    assert out.dtype == dtype
+    lo, hi = 0, 1000
+    ref_out, ref_lse = attend(q, k, v, lo, hi)
+    pos = torch.arange(1024)
+    keep = (pos < 4) | ((pos >= 600) & (pos < 1000))
+    want_out, want_lse = attend(q, k[:, :, keep], v[:, :, keep], 0, int(keep.sum()))
+    tol = 2 * out_tol(q, k[:, :, keep], v[:, :, keep], 0, int(keep.sum()), want_out)
+    msgs = [
+        mismatch(out, want_out, tol, "merged out"),
+        mismatch(lse, want_lse, lse_tol(want_lse), "merged lse"),
+    ]
+    one_out, one_lse = split_k_lse(q, k, v, hi, lo)
+    halves = [split_k_lse(q, k, v, 300, 0), split_k_lse(q, k, v, 1000, 300)]
+    two_out, two_lse = merge_lse([h[0] for h in halves], [h[1] for h in halves])
+    msgs += [
+        mismatch(two_lse, one_lse, lse_tol(ref_lse), "[0,300)+[300,1000) lse vs one call"),
+        mismatch(two_out, ref_out, 2 * out_tol(q, k, v, lo, hi, ref_out), "[0,300)+[300,1000) out"),
+    ]
+    msgs = [m for m in msgs if m]
+    assert not msgs, "\n".join(msgs)
+
+
+def test_empty_range_gives_zero_and_minus_inf():
+    q, k, v = make(2, 1, 2, 50, 64, torch.float32)
+    out, lse = split_k_ref(q, k, v, torch.tensor([5, 0]), torch.tensor([5, 0]), num_splits=4)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    merged, mlse = merge_lse([out, out], [lse, lse])
+    assert not merged.isnan().any() and torch.all(merged == 0) and torch.all(torch.isneginf(mlse))
+    live, live_lse = split_k_ref(q, k, v, 20)
+    m2, l2 = merge_lse([out, live], [lse, live_lse])
+    assert torch.equal(m2, live) and torch.equal(l2, live_lse)
+
+
+def test_bad_input_raises_clear_errors():
+    q, k, v = make(1, 2, 2, 16, 64, torch.float32)
+    with pytest.raises(InputError, match="unknown attention backend"):
+        get_backend("flash")
+    with pytest.raises(InputError, match="float16, bfloat16 or float32"):
+        decode_attention(q.double(), k.double(), v.double(), 4)
+    with pytest.raises(InputError, match="not a multiple"):
+        decode_attention(q[:, :3], k, v, 4)
+    with pytest.raises(InputError, match="differ"):
+        decode_attention(q, k, v[:, :, :8], 4)
+    with pytest.raises(InputError, match="integer tensor"):
+        decode_attention(q, k, v, torch.tensor([4.0]))
+    with pytest.raises(InputError, match="head dim 300"):
+        split_k_attention(*make(1, 1, 1, 16, 300, torch.float16), 4)
+
+
+# ---- the Triton kernel under TRITON_INTERPRET=1 (subprocess) -------------------------------
+
+
+def _interpreter_worker() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1: kernel vs float64 and vs split_k_ref."""
+    torch.manual_seed(0)
+    fails, n = [], 0
+    cases = [  # (B, Hkv, G, T, D, start, end, num_splits)
+        (2, 2, 1, 70, 64, 0, [1, 70], 4),
+        (2, 1, 3, 200, 80, [3, 0], [150, 7], 3),
+        (1, 2, 7, 300, 32, 10, 300, None),
+        (1, 1, 4, 130, 128, torch.tensor(2), torch.tensor(129), 8),
+        (2, 1, 2, 64, 64, [5, 0], [5, 0], 4),  # empty ranges: 0 and -inf
+    ]
+    for dtype in DTYPES:
+        for B, Hkv, G, T, D, start, end, S in cases:
+            q, k, v = make(B, Hkv, G, T, D, dtype, seed=T + G)
+            st = torch.tensor(start) if isinstance(start, list) else start
+            en = torch.tensor(end) if isinstance(end, list) else end
+            out, lse = split_k_attention(q, k, v, en, st, num_splits=S)
+            what = f"kernel {dtype} B={B} Hkv={Hkv} G={G} T={T} D={D} [{start},{end}) S={S}"
+            if out.isnan().any() or lse.isnan().any():
+                fails.append(f"{what}: NaN")
+            if torch.as_tensor(end).max() == torch.as_tensor(start).min():
+                ok = bool(torch.all(out == 0) and torch.all(torch.isneginf(lse)))
+                fails += [] if ok else [f"{what}: empty range must give 0 and -inf"]
+            else:
+                fails += check(out, lse, q, k, v, st, en, what)
+                r_out, r_lse = split_k_ref(q, k, v, en, st, num_splits=S)
+                fails += [m for m in [mismatch(lse, r_lse, 1e-5, what + " lse vs split_k_ref")] if m]
+            n += 1
+    q, k, v = make(1, 2, 4, 256, 64, torch.float16, seed=1)
+    a, b = split_k_attention(q, k, v, 4), split_k_attention(q, k, v, 256, 100)
+    out, lse = merge_lse([a[0], b[0]], [a[1], b[1]])
+    keep = (torch.arange(256) < 4) | (torch.arange(256) >= 100)
+    fails += check(out, lse, q, k[:, :, keep], v[:, :, keep], 0, int(keep.sum()), "kernel merge_lse")
+    traced = torch.compile(
+        lambda q, k, v, e: split_k_attention(q, k, v, e, num_splits=4), backend="aot_eager", fullgraph=True
+    )
+    end = torch.tensor([200])
+    out, lse = traced(q, k, v, end)  # the custom op traces without a graph break
+    fails += check(out, lse, q, k, v, 0, end, "kernel under torch.compile(fullgraph=True)")
+    print(json.dumps({"cases": n + 2, "fails": fails}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernel_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_decode_attention as t; "
+    code += "t._interpreter_worker()"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["cases"] >= 16 and not report["fails"], "\n".join(report["fails"])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 80), (torch.float32, 64)])
+def test_kernel_compiles_for_hopper(dtype, D):
+    """Compile (no GPU needed) for sm_90: catches what the interpreter lets through."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"triton's compiler API is not available: {e}")
+    from sparsedecode.kernels import decode_attention as da
+
+    ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    block_n, num_warps, num_stages = da._kernel_config(D, dtype)
+    kernels = [
+        (da._split_kernel, dict(HKV=8, G=4, D=D, NUM_SPLITS=66, BLOCK_G=16, BLOCK_N=block_n,
+                                BLOCK_D=triton.next_power_of_2(D), START_T=False, END_T=True,
+                                PRECISION="ieee" if dtype == torch.float32 else "tf32", DOT_F32=False),
+         dict(Q=ty, K=ty, V=ty, Start="*i64", End="*i64", qk_scale="fp32"), num_stages),
+        (da._merge_kernel, dict(HQ=32, D=D, NUM_SPLITS=66, BLOCK_S=128, TILE_S=16, BLOCK_N=block_n,
+                                BLOCK_D=triton.next_power_of_2(D), START_T=False, END_T=True),
+         dict(Out=ty, Start="*i64", End="*i64"), 1),
+    ]
+    for fn, consts, types, stages in kernels:
+        names = fn.arg_names
+        pointers = {"O_part", "L_part", "Lse"}
+        sig = {n: types.get(n, "*fp32" if n in pointers else "i32") for n in names}
+        sig.update({n: "constexpr" for n in consts})
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()})
+        try:
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=num_warps, num_stages=stages))
+        except (RuntimeError, FileNotFoundError) as e:
+            if "ptxas" in str(e).lower():
+                pytest.skip(f"no ptxas for sm_90: {e}")
+            raise
+        assert compiled.metadata.shared <= 228 * 1024 // 2, "two programs must fit in an H100/H200 SM"
+
+
+# ---- CUDA -----------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 80), (4, 128), (7, 128)])
+@pytest.mark.parametrize("length", [1, 7, 1000, 4097])
+def test_kernel_on_cuda(length, G, D, dtype):
+    q, k, v = make(2, 2, G, length + 40, D, dtype, device="cuda", seed=length + G)
+    start, end = torch.tensor([0, length // 3], device="cuda"), torch.tensor([length, length], device="cuda")
+    out, lse = split_k_attention(q, k, v, end, start)
+    msgs = check(out, lse, q, k, v, start, end, f"cuda kernel len={length} G={G} D={D} {dtype}")
+    assert not msgs, "\n".join(msgs)
+
+
+@gpu
+def test_kernel_in_cuda_graph_and_compile():
+    q, k, v = make(1, 8, 4, 5000, 128, torch.bfloat16, device="cuda")
+    end = torch.tensor([100], device="cuda")
+    attn = torch.compile(lambda q, k, v, e: decode_attention(q, k, v, e), fullgraph=True)
+    for fn in (lambda: decode_attention(q, k, v, end), lambda: attn(q, k, v, end)):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        for n in (100, 4097, 5000, 1):
+            end.fill_(n)
+            graph.replay()
+            torch.cuda.synchronize()
+            msgs = check(out, None, q, k, v, 0, end, f"graph replay end={n}")
+            assert not msgs, "\n".join(msgs)
