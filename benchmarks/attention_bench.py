@@ -111,6 +111,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--check", action="store_true", help="assert correctness against split_k_ref first")
     ap.add_argument("--sweep", action="store_true", help="also time split_k kernel configs and split counts")
+    ap.add_argument("--sweep-splits", default="", help="split counts for --sweep, e.g. 16,33,49 "
+                    "(default: half, equal and twice the default count)")
+    ap.add_argument("--sweep-configs", default="", help="BLOCK_N:warps:stages list for --sweep, "
+                    "e.g. 64:4:3,128:4:3 (default: a built-in list)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -130,8 +134,11 @@ def main() -> None:
         variants = [(name, None, None) for name in args.backends]
         if args.sweep:
             base = default_num_splits(T, HKV, dev)
-            variants += [("split_k", cfg, s) for cfg in SWEEP_CONFIGS
-                         for s in (base // 2 or 1, base, min(2 * base, 128))]
+            splits_list = ([int(x) for x in args.sweep_splits.split(",")] if args.sweep_splits
+                           else (base // 2 or 1, base, min(2 * base, 128)))
+            configs = ([tuple(int(v) for v in c.split(":")) for c in args.sweep_configs.split(",")]
+                       if args.sweep_configs else SWEEP_CONFIGS)
+            variants += [("split_k", cfg, s) for cfg in configs for s in splits_list]
         nbytes = 2 * HKV * D * n * 2
         for name, cfg, splits in variants:
             try:

@@ -41,8 +41,11 @@ __all__ = ["BACKENDS", "decode_attention", "get_backend", "merge_lse", "split_k_
 
 def _in_range(end, start, T: int, device) -> Tensor:
     """Boolean (B|1, 1, 1, T) mask of positions in [start, end), from ints or tensors."""
-    end = torch.as_tensor(end, device=device).reshape(-1, 1, 1, 1)  # (B|1, 1, 1, 1)
-    start = torch.as_tensor(start, device=device).reshape(-1, 1, 1, 1)
+    # Python ints stay ints: a host->device copy is illegal inside graph capture.
+    if isinstance(end, Tensor):
+        end = end.to(device).reshape(-1, 1, 1, 1)  # (B|1, 1, 1, 1)
+    if isinstance(start, Tensor):
+        start = start.to(device).reshape(-1, 1, 1, 1)
     pos = torch.arange(T, device=device).view(1, 1, 1, T)
     return (pos >= start) & (pos < end)  # (B|1, 1, 1, T)
 

@@ -48,10 +48,12 @@ except ImportError:
 
 BLOCK_N = 64  # keys per inner iteration: 16 KB of K and of V per tile at D=128 in bf16
 MAX_SPLITS = 128  # the merge holds all split LSEs of a head in one vector
-# Target programs per SM at full length. The default tile config uses ~70 KB of shared
-# memory, so three programs are resident per SM (228 KB); 6 per SM is two full waves,
-# e.g. 99 splits x 8 KV heads = 792 programs on an H200's 132 SMs at 128K.
-PROGRAMS_PER_SM = 6
+# Target programs per SM at full length. Measured on an H200 (benchmarks/attention_bench.py
+# --sweep, Llama-3.1-8B layer shape, bf16): 2 per SM, i.e. 33 splits x 8 KV heads = 264
+# programs on 132 SMs, read a 128K cache at 4.15 TB/s against 3.82 TB/s for 6 per SM (99
+# splits) and 4.11 TB/s for 3 per SM; one even wave with long chunks beats more, shorter
+# ones whose tail and merge cost more than the extra loads in flight gain.
+PROGRAMS_PER_SM = 2
 CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
