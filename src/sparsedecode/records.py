@@ -23,7 +23,13 @@ SCHEMA = 1
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
-    """HEAD of the checkout the package runs from, with '-dirty' when it has edits."""
+    """HEAD of the checkout the package runs from, with '-dirty' when it has edits.
+
+    $SPARSEDECODE_GIT_COMMIT wins when set: a copy of the tree without its history
+    (a remote GPU machine) can still stamp the commit it was sent from.
+    """
+    if os.environ.get("SPARSEDECODE_GIT_COMMIT"):
+        return os.environ["SPARSEDECODE_GIT_COMMIT"]
     where = cwd or Path(__file__).resolve().parent
     try:
         sha = subprocess.run(
@@ -38,7 +44,9 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return (sha + ("-dirty" if dirty else "")) if sha else None
+    if len(sha) != 40:  # not a commit: no repository, or one without history
+        return None
+    return sha + ("-dirty" if dirty else "")
 
 
 def _version(pkg: str) -> str | None:
