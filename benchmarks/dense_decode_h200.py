@@ -78,7 +78,8 @@ def run_ours(a, dims, contexts, write, deadline):
 
     t0 = time.perf_counter()
     eng = sparsedecode.load(a.model, device="cuda", dtype="bfloat16", init="random",
-                            max_len=max(contexts) + a.new, attention=a.attention, compile=a.compile)
+                            max_len=max(contexts) + a.new, attention=a.attention,
+                            compile=(a.compile_mode or True) if a.compile else False)
     load_s = time.perf_counter() - t0
     if a.fill == "random":
         gen = torch.Generator("cuda").manual_seed(0)
@@ -87,7 +88,8 @@ def run_ours(a, dims, contexts, write, deadline):
             layer.self_attn.cache.v.normal_(generator=gen)
     for n in contexts:
         cell = {"impl": "ours", "context": n, "load_s": load_s, "attention": a.attention,
-                "compile": eng.compile, "cuda_graph": eng.cuda_graph, "fill": a.fill}
+                "compile": eng.compile, "compile_mode": eng.compile_mode,
+                "cuda_graph": eng.cuda_graph, "fill": a.fill}
         if time.perf_counter() > deadline:
             write(cell, skipped="time budget spent")
             continue
@@ -203,6 +205,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode of our step, e.g. max-autotune-no-cudagraphs")
     ap.add_argument("--profile", action="store_true", help="print a kernel profile of our step")
     ap.add_argument("--budget-s", type=float, default=450.0, help="skip cells after this")
     ap.add_argument("--out", default="benchmarks/records/h200")

@@ -53,7 +53,7 @@ class Engine:
     """A loaded model with its static cache; batch 1. Build it with `load`."""
 
     def __init__(self, model, args, *, tokenizer, source_path, device, dtype, attention,
-                 name, init, eos_ids=(), compile=None):
+                 name, init, eos_ids=(), compile: bool | str | None = None):
         self.model, self.args = model, args
         self.dims = args.dims()
         self.tokenizer = tokenizer
@@ -67,11 +67,16 @@ class Engine:
         self._tok = torch.zeros(1, 1, dtype=torch.long, device=device)  # (1, 1) static input
         self._pos = torch.zeros(1, dtype=torch.long, device=device)  # (1,) static input
         use_cuda = device.type == "cuda"
+        # compile: None (on for CUDA), a bool, or a torch.compile mode such as
+        # "max-autotune-no-cudagraphs" (we capture the graph ourselves either way).
+        self.compile_mode = compile if isinstance(compile, str) else None
         self.compile = (use_cuda if compile is None else bool(compile)) and compile is not False
         self.cuda_graph = use_cuda and attention != "sdpa_fused"  # sdpa_fused slices on the host
         self._step_fn = self._decode_forward
         if self.compile:
-            self._step_fn = torch.compile(self._decode_forward, fullgraph=True, dynamic=False)
+            self._step_fn = torch.compile(
+                self._decode_forward, fullgraph=True, dynamic=False, mode=self.compile_mode
+            )
         self._graph = None
         self._graph_out = None
 
@@ -247,11 +252,12 @@ class Engine:
 
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
-         attention: str = "split_k", compile: bool | None = None, seed: int | None = 0,
+         attention: str = "split_k", compile: bool | str | None = None, seed: int | None = 0,
          quiet: bool = False) -> Engine:
     """Load `ref` (known name, HF folder, hub id, .gguf file, or a config dict with
     init='random') into an Engine whose static cache holds `max_len` tokens
-    (default min(model window, 4096)). `compile` defaults to True on CUDA."""
+    (default min(model window, 4096)). `compile` defaults to True on CUDA; a string
+    is taken as the torch.compile mode."""
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
 
     get_backend(attention)  # an unknown backend fails before any download
