@@ -272,8 +272,6 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     args.check_length(max_len)
     if dev.type == "cpu":
         model.column_major_()  # faster one-token GEMV on CPU; same values and shapes
-    else:
-        model.fuse_projections_()  # q/k/v and gate/up as one GEMV each; sites stay views
     model.setup_cache(max_len, batch=1, attention=attention)
     tokenizer = load_tokenizer(ckpt) if ckpt.kind != "random" else None
     eos = list(args.eos_ids) + list(extra_eos_ids(ckpt))

@@ -63,34 +63,6 @@ class KVCache(nn.Module):
         self.v.index_copy_(2, pos, v)
 
 
-class Fused(nn.Module):
-    """One weight (sum of widths, in) whose row blocks are the weights of several
-    projections that read the same input; each projection keeps its own
-    `nn.Linear` whose weight is a view of its block, so the sites stay addressable.
-    Non-persistent buffers: state dicts keep the Hugging Face names only."""
-
-    def __init__(self, linears: list[nn.Linear]):
-        super().__init__()
-        with torch.no_grad():
-            weight = torch.cat([m.weight for m in linears])  # (sum out, in)
-            biases = [m.bias for m in linears]
-            bias = None if biases[0] is None else torch.cat(biases)  # (sum out,)
-        self.register_buffer("weight", weight, persistent=False)
-        self.register_buffer("bias", bias, persistent=False)
-        self.widths = [m.out_features for m in linears]
-        row = 0
-        for m, w in zip(linears, self.widths, strict=True):
-            m.weight = nn.Parameter(self.weight[row : row + w], requires_grad=False)
-            if self.bias is not None:
-                m.bias = nn.Parameter(self.bias[row : row + w], requires_grad=False)
-            row += w
-
-
-def _plain(*mods) -> bool:
-    """True while every site is still a dense nn.Linear (no sparse module swapped in)."""
-    return all(type(m) is nn.Linear for m in mods)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -106,19 +78,13 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.cache: KVCache | None = None
         self.backend = "split_k"
-        self.qkv: Fused | None = None  # set by Transformer.fuse_projections_
 
     def forward(self, x, cos, sin, pos, start: int | None):
         """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start: see module doc."""
         B, L, _ = x.shape
-        if self.qkv is not None and _plain(self.q_proj, self.k_proj, self.v_proj):
-            qkv = F.linear(x, self.qkv.weight, self.qkv.bias)  # (B, L, (Hq+2Hkv)*D)
-            q, k, v = qkv.split(self.qkv.widths, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(B, L, self.n_heads, self.head_dim)  # (B, L, Hq, D)
-        k = k.view(B, L, self.n_kv_heads, self.head_dim)  # (B, L, Hkv, D)
-        v = v.view(B, L, self.n_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)  # (B, L, Hq, D)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)  # (B, L, Hkv, D)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
@@ -157,16 +123,8 @@ class FeedForward(nn.Module):
         self.up_proj = nn.Linear(args.dim, args.d_ff, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.d_ff, args.dim, bias=args.mlp_bias)
 
-        self.gate_up: Fused | None = None  # set by Transformer.fuse_projections_
-
     def forward(self, x):
-        if self.gate_up is not None and _plain(self.gate_proj, self.up_proj):
-            gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).split(
-                self.gate_up.widths, dim=-1
-            )  # (B, L, d_ff) each
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -238,16 +196,6 @@ class Transformer(nn.Module):
                 mod.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)
         if self.args.tie_embeddings:
             self.embed_tokens.weight = self.lm_head.weight
-
-    def fuse_projections_(self) -> None:
-        """Read q/k/v and gate/up as one GEMV each (same bytes, fewer and larger
-        kernels: on an H200 the separate 8 MB k and v GEMVs ran at 1.6 TB/s).
-        The seven `nn.Linear` sites keep views of their blocks, and the fused path
-        is taken only while the sites are plain dense linears."""
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            a.qkv = Fused([a.q_proj, a.k_proj, a.v_proj])
-            m.gate_up = Fused([m.gate_proj, m.up_proj])
 
     def projection_sites(self):
         """(layer index, site name, parent module) of each of the seven projections per layer.
