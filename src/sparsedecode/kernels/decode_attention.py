@@ -203,6 +203,20 @@ def _interpreting() -> bool:
 
 if triton is not None:
 
+    @triton.jit
+    def _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int, T,
+                     START_T: tl.constexpr, END_T: tl.constexpr):
+        """[lo, hi) of row b clamped to [0, T]: from the bound tensors or the ints."""
+        if START_T:
+            lo = tl.load(Start + b * stride_start).to(tl.int32)
+        else:
+            lo = start_int
+        if END_T:
+            hi = tl.load(End + b * stride_end).to(tl.int32)
+        else:
+            hi = end_int
+        return tl.maximum(lo, 0), tl.minimum(hi, T)
+
     @triton.jit(do_not_specialize=["start_int", "end_int"])
     def _split_kernel(
         Q, K, V, O_part, L_part, Start, End,
@@ -222,16 +236,8 @@ if triton is not None:
         split = tl.program_id(1)
         b = pid_bh // HKV
         h = pid_bh % HKV
-        if START_T:
-            lo_all = tl.load(Start + b * stride_start).to(tl.int32)
-        else:
-            lo_all = start_int
-        if END_T:
-            hi_all = tl.load(End + b * stride_end).to(tl.int32)
-        else:
-            hi_all = end_int
-        lo_all = tl.maximum(lo_all, 0)
-        hi_all = tl.minimum(hi_all, T)
+        lo_all, hi_all = _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int,
+                                      T, START_T, END_T)
         length = tl.maximum(hi_all - lo_all, 0)
         chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = lo_all + split * chunk
@@ -293,15 +299,9 @@ if triton is not None:
         pid = tl.program_id(0)  # b * HQ + query head
         b = pid // HQ
         hq = pid % HQ
-        if START_T:
-            lo_all = tl.load(Start + b * stride_start).to(tl.int32)
-        else:
-            lo_all = start_int
-        if END_T:
-            hi_all = tl.load(End + b * stride_end).to(tl.int32)
-        else:
-            hi_all = end_int
-        length = tl.maximum(tl.minimum(hi_all, T) - tl.maximum(lo_all, 0), 0)
+        lo_all, hi_all = _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int,
+                                      T, START_T, END_T)
+        length = tl.maximum(hi_all - lo_all, 0)
         chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
         n_active = tl.cdiv(length, tl.maximum(chunk, 1))  # splits past it never wrote
         base = pid.to(tl.int64) * NUM_SPLITS
