@@ -113,3 +113,14 @@ def test_parse_tokens(text, tokens):
 def test_parse_tokens_refuses_malformed(text):
     with pytest.raises(InputError):
         acc.parse_tokens(text)
+
+
+def test_other_bytes_count_every_bias_the_model_has():
+    base = dict(acc.KNOWN_MODELS["llama-3.1-8b"].config)
+    plain = acc.ModelDims.from_config(base)
+    biased = acc.ModelDims.from_config({**base, "attention_bias": True, "mlp_bias": True})
+    per_layer = (biased.q_width + 2 * biased.kv_width) + biased.d + (2 * biased.d_ff + biased.d)
+    assert biased.other_params - plain.other_params == biased.n_layers * per_layer
+    # Qwen2 carries q/k/v biases but none on o_proj
+    qwen2 = acc.ModelDims.known("qwen2.5-coder-0.5b")
+    assert qwen2.qkv_bias and not qwen2.o_bias

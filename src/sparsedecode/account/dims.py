@@ -39,6 +39,8 @@ class ModelDims:
     vocab: int
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
     model_type: str = "llama"
 
@@ -87,12 +89,16 @@ class ModelDims:
     @property
     def other_params(self) -> int:
         """Read every step and never sparsified: LM head, one embedding row,
-        all norm weights, and q/k/v biases where the family has them."""
+        all norm weights, and the projection biases where the model has them."""
         per_layer = 2 * self.d
         if self.qk_norm:
             per_layer += 2 * self.head_dim
         if self.qkv_bias:
             per_layer += self.q_width + 2 * self.kv_width
+        if self.o_bias:
+            per_layer += self.d
+        if self.mlp_bias:
+            per_layer += 2 * self.d_ff + self.d
         return self.vocab * self.d + self.d + self.n_layers * per_layer + self.d
 
     def to_dict(self) -> dict:
@@ -129,6 +135,7 @@ class ModelDims:
                 )
             head_dim = d // n_heads
         model_type = str(config.get("model_type", "llama"))
+        attention_bias = bool(config.get("attention_bias", False))
         return cls(
             name=name or str(config.get("_name_or_path") or model_type),
             n_layers=need("num_hidden_layers"),
@@ -139,7 +146,10 @@ class ModelDims:
             head_dim=head_dim,
             vocab=need("vocab_size"),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type in _QKV_BIAS or bool(config.get("attention_bias", False)),
+            qkv_bias=model_type in _QKV_BIAS or attention_bias,
+            # Llama/Mistral/Qwen3 put `attention_bias` on o_proj too; Qwen2 never does.
+            o_bias=attention_bias and model_type not in _QKV_BIAS,
+            mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=model_type in _QK_NORM,
             model_type=model_type,
         )

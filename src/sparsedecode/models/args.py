@@ -67,7 +67,6 @@ class ModelArgs:
         window = cfg.get("sliding_window")
         if mt in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             window = None  # Qwen configs carry a window they do not use
-        attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
@@ -85,9 +84,8 @@ class ModelArgs:
             max_position=int(cfg.get("max_position_embeddings") or 4096),
             tie_embeddings=dims.tie_embeddings,
             qkv_bias=dims.qkv_bias,
-            # Llama/Mistral/Qwen3 put `attention_bias` on o_proj too; Qwen2 never does.
-            o_bias=attention_bias and mt != "qwen2",
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_bias=dims.o_bias,
+            mlp_bias=dims.mlp_bias,
             qk_norm=dims.qk_norm,
             sliding_window=int(window) if window else None,
             bos_id=cfg.get("bos_token_id"),
@@ -108,6 +106,8 @@ class ModelArgs:
             vocab=self.vocab,
             tie_embeddings=self.tie_embeddings,
             qkv_bias=self.qkv_bias,
+            o_bias=self.o_bias,
+            mlp_bias=self.mlp_bias,
             qk_norm=self.qk_norm,
             model_type=self.model_type,
         )
