@@ -1,0 +1,301 @@
+"""Input-sparse matrix-vector product for one decode token (ByteCross §3.2, §4.1, App. A).
+
+TEAL-style projection sparsity keeps input channel i of a projection when
+|x_i| > t and reads only the weights of kept channels: y = sum over kept i of
+x_i * W[:, i] (+ bias). The paper runs it on all seven projections of every
+layer through a Triton sparse GEMV, so a keep of 50% reads about half of the
+projection bytes (§3.2, §4.1). That only holds when dropped weights never cross
+the memory bus, which fixes the layout and the kernel:
+
+- The weight is stored transposed, w_t (K, N) contiguous, so the N outputs of
+  one input channel are one contiguous row. A program's load of a row segment
+  is BLOCK_N elements (512 bytes in bf16/fp16), a whole number of 32-byte
+  sectors and 128-byte lines: skipping a channel skips whole sectors.
+- The threshold test is fused: each program loads its slice of x, forms the
+  row mask |x| > t and issues the weight load with that mask. A masked-off
+  lane issues no memory transaction, so a dropped row costs no DRAM bytes, and
+  there is no separate mask, compaction or gather kernel.
+- Batch-1 decode has too few output tiles to fill 132 SMs (4096 outputs are
+  16 tiles of 256), so the grid is (N tiles, K splits), sized once from the
+  SM count; every program accumulates its (BLOCK_K, BLOCK_N) products in fp32
+  registers and reduces them once at the end.
+- The K splits of a tile are reduced in the same kernel: each program adds its
+  fp32 partial into a workspace with atomics (the workspace is N floats and
+  stays in L2, so this adds no DRAM traffic), then bumps a per-tile arrival
+  counter; the program that arrives last takes the sum with an atomic
+  exchange (which leaves the workspace at zero), adds the bias, casts to the
+  output dtype and resets the counter. One launch, a fixed grid, no host sync
+  and a workspace that is all-zero again after every call: safe to capture in
+  a CUDA graph and to replay any number of times.
+
+`sparse_gemv_ref` is the same math as a masked PyTorch reference: it reads the
+whole weight and zeroes the dropped channels, so it saves no bytes. It is the
+CPU path of `SparseLinear` and the oracle of the tests; wherever it stands in
+for the kernel it is labelled 'masked'.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from sparsedecode.errors import InputError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ROW_BYTES = 512  # bytes of one row segment per program: 4 lines of 128 B, one 16-byte vector per lane
+BLOCK_K = 32  # rows per loop iteration: 16 KB of weight per program and iteration at full keep
+NUM_WARPS = 4
+# Programs per SM at the default split. Every program is resident at once (about 100 registers
+# per thread at 4 warps lets 4-5 programs share an SM), so the grid is a single wave: a program
+# that drew fewer kept rows finishes early and its SM idles while the others finish, which more,
+# shorter programs even out; more programs also mean more fp32 partials (programs x BLOCK_N
+# atomics in L2). `benchmarks/sparse_gemv_bench.py --sweep` measures the trade on the H200.
+PROGRAMS_PER_SM = 4
+CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
+MIN_BLOCK = 16
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def check_inputs(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None) -> tuple[int, int]:
+    """Validate sparse-GEMV operands; returns (K, N)."""
+    if w_t.dim() != 2:
+        raise InputError(f"sparse_gemv wants w_t (K, N), the weight transposed; got {tuple(w_t.shape)}")
+    K, N = w_t.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise InputError(f"x {tuple(x.shape)} does not end in K={K}, the rows of w_t {tuple(w_t.shape)}")
+    if x.numel() != K:
+        raise InputError(
+            f"sparse_gemv multiplies one token: x {tuple(x.shape)} holds {x.numel() // max(K, 1)} rows; "
+            "run several tokens (prefill) densely"
+        )
+    if x.dtype != w_t.dtype or x.dtype not in DTYPES:
+        raise InputError(
+            f"sparse_gemv runs in float16, bfloat16 or float32 with one dtype for x and w_t; "
+            f"got {x.dtype} and {w_t.dtype}"
+        )
+    if x.device != w_t.device:
+        raise InputError(f"x lives on {x.device} and w_t on {w_t.device}")
+    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+        raise InputError(f"bias must be ({N},) on {x.device}; got {tuple(bias.shape)} on {bias.device}")
+    if isinstance(threshold, Tensor):
+        if threshold.numel() != 1 or not threshold.dtype.is_floating_point:
+            raise InputError(
+                f"threshold must be a float or a 1-element float tensor; got {threshold.dtype} "
+                f"{tuple(threshold.shape)}"
+            )
+        if threshold.device != x.device:
+            raise InputError(f"threshold lives on {threshold.device}, x on {x.device}")
+    elif not isinstance(threshold, (int, float)):
+        raise InputError(f"threshold must be a float or a 1-element tensor; got {type(threshold).__name__}")
+    return K, N
+
+
+def keep_mask(x: Tensor, threshold) -> Tensor:
+    """Kept channels |x| > t, compared in float32 as the kernel does; bool, x's shape."""
+    t = threshold.float() if isinstance(threshold, Tensor) else torch.tensor(float(threshold))
+    return x.float().abs() > t.to(x.device).reshape(())
+
+
+def sparse_gemv_ref(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None) -> Tensor:
+    """Masked reference of `sparse_gemv`: dropped channels are zeroed, every weight is read.
+
+    x (..., K) holding one token; w_t (K, N); threshold a float or 1-element float
+    tensor; channel i is kept iff |x_i| > threshold (in float32). Returns (..., N) in
+    x's dtype, sum over kept i of x_i * w_t[i, :] (+ bias) accumulated in float32.
+    This is the CPU path ('masked': it saves no bytes) and the tests' oracle (§3.2).
+    """
+    K, N = check_inputs(x, w_t, threshold, bias)
+    xm = torch.where(keep_mask(x, threshold), x.float(), 0.0)  # (..., K) float32
+    y = xm @ w_t.float()  # (..., N) float32; no copy when w_t is float32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
+                   programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, splits, num_warps) for a (K, N) weight: static per shape and device.
+
+    BLOCK_N spans ROW_BYTES of a row (fewer for narrow N); the K splits bring the grid to
+    about `programs_per_sm` programs per SM, each split a whole number of BLOCK_K rows.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_n = max(MIN_BLOCK, min(ROW_BYTES // elem, _pow2(N)))
+    block_k = max(MIN_BLOCK, min(BLOCK_K, _pow2(K)))
+    n_tiles = -(-N // block_n)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        want = max(1, round(programs_per_sm * _sm_count(index) / n_tiles))
+    else:
+        want = CPU_SPLITS
+    return block_n, block_k, _splits(K, block_k, want), NUM_WARPS
+
+
+def _rows_per_split(K: int, block_k: int, splits: int) -> int:
+    per = -(-K // splits)  # ceil(K / splits)
+    return -(-per // block_k) * block_k  # rounded up to whole BLOCK_K tiles
+
+
+def _splits(K: int, block_k: int, want: int) -> int:
+    """The split count actually used for `want`: every split gets >= 1 row."""
+    want = max(1, min(want, -(-K // block_k)))
+    return -(-K // _rows_per_split(K, block_k, want))
+
+
+def workspace(N: int, device, block_n: int = MIN_BLOCK) -> tuple[Tensor, Tensor]:
+    """Zeroed (fp32 partial sums (N,), int32 arrival counters (tiles,)) for N outputs.
+
+    The kernel leaves both at zero again, so one workspace serves any number of calls
+    in sequence (and in a CUDA graph); sized for the smallest BLOCK_N, it fits any config.
+    """
+    return (torch.zeros(N, device=device, dtype=torch.float32),
+            torch.zeros(-(-N // block_n), device=device, dtype=torch.int32))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sparse_gemv_kernel(
+        X, W, Bias, Thr, Y, Acc, Count, thr_f, K, N, rows_per_split,
+        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        THR_T: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+    ):
+        # Program (n tile, k split); programs with adjacent n tiles of one split run side by
+        # side, so together they stream whole kept rows of w_t.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if THR_T:
+            t = tl.load(Thr).to(tl.float32)
+        else:
+            t = thr_f
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        mask_n = offs_n < N
+        k_lo = pid_k * rows_per_split
+        k_hi = tl.minimum(k_lo + rows_per_split, K)
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+            in_k = offs_k < k_hi
+            x = tl.load(X + offs_k, mask=in_k, other=0.0).to(tl.float32)
+            keep = (tl.abs(x) > t) & in_k  # the fused threshold test
+            if EVEN_N:
+                row_mask = keep[:, None]
+            else:
+                row_mask = keep[:, None] & mask_n[None, :]
+            # Masked lanes issue no load: a dropped row moves no bytes.
+            w = tl.load(W + offs_k[:, None] * N + offs_n[None, :], mask=row_mask, other=0.0)
+            acc += w.to(tl.float32) * x[:, None]  # (BLOCK_K, BLOCK_N)
+        part = tl.sum(acc, axis=0)  # (BLOCK_N,) fp32 partial of this split
+        tl.atomic_add(Acc + offs_n, part, mask=mask_n, sem="relaxed")
+        # All lanes' partial adds precede the release of the arrival count (bar.sync, then a
+        # release atomic, which is cumulative); the last arrival acquires it and so sees them.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Count + pid_n, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            # The sum, and the workspace back at zero, in one atomic (on the float's bits).
+            acc_bits = Acc.to(tl.pointer_type(tl.int32)) + offs_n
+            total = tl.atomic_xchg(acc_bits, tl.zeros([BLOCK_N], dtype=tl.int32), mask=mask_n,
+                                   sem="relaxed").to(tl.float32, bitcast=True)
+            if HAS_BIAS:
+                total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(Count + pid_n, 0, sem="relaxed")
+
+
+@torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
+def _sparse_gemv_op(
+    x: Tensor, w_t: Tensor, thr_t: Tensor | None, thr_f: float, bias: Tensor | None,
+    ws_acc: Tensor | None, ws_count: Tensor | None,
+    block_n: int, block_k: int, splits: int, num_warps: int,
+) -> Tensor:
+    # Declared pure although it writes the workspace: the kernel returns the workspace to
+    # all-zero before it exits, so no caller can observe the writes, and torch.compile need
+    # not functionalize (clone) a buffer that only serves as scratch. Host-side choices
+    # (config from the SM count) run at trace and capture time and are static per shape.
+    K, N = w_t.shape
+    if not block_n:
+        block_n, block_k, splits, num_warps = default_config(K, N, x.dtype, x.device)
+    else:
+        splits = _splits(K, block_k, splits)
+    if ws_acc is None or ws_count is None:
+        ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
+    y = torch.empty(N, device=x.device, dtype=x.dtype)
+    n_tiles = triton.cdiv(N, block_n)
+    _sparse_gemv_kernel[(n_tiles, splits)](
+        x, w_t, bias if bias is not None else x, thr_t if thr_t is not None else ws_acc, y,
+        ws_acc, ws_count, thr_f, K, N, _rows_per_split(K, block_k, splits),
+        NUM_SPLITS=splits, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=thr_t is not None,
+        HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1,
+    )
+    return y
+
+
+@_sparse_gemv_op.register_fake
+def _(x, w_t, thr_t, thr_f, bias, ws_acc, ws_count, *config):
+    return x.new_empty(w_t.shape[1])
+
+
+def sparse_gemv(
+    x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None,
+    ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int] | None = None,
+) -> Tensor:
+    """Input-sparse GEMV of one token with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    x (..., K) holding one token; w_t (K, N), the weight transposed (unit stride along N);
+    threshold a float or a 1-element float tensor on x's device (read on the device, so a
+    captured graph follows in-place updates); channel i is kept iff |x_i| > threshold.
+    Returns (..., N) in x's dtype: sum over kept i of x_i * w_t[i, :] (+ bias), fp32
+    accumulation; rows of dropped channels are never loaded (§3.2). `ws` is a persistent
+    workspace from `workspace(N, device)` (without it each call zeroes a fresh one);
+    `config` (BLOCK_N, BLOCK_K, splits, num_warps) overrides `default_config`, for tuning.
+    """
+    if triton is None:
+        raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
+    K, N = check_inputs(x, w_t, threshold, bias)
+    if not (x.is_cuda or _interpreting()):
+        raise InputError(
+            "the sparse GEMV Triton kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1); "
+            "use sparse_gemv_ref, the masked reference"
+        )
+    if w_t.stride(1) != 1 or w_t.stride(0) != N:
+        raise InputError(
+            "w_t must be contiguous (K, N): the kernel skips whole rows; store the weight transposed once"
+        )
+    if K * N >= 2**31:
+        raise InputError(f"a ({K}, {N}) weight exceeds the kernel's 32-bit offsets")
+    if ws is not None and (ws[0].numel() < N or ws[0].dtype != torch.float32 or ws[1].dtype != torch.int32):
+        raise InputError("ws must be workspace(N, device): (float32 (>= N,), int32 counters)")
+    if config is not None:
+        block_n, block_k, splits, num_warps = config
+        if block_n & (block_n - 1) or block_k & (block_k - 1) or min(block_n, block_k) < MIN_BLOCK:
+            raise InputError(f"BLOCK_N and BLOCK_K must be powers of two >= {MIN_BLOCK}; got {config}")
+        if ws is not None and ws[1].numel() < -(-N // block_n):
+            raise InputError(f"ws has {ws[1].numel()} counters; BLOCK_N={block_n} needs {-(-N // block_n)}")
+    thr_t, thr_f = (threshold.reshape(()), 0.0) if isinstance(threshold, Tensor) else (None, float(threshold))
+    y = _sparse_gemv_op(x.reshape(K), w_t, thr_t, thr_f, bias, *(ws or (None, None)),
+                        *(config or (0, 0, 0, 0)))
+    return y.reshape(*x.shape[:-1], N)
+
+
+__all__ = ["default_config", "keep_mask", "sparse_gemv", "sparse_gemv_ref", "workspace"]

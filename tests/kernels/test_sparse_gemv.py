@@ -1,0 +1,292 @@
+"""The input-sparse GEMV kernel against float64 and its masked reference (ByteCross §3.2, App. A).
+
+Tolerances are twice the error of a same-precision PyTorch product of the masked
+input, plus a small floor. The Triton kernel runs on CPU under TRITON_INTERPRET=1
+in a subprocess (the interpreter is chosen when @triton.jit runs, at import), is
+compiled for sm_90 to check that the weight loads are predicated 16-byte vectors
+(a masked row issues no load), and runs on CUDA when there is one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.sparse_gemv import (
+    default_config,
+    keep_mask,
+    sparse_gemv,
+    sparse_gemv_ref,
+    workspace,
+)
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+KEEPS = [0.05, 0.3, 0.5, 1.0]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+
+
+def make(K, N, dtype, device="cpu", seed=0, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, K, generator=gen)  # (1, K): one token
+    w_t = torch.randn(K, N, generator=gen) / math.sqrt(K)  # (K, N), the weight transposed
+    b = torch.randn(N, generator=gen) if bias else None  # (N,)
+    return (x.to(device, dtype), w_t.to(device, dtype), None if b is None else b.to(device, dtype))
+
+
+def threshold_for(x, keep: float) -> float:
+    """The |x| quantile that keeps about `keep` of the channels; keep 1.0 gives 0.0."""
+    return 0.0 if keep >= 1.0 else float(x.float().abs().quantile(1.0 - keep))
+
+
+def exact(x, w_t, t, b):
+    """(y float64 (1, N), same-precision y) of the masked product."""
+    keep = keep_mask(x, t)
+    y64 = torch.where(keep, x.double(), 0.0) @ w_t.double()  # (1, N)
+    same = torch.where(keep, x, torch.zeros_like(x)) @ w_t  # (1, N) in x's dtype
+    if b is not None:
+        y64, same = y64 + b.double(), same + b
+    return y64, same
+
+
+def mismatch(got, want, tol, what) -> str | None:
+    """None when |got - want| <= tol everywhere, else a message with count, worst index and values."""
+    got, want = got.double().cpu(), want.double().cpu()
+    err = (got - want).abs().nan_to_num(math.inf)
+    bad = err > tol
+    if not bad.any():
+        return None
+    worst = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    first = [tuple(int(j) for j in i) for i in bad.nonzero()[:5]]
+    return (
+        f"{what}: {int(bad.sum())} of {err.numel()} elements off by more than {tol:.3g} "
+        f"(max {err.max().item():.3g} at {worst}: got {got[worst].item():.6g}, want "
+        f"{want[worst].item():.6g}); first off at {first}"
+    )
+
+
+def check(got, x, w_t, t, b, what, slack: float = 0.0) -> list[str]:
+    """Failure messages (possibly none) of one product against float64; `slack` (relative to
+    the largest output) widens the tolerance."""
+    y64, same = exact(x.cpu(), w_t.cpu(), t if not isinstance(t, torch.Tensor) else t.cpu(),
+                      None if b is None else b.cpu())
+    tol = 2 * (same.double() - y64).abs().max().item() + FLOOR[x.dtype] + slack * y64.abs().max().item()
+    fails = [] if got.dtype == x.dtype and got.shape == x.shape[:-1] + (w_t.shape[1],) else [
+        f"{what}: got {got.dtype} {tuple(got.shape)}, want {x.dtype} {tuple(x.shape[:-1]) + (w_t.shape[1],)}"
+    ]
+    return fails + [m for m in [mismatch(got, y64, tol, what)] if m]
+
+
+# ---- the masked reference on CPU --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K,N", [(13, 7), (577, 1537)])
+@pytest.mark.parametrize("keep", KEEPS)
+def test_reference_matches_float64(keep, K, N, dtype):
+    x, w_t, b = make(K, N, dtype, seed=K + int(keep * 100))
+    t = threshold_for(x, keep)
+    for bias in (b, None):
+        fails = check(sparse_gemv_ref(x, w_t, t, bias), x, w_t, t, bias, f"ref keep={keep} {K}x{N} {dtype}")
+        assert not fails, "\n".join(fails)
+    kept = keep_mask(x, t).float().mean().item()
+    assert abs(kept - keep) <= 1.5 / K + 1e-9, f"quantile threshold keeps {kept}, wanted {keep}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reference_threshold_zero_is_dense_and_all_dropped_is_bias(dtype):
+    x, w_t, b = make(577, 1537, dtype, seed=1)
+    dense = F.linear(x.double(), w_t.double().t(), b.double())  # (1, N)
+    fails = check(sparse_gemv_ref(x, w_t, 0.0, b), x, w_t, 0.0, b, f"threshold 0 {dtype}")
+    fails += [m for m in [mismatch(exact(x, w_t, 0.0, b)[0], dense, 1e-9, "threshold 0 vs dense")] if m]
+    assert not fails, "\n".join(fails)
+    assert torch.equal(sparse_gemv_ref(x, w_t, math.inf, b), b.reshape(1, -1))
+    assert torch.equal(sparse_gemv_ref(x, w_t, torch.tensor(1e30), None), torch.zeros_like(b).reshape(1, -1))
+
+
+def test_bad_input_raises_clear_errors():
+    x, w_t, b = make(16, 8, torch.float32)
+    with pytest.raises(InputError, match="one token"):
+        sparse_gemv_ref(torch.cat([x, x]), w_t, 0.1)
+    with pytest.raises(InputError, match="does not end in K=16"):
+        sparse_gemv_ref(x[:, :15], w_t, 0.1)
+    with pytest.raises(InputError, match="one dtype"):
+        sparse_gemv_ref(x.half(), w_t, 0.1)
+    with pytest.raises(InputError, match="float16, bfloat16 or float32"):
+        sparse_gemv_ref(x.double(), w_t.double(), 0.1)
+    with pytest.raises(InputError, match="bias must be"):
+        sparse_gemv_ref(x, w_t, 0.1, b[:3])
+    with pytest.raises(InputError, match="1-element float tensor"):
+        sparse_gemv_ref(x, w_t, torch.tensor([1, 2]))
+    with pytest.raises(InputError, match="w_t"):
+        sparse_gemv_ref(x, w_t[None], 0.1)
+    if HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        with pytest.raises(InputError, match="masked reference"):
+            sparse_gemv(x, w_t, 0.1)
+
+
+def test_default_config_fills_an_h200_and_reads_whole_lines(monkeypatch):
+    """At Llama-3.1-8B MLP shapes the grid is a few programs per SM of 132, rows of 512 bytes."""
+    import sparsedecode.kernels.sparse_gemv as sg
+
+    monkeypatch.setattr(sg, "_sm_count", lambda index: 132)
+    for K, N in ((4096, 14336), (14336, 4096), (4096, 1024)):
+        block_n, block_k, splits, _ = default_config(K, N, torch.bfloat16, torch.device("cuda", 0))
+        programs = -(-N // block_n) * splits
+        assert block_n * 2 == 512 and 2 * 132 <= programs <= 6 * 132, (K, N, block_n, splits)
+        assert (splits - 1) * sg._rows_per_split(K, block_k, splits) < K  # no empty split
+    assert default_config(13, 7, torch.float16, torch.device("cpu"))[:2] == (16, 16)
+
+
+# ---- the Triton kernel under TRITON_INTERPRET=1 (subprocess) ----------------------------------
+
+
+def _interpreter_worker() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1: kernel vs float64 and the masked reference.
+
+    The interpreter casts float32 to bfloat16 by truncation where the GPU rounds to nearest,
+    so bfloat16 outputs get one more unit in the last place of slack here.
+    """
+    fails, n = [], 0
+    slack = {torch.bfloat16: 2.0**-7}
+    shapes = [(13, 7), (577, 1537), (256, 896), (896, 256)]  # odd; gate/up-like and down-like stand-ins
+    for dtype in DTYPES:
+        for K, N in shapes:
+            x, w_t, b = make(K, N, dtype, seed=K * 7 + N)
+            ws = workspace(N, x.device)
+            for i, keep in enumerate(KEEPS):
+                t = threshold_for(x, keep)
+                thr = torch.tensor(t) if i % 2 else t  # float and tensor thresholds
+                bias = b if i != 1 else None
+                what = f"kernel {dtype} {K}x{N} keep={keep} bias={bias is not None}"
+                y = sparse_gemv(x, w_t, thr, bias, ws=ws if i < 2 else None)
+                fails += check(y, x, w_t, t, bias, what, slack.get(dtype, 0.0))
+                ref = sparse_gemv_ref(x, w_t, thr, bias)
+                ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
+                tol = 2 * ulp * ref.abs().max().item() + FLOOR[dtype]
+                fails += [m for m in [mismatch(y, ref, tol, what + " vs sparse_gemv_ref")] if m]
+                n += 1
+            if ws[0].abs().sum() != 0 or ws[1].abs().sum() != 0:
+                fails.append(f"{dtype} {K}x{N}: the workspace is not back at zero after the calls")
+    x, w_t, b = make(577, 1537, torch.bfloat16, seed=3)
+    for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
+        y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, 16, splits, 4))
+        fails += check(y, x, w_t, threshold_for(x, 0.3), b, f"kernel splits={splits}", 2.0**-7)
+        n += 1
+    dense = F.linear(x, w_t.t(), b)
+    fails += [m for m in [mismatch(sparse_gemv(x, w_t, 0.0, b), dense, 0.05, "threshold 0 vs F.linear")] if m]
+    y = sparse_gemv(x, w_t, math.inf, b)
+    fails += [] if torch.equal(y, b.reshape(1, -1)) else ["all channels dropped must give the bias exactly"]
+    traced = torch.compile(lambda x, w, t, b: sparse_gemv(x, w, t, b), backend="aot_eager", fullgraph=True)
+    t = torch.tensor(threshold_for(x, 0.5))
+    fails += check(traced(x, w_t, t, b), x, w_t, t, b, "kernel under torch.compile(fullgraph=True)", 2.0**-7)
+    print(json.dumps({"cases": n + 3, "fails": fails}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernel_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_sparse_gemv as t; t._interpreter_worker()"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
+
+
+def _compile_for_hopper(dtype, block_n, block_k, even_n):
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"triton's compiler API is not available: {e}")
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    fn = sg._sparse_gemv_kernel
+    ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    consts = dict(NUM_SPLITS=10, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, HAS_BIAS=True, EVEN_N=even_n)
+    types = dict(X=ty, W=ty, Bias=ty, Y=ty, Thr="*fp32", Acc="*fp32", Count="*i32", thr_f="fp32")
+    names = fn.arg_names
+    sig = {n: types.get(n, "i32") for n in names}
+    sig.update({n: "constexpr" for n in consts})
+    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N")]  # what the launcher specialises
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
+                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    except (RuntimeError, FileNotFoundError) as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"no ptxas for sm_90: {e}")
+        raise
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
+    """Compile for sm_90 (no GPU needed): every weight load is one predicated 16-byte vector.
+
+    A lane whose row is dropped has its predicate off and issues no load, and a row
+    segment of one program is BLOCK_N * elem = 512 bytes, so a dropped channel skips
+    whole 128-byte lines rather than a few bytes of each.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_n, block_k = 512 // elem, 32
+    ptx = _compile_for_hopper(dtype, block_n, block_k, even_n=True).asm["ptx"]
+    vec = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", ptx, re.M)
+    assert vec and all(p for p, *_ in vec), "weight loads must be predicated ld.global.v4"
+    per_thread = block_k * block_n * elem // 16 // (4 * 32)  # 16-byte vectors per thread and tile
+    assert len(vec) == per_thread, f"{len(vec)} vector loads per iteration, expected {per_thread}"
+    assert "atom.global.gpu.acq_rel.add" in ptx and "red.global" in ptx
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K,N", [(13, 7), (577, 1537), (4096, 14336), (14336, 4096)])
+@pytest.mark.parametrize("keep", KEEPS)
+def test_kernel_on_cuda(keep, K, N, dtype):
+    x, w_t, b = make(K, N, dtype, device="cuda", seed=K + N)
+    t = threshold_for(x, keep)
+    ws = workspace(N, "cuda")
+    for thr in (t, torch.tensor(t, device="cuda")):
+        y = sparse_gemv(x, w_t, thr, b, ws=ws)
+        fails = check(y, x, w_t, t, b, f"cuda kernel {K}x{N} keep={keep} {dtype}")
+        assert not fails, "\n".join(fails)
+    assert ws[0].abs().sum().item() == 0 and ws[1].abs().sum().item() == 0
+
+
+@gpu
+def test_kernel_in_cuda_graph_follows_threshold_updates():
+    x, w_t, b = make(4096, 14336, torch.bfloat16, device="cuda")
+    thr = torch.tensor(0.0, device="cuda")
+    ws = workspace(14336, "cuda")
+    fn = torch.compile(lambda x, t: sparse_gemv(x, w_t, t, b, ws=ws), fullgraph=True)
+    for call in (lambda: sparse_gemv(x, w_t, thr, b, ws=ws), lambda: fn(x, thr)):
+        call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for keep in (1.0, 0.5, 0.05, 0.3):
+            thr.fill_(threshold_for(x, keep))
+            for _ in range(3):  # replays reuse the workspace
+                graph.replay()
+            torch.cuda.synchronize()
+            fails = check(out, x, w_t, threshold_for(x, keep), b, f"graph replay keep={keep}")
+            assert not fails, "\n".join(fails)
