@@ -1,0 +1,210 @@
+"""Input-sparse projections in the decode step (ByteCross §3.2, §4.1, App. A).
+
+TEAL-style projection sparsity replaces each of the seven projections of a layer
+(q, k, v, o, gate, up, down) by a `SparseLinear` with one magnitude threshold per
+(layer, projection): during decode, input channel i is kept iff |x_i| > t and only
+the weights of kept channels are read. Prefill stays dense, as in both papers.
+
+`SparseLinear` stores the weight once, transposed to (in, out) so that each
+input channel's outputs are contiguous and a dropped channel is a skipped row
+(`kernels.sparse_gemv`). On CUDA one token runs the Triton kernel; on CPU it runs
+`sparse_gemv_ref`, the masked reference, which computes the same outputs but
+reads every weight ('masked': it saves no bytes and no time).
+
+The realized keep, the fraction of projection weight bytes actually read, is
+counted on the device when `track` is on: each sparse call adds [kept channels,
+channels] to a float64 buffer in place (no host sync, capturable), and
+`realized_projection_keep` weights the sites by their parameter counts (§4.1:
+the paper's 50% thresholds read 51% of the projection bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.sparse_gemv import keep_mask, sparse_gemv, sparse_gemv_ref, workspace
+
+SITE_KEYS = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+    "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+}
+FF_SITES = ("gate_proj", "up_proj", "down_proj")
+_FIXED_DTYPE = ("threshold", "kept", "ws_acc")  # follow .to(device) but never .to(dtype)
+
+
+def site_key(layer: int, site: str) -> str:
+    """The thresholds key of a projection site: ('layers.3.gate') for (3, 'gate_proj')."""
+    if site not in SITE_KEYS:
+        raise InputError(f"unknown projection site '{site}'; sites are {', '.join(SITE_KEYS)}")
+    return f"layers.{layer}.{SITE_KEYS[site]}"
+
+
+class SparseLinear(nn.Module):
+    """A projection whose one-token calls read only the weight rows of kept input channels.
+
+    Holds w_t (in, out), the weight transposed (the only copy), the bias as given, and
+    `threshold`, a 0-d float32 buffer (update it in place and a captured graph follows).
+    """
+
+    def __init__(self, w_t: Tensor, bias: Tensor | None, threshold: float, site: str = "",
+                 track: bool = False, column_major: bool = False):
+        super().__init__()
+        if w_t.dim() != 2 or not w_t.is_contiguous():
+            raise InputError(f"SparseLinear wants a contiguous (in, out) weight; got {tuple(w_t.shape)}")
+        t = float(threshold)
+        if not t >= 0.0:
+            raise InputError(f"threshold of {site or 'a site'} must be >= 0; got {threshold}")
+        self.site = site
+        self.track = track
+        self.column_major = column_major  # the source nn.Linear's layout, restored by to_linear
+        self.w_t = nn.Parameter(w_t, requires_grad=False)  # (in, out)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # (out,)
+        dev = w_t.device
+        self.register_buffer("threshold", torch.tensor(t, dtype=torch.float32, device=dev))
+        self.register_buffer("kept", torch.zeros(2, dtype=torch.float64, device=dev), persistent=False)
+        acc, count = workspace(w_t.shape[1], dev)
+        self.register_buffer("ws_acc", acc, persistent=False)  # (out,) fp32, zero between calls
+        self.register_buffer("ws_count", count, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, threshold: float, site: str = "", track: bool = False):
+        """Build from an nn.Linear; its (out, in) weight is transposed once (no copy if it is
+        already stored column-major) and the linear can be dropped."""
+        w = linear.weight.detach()  # (out, in)
+        column_major = w.t().is_contiguous()
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(w.t().contiguous(), bias, threshold, site, track, column_major)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear with the same values (and the source's memory layout)."""
+        w = self.w_t.detach().t()  # (out, in) view
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        lin.weight = nn.Parameter(w if self.column_major else w.contiguous(), requires_grad=False)
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias.detach(), requires_grad=False)
+        return lin
+
+    @property
+    def in_features(self) -> int:
+        return self.w_t.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.w_t.shape[1]
+
+    @property
+    def weight(self) -> Tensor:
+        """The (out, in) weight, a view of w_t, for code that expects an nn.Linear."""
+        return self.w_t.t()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., in) -> (..., out). One token: input-sparse; several tokens: dense."""
+        if x.shape[:-1].numel() != 1:
+            return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
+        if self.track:
+            self.kept[0] += keep_mask(x, self.threshold).sum()
+            self.kept[1] += self.in_features
+        if x.is_cuda:
+            return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count))
+        return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)  # masked: reads every row
+
+    def realized_keep(self) -> float:
+        """Kept channels over channels seen by tracked one-token calls (nan before any)."""
+        kept, total = self.kept.tolist()
+        return kept / total if total else float("nan")
+
+    def reset_keep(self) -> None:
+        self.kept.zero_()
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) must not turn the float32 threshold, the float64 counts or the fp32
+        # workspace into bf16: these follow the device only.
+        fixed = {name: self._buffers.pop(name) for name in _FIXED_DTYPE}
+        super()._apply(fn, recurse)
+        dev = self.w_t.device
+        for name, buf in fixed.items():
+            self._buffers[name] = buf.to(dev)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"site={self.site!r}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, threshold={self.threshold.item():.4g}, track={self.track}")
+
+
+def sparsify_(model, thresholds: dict[str, float], ff_only: bool = False, track: bool = False
+              ) -> list[SparseLinear]:
+    """Replace the projections of `model` (a `Transformer`) by SparseLinear modules, in place.
+
+    thresholds maps 'layers.{i}.{q|k|v|o|gate|up|down}' to a float (values may be 0-d
+    tensors); ff_only touches gate/up/down only. A site that is already sparse gets the
+    new threshold. Returns the sparse modules in site order. A decode step captured or
+    compiled before this call keeps running the old modules: capture again.
+    """
+    plan = []
+    for layer, site, parent in model.projection_sites():
+        if ff_only and site not in FF_SITES:
+            continue
+        key = site_key(layer, site)
+        if key not in thresholds:
+            raise InputError(
+                f"no threshold for site '{key}'; thresholds need one per site "
+                f"({'gate/up/down' if ff_only else 'q/k/v/o/gate/up/down'} of every layer)"
+            )
+        plan.append((parent, site, key, float(thresholds[key])))
+    out = []
+    for parent, site, key, t in plan:
+        mod = getattr(parent, site)
+        if isinstance(mod, SparseLinear):
+            mod.threshold.fill_(t)
+            mod.track = track
+        else:
+            mod = SparseLinear.from_linear(mod, t, site=key, track=track)
+            setattr(parent, site, mod)
+        out.append(mod)
+    return out
+
+
+def densify_(model) -> int:
+    """Put plain nn.Linear modules (same values and layout) back at every sparse site; returns
+    how many were replaced."""
+    n = 0
+    for _, site, parent in model.projection_sites():
+        mod = getattr(parent, site)
+        if isinstance(mod, SparseLinear):
+            setattr(parent, site, mod.to_linear())
+            n += 1
+    return n
+
+
+def sparse_modules(model) -> list[SparseLinear]:
+    """The SparseLinear modules at the projection sites of `model`, in site order."""
+    return [m for _, site, parent in model.projection_sites()
+            if isinstance(m := getattr(parent, site), SparseLinear)]
+
+
+def realized_projection_keep(model) -> float:
+    """Fraction of projection weight bytes read by tracked one-token calls (§4.1).
+
+    Per site kept/total channels, weighted by the site's parameter count (a kept channel
+    reads one row of out_features weights), over the tracked sites that saw a call.
+    """
+    rows = []
+    for mod in sparse_modules(model):
+        kept, total = mod.kept.tolist()
+        if mod.track and total:
+            rows.append((kept / total, mod.in_features * mod.out_features))
+    if not rows:
+        raise InputError(
+            "no tracked sparse decode calls: sparsify_(..., track=True) and run decode steps first"
+        )
+    return sum(r * p for r, p in rows) / sum(p for _, p in rows)
+
+
+__all__ = [
+    "SITE_KEYS", "SparseLinear", "densify_", "realized_projection_keep", "site_key", "sparse_modules",
+    "sparsify_",
+]

@@ -1,0 +1,190 @@
+"""SparseLinear at the seven projection sites of a tiny random engine (ByteCross §3.2, §4.1).
+
+On CPU the sparse path is the masked reference, so these tests pin the math and
+the bookkeeping: threshold 0 decodes as dense, positive thresholds change decode
+but never prefill, densify_ restores the dense model exactly, and the realized
+keep equals the parameter-weighted fraction of |x| above threshold computed from
+the sites' inputs independently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sparsedecode
+from sparsedecode.errors import InputError
+from sparsedecode.projection.sparse_linear import (
+    SITE_KEYS,
+    SparseLinear,
+    densify_,
+    realized_projection_keep,
+    site_key,
+    sparse_modules,
+    sparsify_,
+)
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=100, max_position_embeddings=256,
+            rope_theta=10000.0, eos_token_id=None)
+PROMPT = [1, 5, 7, 9, 11, 2, 40]
+DECODE = [3, 4, 5, 60, 17]
+CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def tiny_engine(device="cpu", dtype=None):
+    return sparsedecode.load(dict(TINY), init="random", device=device, dtype=dtype, max_len=64)
+
+
+def run(engine):
+    """(prefill logits (L, V), decode logits (steps, V)) from an empty cache, greedy-free."""
+    engine.reset()
+    prefill = engine.prefill(PROMPT, all_logits=True).clone()
+    decode = torch.stack([engine.decode_step(t).clone() for t in DECODE])
+    return prefill, decode
+
+
+def all_keys(n_layers: int, value) -> dict:
+    return {site_key(i, s): value for i in range(n_layers) for s in SITE_KEYS}
+
+
+def site_inputs(engine, modules) -> dict:
+    """Run `run(engine)` recording every one-token input of each module: name -> list of (K,)."""
+    seen, hooks = {}, []
+    for name, mod in modules.items():
+        def hook(_, args, name=name):
+            x = args[0]
+            if x.shape[:-1].numel() == 1:
+                seen.setdefault(name, []).append(x.detach().reshape(-1).clone())
+        hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        run(engine)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def site_modules(model) -> dict:
+    return {site_key(i, s): getattr(p, s) for i, s, p in model.projection_sites()}
+
+
+@pytest.fixture
+def engine():
+    return tiny_engine()
+
+
+def test_threshold_zero_decodes_as_dense_and_densify_restores_exactly(engine):
+    dense_p, dense_d = run(engine)
+    mods = sparsify_(engine.model, all_keys(2, 0.0), track=True)
+    assert len(mods) == 14 and all(isinstance(m, SparseLinear) for m in sparse_modules(engine.model))
+    p, d = run(engine)
+    # Same values; only the transposed layout changes the fp32 summation order of some sites.
+    scale = dense_d.abs().max().item()
+    assert (d - dense_d).abs().max().item() <= 1e-6 * scale, "threshold 0 must decode as dense"
+    assert torch.equal(d.argmax(-1), dense_d.argmax(-1))
+    assert (p - dense_p).abs().max().item() <= 1e-6 * scale
+    assert realized_projection_keep(engine.model) == pytest.approx(1.0)  # random inputs: no exact zeros
+    assert densify_(engine.model) == 14
+    assert not sparse_modules(engine.model)
+    p2, d2 = run(engine)
+    assert torch.equal(p2, dense_p) and torch.equal(d2, dense_d), "densify_ must restore the dense model"
+
+
+def test_thresholds_change_decode_not_prefill_and_keep_is_realized(engine):
+    dense_p, dense_d = run(engine)
+    inputs = site_inputs(engine, site_modules(engine.model))
+    thresholds = {k: float(torch.stack(v).abs().quantile(0.5)) for k, v in inputs.items()}  # ~50%, no ties
+    sparsify_(engine.model, all_keys(2, 0.0))
+    zero_p, _ = run(engine)
+    sparsify_(engine.model, thresholds, track=True)
+    for m in sparse_modules(engine.model):
+        m.reset_keep()
+    mods = site_modules(engine.model)
+    seen = site_inputs(engine, mods)  # one run, tracked and hooked at once
+    # Independently: fraction of |x| > t per site, weighted by the site's parameters.
+    num = den = 0.0
+    for key, xs in seen.items():
+        frac = (torch.stack(xs).abs() > thresholds[key]).double().mean().item()
+        assert mods[key].realized_keep() == pytest.approx(frac, rel=1e-12), key
+        params = mods[key].in_features * mods[key].out_features
+        num, den = num + frac * params, den + params
+    kept = num / den
+    assert realized_projection_keep(engine.model) == pytest.approx(kept, rel=1e-12)
+    p, d = run(engine)
+    assert torch.equal(p, zero_p), "prefill must not depend on the thresholds"
+    assert (d - dense_d).abs().max().item() > 1e-3, "positive thresholds must change decode logits"
+    assert 0.3 < kept < 0.7
+
+
+def test_ff_only_and_missing_or_bad_thresholds(engine):
+    keys = {site_key(i, s): 0.01 for i in range(2) for s in ("gate_proj", "up_proj", "down_proj")}
+    mods = sparsify_(engine.model, keys, ff_only=True)
+    assert [m.site for m in mods] == [f"layers.{i}.{s}" for i in range(2) for s in ("gate", "up", "down")]
+    attn = engine.model.layers[0].self_attn
+    assert all(type(getattr(attn, s)) is nn.Linear for s in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    with pytest.raises(InputError, match="layers.0.q"):
+        sparsify_(engine.model, keys)
+    bad = all_keys(2, 0.1)
+    del bad["layers.1.down"]
+    with pytest.raises(InputError, match="layers.1.down"):
+        sparsify_(engine.model, bad, ff_only=True)
+    with pytest.raises(InputError, match=">= 0"):
+        sparsify_(engine.model, all_keys(2, -1.0))
+    with pytest.raises(InputError, match="unknown projection site"):
+        site_key(0, "qkv_proj")
+    with pytest.raises(InputError, match="no tracked sparse decode calls"):
+        realized_projection_keep(engine.model)
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_from_linear_keeps_one_copy_and_the_linear_interface(column_major):
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 24)
+    if column_major:
+        lin.weight = nn.Parameter(lin.weight.detach().t().contiguous().t())
+    sp = SparseLinear.from_linear(lin, 0.0, site="layers.0.o")
+    assert sp.w_t.shape == (40, 24) and sp.w_t.is_contiguous()
+    assert (sp.w_t.data_ptr() == lin.weight.data_ptr()) == column_major  # no copy when already (in, out)
+    assert (sp.in_features, sp.out_features) == (40, 24) and torch.equal(sp.weight, lin.weight)
+    x = torch.randn(1, 1, 40)
+    assert torch.allclose(sp(x), lin(x), atol=1e-6)
+    xs = torch.randn(2, 3, 40)
+    assert torch.equal(sp(xs), F.linear(xs, sp.w_t.t(), lin.bias))  # several tokens: dense
+    sp.threshold.fill_(float("inf"))
+    assert torch.equal(sp(x).reshape(-1), lin.bias.detach())  # every channel dropped: the bias
+    back = sp.to_linear()
+    assert torch.equal(back.weight, lin.weight) and back.weight.stride() == lin.weight.stride()
+
+
+def test_dtype_cast_keeps_threshold_counts_and_workspace():
+    sp = SparseLinear.from_linear(nn.Linear(16, 8), 0.25, track=True)
+    sp.to(torch.bfloat16)
+    assert sp.w_t.dtype == torch.bfloat16 and sp.bias.dtype == torch.bfloat16
+    assert (sp.threshold.dtype, sp.kept.dtype, sp.ws_acc.dtype) == (torch.float32, torch.float64, torch.float32)
+    x = torch.randn(1, 16).bfloat16()
+    sp(x)
+    assert sp.realized_keep() == pytest.approx((x.float().abs() > 0.25).float().mean().item())
+
+
+# ---- CUDA: the Triton kernel at the sites, compiled and captured by the engine -------------------
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and triton")
+def test_sparse_engine_on_cuda_matches_masked_reference():
+    cpu = tiny_engine(dtype="float32")
+    gpu = tiny_engine(device="cuda", dtype="float32")
+    gpu.model.load_state_dict(cpu.model.state_dict())
+    inputs = site_inputs(cpu, site_modules(cpu.model))
+    thresholds = {k: float(torch.stack(v).abs().quantile(0.5)) for k, v in inputs.items()}
+    for eng in (cpu, gpu):
+        sparsify_(eng.model, thresholds, track=True)  # before the first decode step: captured sparse
+    _, d_cpu = run(cpu)
+    _, d_gpu = run(gpu)
+    # Upstream fp32 rounding differs by device, so a channel next to its threshold may flip.
+    assert (d_gpu.cpu() - d_cpu).abs().max().item() <= 2e-2 * d_cpu.abs().max().item()
+    assert realized_projection_keep(gpu.model) == pytest.approx(realized_projection_keep(cpu.model), abs=0.02)
