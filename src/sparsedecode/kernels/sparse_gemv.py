@@ -177,8 +177,8 @@ if triton is not None:
 
     @triton.jit
     def _sparse_gemv_kernel(
-        X, W, Bias, Thr, Y, Acc, Count, thr_f, K, N, rows_per_split,
-        NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        X, W, Bias, Thr, Y, Acc, Count, thr_f, K, N, rows_per_split, num_splits,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         THR_T: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
     ):
         # Program (n tile, k split); programs with adjacent n tiles of one split run side by
@@ -212,7 +212,7 @@ if triton is not None:
         # release atomic, which is cumulative); the last arrival acquires it and so sees them.
         tl.debug_barrier()
         arrived = tl.atomic_add(Count + pid_n, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
+        if arrived == num_splits - 1:
             # The sum, and the workspace back at zero, in one atomic (on the float's bits).
             acc_bits = Acc.to(tl.pointer_type(tl.int32)) + offs_n
             total = tl.atomic_xchg(acc_bits, tl.zeros([BLOCK_N], dtype=tl.int32), mask=mask_n,
@@ -244,8 +244,8 @@ def _sparse_gemv_op(
     n_tiles = triton.cdiv(N, block_n)
     _sparse_gemv_kernel[(n_tiles, splits)](
         x, w_t, bias if bias is not None else x, thr_t if thr_t is not None else ws_acc, y,
-        ws_acc, ws_count, thr_f, K, N, _rows_per_split(K, block_k, splits),
-        NUM_SPLITS=splits, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=thr_t is not None,
+        ws_acc, ws_count, thr_f, K, N, _rows_per_split(K, block_k, splits), splits,
+        BLOCK_N=block_n, BLOCK_K=block_k, THR_T=thr_t is not None,
         HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1,
     )
     return y
