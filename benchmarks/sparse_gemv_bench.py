@@ -37,8 +37,8 @@ KEEPS = (1.0, 0.5, 0.3)
 BYTE_RATE = 4.15e12  # B/s: the H200 streaming rate the target is set against
 TARGET = 1.15
 # (BLOCK_N, BLOCK_K, programs per SM, num_warps) tried by --sweep beside the default
-SWEEP = [(256, 32, 2, 4), (256, 32, 8, 4), (256, 16, 4, 4), (256, 64, 4, 8), (128, 32, 4, 4),
-         (128, 64, 8, 4), (512, 16, 4, 4), (512, 32, 4, 8), (64, 64, 4, 4)]
+SWEEP = [(256, 16, 24, 1), (256, 32, 8, 1), (256, 32, 6, 1), (256, 64, 6, 1), (512, 32, 6, 2),
+         (1024, 32, 3, 4), (1024, 16, 6, 4), (256, 32, 4, 4), (128, 32, 12, 1)]
 COMBINED = "sparse_gemv_records.json"
 
 

@@ -136,16 +136,18 @@ def test_bad_input_raises_clear_errors():
             sparse_gemv(x, w_t, 0.1)
 
 
-def test_default_config_fills_an_h200_and_reads_whole_lines(monkeypatch):
-    """At Llama-3.1-8B MLP shapes the grid is a few programs per SM of 132, rows of 512 bytes."""
+def test_default_config_fills_an_h200_in_one_wave(monkeypatch):
+    """At Llama-3.1-8B MLP shapes: one-warp programs over 512-byte row segments, close to
+    PROGRAMS_PER_SM per SM of 132 and never more (all resident at once), no empty split."""
     import sparsedecode.kernels.sparse_gemv as sg
 
     monkeypatch.setattr(sg, "_sm_count", lambda index: 132)
-    for K, N in ((4096, 14336), (14336, 4096), (4096, 1024)):
-        block_n, block_k, splits, _ = default_config(K, N, torch.bfloat16, torch.device("cuda", 0))
+    for K, N in ((4096, 14336), (14336, 4096)):
+        block_n, block_k, splits, warps = default_config(K, N, torch.bfloat16, torch.device("cuda", 0))
         programs = -(-N // block_n) * splits
-        assert block_n * 2 == 512 and 2 * 132 <= programs <= 6 * 132, (K, N, block_n, splits)
-        assert (splits - 1) * sg._rows_per_split(K, block_k, splits) < K  # no empty split
+        assert block_n * 2 == 512 * warps, (K, N, block_n)
+        assert 0.75 * sg.PROGRAMS_PER_SM * 132 <= programs <= sg.PROGRAMS_PER_SM * 132, (K, N, splits)
+        assert (splits - 1) * sg._rows_per_split(K, block_k, splits) < K
     assert default_config(13, 7, torch.float16, torch.device("cpu"))[:2] == (16, 16)
 
 
@@ -225,7 +227,8 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n):
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=sg.NUM_WARPS, num_stages=1))
     except (RuntimeError, FileNotFoundError) as e:
         if "ptxas" in str(e).lower():
             pytest.skip(f"no ptxas for sm_90: {e}")
@@ -238,15 +241,17 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     """Compile for sm_90 (no GPU needed): every weight load is one predicated 16-byte vector.
 
     A lane whose row is dropped has its predicate off and issues no load, and a row
-    segment of one program is BLOCK_N * elem = 512 bytes, so a dropped channel skips
+    segment of one warp is 512 bytes, so a dropped channel skips
     whole 128-byte lines rather than a few bytes of each.
     """
+    from sparsedecode.kernels.sparse_gemv import NUM_WARPS, ROW_BYTES
+
     elem = torch.empty((), dtype=dtype).element_size()
-    block_n, block_k = 512 // elem, 32
+    block_n, block_k = ROW_BYTES * NUM_WARPS // elem, 32
     ptx = _compile_for_hopper(dtype, block_n, block_k, even_n=True).asm["ptx"]
     vec = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", ptx, re.M)
     assert vec and all(p for p, *_ in vec), "weight loads must be predicated ld.global.v4"
-    per_thread = block_k * block_n * elem // 16 // (4 * 32)  # 16-byte vectors per thread and tile
+    per_thread = block_k * block_n * elem // 16 // (NUM_WARPS * 32)  # 16-byte vectors per thread and tile
     assert len(vec) == per_thread, f"{len(vec)} vector loads per iteration, expected {per_thread}"
     assert "atom.global.gpu.acq_rel.add" in ptx and "red.global" in ptx
 

@@ -17,8 +17,10 @@ the memory bus, which fixes the layout and the kernel:
   there is no separate mask, compaction or gather kernel.
 - Batch-1 decode has too few output tiles to fill 132 SMs (4096 outputs are
   16 tiles of 256), so the grid is (N tiles, K splits), sized once from the
-  SM count; every program accumulates its (BLOCK_K, BLOCK_N) products in fp32
-  registers and reduces them once at the end.
+  SM count. A program is one warp over BLOCK_N = 512 bytes of columns; each lane
+  holds all BLOCK_K rows of its 8 columns, so the fp32 sum over rows is in-thread
+  and the registers go to loads in flight (the kernel is latency-bound at low
+  keep unless many tiles are in flight per SM; see PROGRAMS_PER_SM).
 - The K splits of a tile are reduced in the same kernel: each program adds its
   fp32 partial into a workspace with atomics (the workspace is N floats and
   stays in L2, so this adds no DRAM traffic), then bumps a per-tile arrival
@@ -51,15 +53,18 @@ except ImportError:
     triton = None
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-ROW_BYTES = 512  # bytes of one row segment per program: 4 lines of 128 B, one 16-byte vector per lane
-BLOCK_K = 32  # rows per loop iteration: 16 KB of weight per program and iteration at full keep
-NUM_WARPS = 4
-# Programs per SM at the default split. Every program is resident at once (about 100 registers
-# per thread at 4 warps lets 4-5 programs share an SM), so the grid is a single wave: a program
-# that drew fewer kept rows finishes early and its SM idles while the others finish, which more,
-# shorter programs even out; more programs also mean more fp32 partials (programs x BLOCK_N
-# atomics in L2). `benchmarks/sparse_gemv_bench.py --sweep` measures the trade on the H200.
-PROGRAMS_PER_SM = 4
+ROW_BYTES = 512  # bytes of one row segment per warp: 4 lines of 128 B, one 16-byte vector per lane
+BLOCK_K = 32  # rows per loop iteration: 16 KB of weight per one-warp program at full keep
+NUM_WARPS = 1
+# Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
+# program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
+# the DRAM latency (Little's law: ~30 KB in flight per SM at 4.15 TB/s). In-flight bytes cost
+# registers, so the accumulator is 1-D and one warp wide (each lane sums its 8 columns over
+# the tile's rows in-thread): at BLOCK_K=32 the kernel takes 162 registers (ptxas, sm_90),
+# 12 one-warp programs fit an SM and together hold ~200 KB of tiles in flight. The grid is
+# one wave of those 12 per SM; `benchmarks/sparse_gemv_bench.py --sweep` measures the
+# alternatives (shorter tiles and more programs, more warps per program) on the H200.
+PROGRAMS_PER_SM = 12
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16
 
@@ -141,7 +146,7 @@ def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
     about `programs_per_sm` programs per SM, each split a whole number of BLOCK_K rows.
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    block_n = max(MIN_BLOCK, min(ROW_BYTES // elem, _pow2(N)))
+    block_n = max(MIN_BLOCK, min(ROW_BYTES * NUM_WARPS // elem, _pow2(N)))
     block_k = max(MIN_BLOCK, min(BLOCK_K, _pow2(K)))
     n_tiles = -(-N // block_n)
     if device.type == "cuda":
@@ -193,7 +198,7 @@ if triton is not None:
         mask_n = offs_n < N
         k_lo = pid_k * rows_per_split
         k_hi = tl.minimum(k_lo + rows_per_split, K)
-        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
             in_k = offs_k < k_hi
@@ -205,9 +210,11 @@ if triton is not None:
                 row_mask = keep[:, None] & mask_n[None, :]
             # Masked lanes issue no load: a dropped row moves no bytes.
             w = tl.load(W + offs_k[:, None] * N + offs_n[None, :], mask=row_mask, other=0.0)
-            acc += w.to(tl.float32) * x[:, None]  # (BLOCK_K, BLOCK_N)
-        part = tl.sum(acc, axis=0)  # (BLOCK_N,) fp32 partial of this split
-        tl.atomic_add(Acc + offs_n, part, mask=mask_n, sem="relaxed")
+            # Summed over the tile's rows at once: with BLOCK_N = 512 B * num_warps each thread
+            # holds all BLOCK_K rows of its 8 columns, so this is in-thread adds and the
+            # accumulator costs 8 registers, leaving registers for loads in flight.
+            acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
+        tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
         # All lanes' partial adds precede the release of the arrival count (bar.sync, then a
         # release atomic, which is cumulative); the last arrival acquires it and so sees them.
         tl.debug_barrier()
