@@ -32,7 +32,7 @@ import importlib
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -418,10 +418,12 @@ def get_calibrator(name: str, **params) -> Calibrator:
         raise InputError(f"unknown calibration method '{name}': {hint}choose one of "
                          f"{', '.join(CALIBRATORS)}")
     cls = CALIBRATORS[name]
-    try:
-        return cls(**params)
-    except TypeError as e:
-        raise InputError(f"{name}: {e}") from None
+    known = [f.name for f in fields(cls)]
+    unknown = [k for k in params if k not in known]
+    if unknown:
+        raise InputError(f"{name} has no option {', '.join(unknown)}; its options are "
+                         f"{', '.join(known)}")
+    return cls(**params)
 
 
 def _bar(items, enabled: bool, desc: str):

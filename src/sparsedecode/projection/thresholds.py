@@ -132,7 +132,7 @@ class Thresholds:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-                values = {k: float(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         except Exception as e:  # a corrupt or foreign file: same fix
             raise InputError(
                 f"{path} is not a safetensors thresholds file ({type(e).__name__}); "
@@ -143,6 +143,7 @@ class Thresholds:
                 f"{path} has no sparsedecode thresholds header (format {meta.get('format')!r}); "
                 "make one with `sparsedecode calibrate`"
             )
+        values = {k: float(t) for k, t in tensors.items()}
         return cls(values=values, **json.loads(meta["header"]))
 
     # -- checks --------------------------------------------------------------
