@@ -26,7 +26,10 @@ from sparsedecode.projection.thresholds import INPUT_SITES
 from sparsedecode.quality.data import DEFAULT_WIKITEXT, wikitext_ids
 
 KEEPS = (0.7, 0.5, 0.4)
-CAL_TOKENS, EVAL_TOKENS, GREEDY_TOKENS = 4096, 2048, 256
+CAL_TOKENS, EVAL_TOKENS, GREEDY_TOKENS = 4096, 2048, 128
+# Smaller than the CLI defaults to keep the file within minutes on 2 CPU cores.
+FAST = {"refine_tokens": 1024}
+GREEDY = {"greedy": True, "greedy_tokens": GREEDY_TOKENS, "step": 0.05}
 
 
 def test_registry_and_close_match():
@@ -91,7 +94,7 @@ def calibrated(request, embedded_engine):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "method,params",
-    [("teal", {}), ("teal", {"greedy": True, "greedy_tokens": GREEDY_TOKENS}), ("cats", {})],
+    [("teal", FAST), ("teal", {**FAST, **GREEDY}), ("cats", FAST)],
     ids=["teal-uniform", "teal-greedy", "cats"],
 )
 def test_realized_keep_hits_target_on_held_out_text(calibrated, method, params):
@@ -116,7 +119,7 @@ def test_realized_keep_hits_target_on_held_out_text(calibrated, method, params):
 @pytest.mark.slow
 def test_greedy_allocates_unevenly_and_ff_only_leaves_attention_dense(calibrated):
     eng, acts, test = calibrated
-    greedy = get_calibrator("teal", keep=0.5, greedy=True, greedy_tokens=GREEDY_TOKENS, refine=0)
+    greedy = get_calibrator("teal", keep=0.5, refine=0, **GREEDY)
     keeps = greedy.layer_keeps(eng, acts, 1)
     w = greedy._weights(eng.dims)
     assert sum(w[s] * keeps[s] for s in keeps) == pytest.approx(0.5, abs=1e-9)
