@@ -1,0 +1,117 @@
+"""Decode step with the projection branch against dense, on one GPU (ByteCross §4.1-4.2, App. A).
+
+llama-3.1-8b dims, random init (bytes per step do not depend on values), bf16,
+batch 1. TEAL-style uniform thresholds are calibrated on the model's own
+activations (random token ids, since a random model has no text), every one of
+the seven projections of each layer then runs the input-sparse GEMV, and the
+same compiled + captured step is timed dense and sparse in one process on the
+same random-filled cache at the given context. The realized keep (fraction of
+projection bytes actually read, measured on the decode step) gives the byte
+bound of `sparsedecode account`; each record holds the speedup beside it.
+
+    PYTHONPATH=src python3 benchmarks/proj_decode_h200.py --out DIR [--keeps 0.5] [--context 2K]
+
+Writes one record per mode into DIR and all of them as a list in DIR/proj_decode_records.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from dense_decode_h200 import summary, time_steps  # benchmarks/ is the script's folder
+
+import sparsedecode
+from sparsedecode.account import bounds, parse_tokens
+from sparsedecode.projection.calibrate import get_calibrator
+from sparsedecode.projection.sparse_linear import densify_, realized_projection_keep, sparsify_
+from sparsedecode.records import stamp, write_record
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--context", default="2K")
+    ap.add_argument("--keeps", default="0.5", help="comma list of projection keeps")
+    ap.add_argument("--calib-tokens", type=int, default=4096)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=50)
+    a = ap.parse_args()
+    n = parse_tokens(a.context)
+    keeps = [float(k) for k in a.keeps.split(",")]
+    run_id = time.strftime("%Y%m%dT%H%M%S")
+    records = []
+
+    t0 = time.perf_counter()
+    eng = sparsedecode.load(a.model, device="cuda", dtype="bfloat16", init="random",
+                            max_len=max(n, a.calib_tokens) + a.new, compile=a.compile_mode or True)
+    dims = eng.dims
+    ids = torch.randint(0, dims.vocab, (a.calib_tokens,), generator=torch.Generator().manual_seed(0))
+    base = {"kind": "proj_decode_bench", "model": {"name": a.model, "dims": dims.to_dict(),
+            "init": "random"}, "dtype": "bfloat16", "batch": 1, "context": n,
+            "compile_mode": a.compile_mode, "attention": eng.attention, "run_id": run_id,
+            "fill": "random", "calibration": {"method": "teal", "greedy": False,
+                                              "tokens": a.calib_tokens, "text": "random token ids"},
+            "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
+
+    def prepare() -> None:
+        gen = torch.Generator("cuda").manual_seed(1)
+        for layer in eng.model.layers:
+            layer.self_attn.cache.k.normal_(generator=gen)
+            layer.self_attn.cache.v.normal_(generator=gen)
+        eng.pos = n
+        eng._pos.fill_(n)  # the step writes slot n and attends [0, n+1)
+        eng._tok.fill_(1)
+        eng._graph = None  # capture again for the modules now in place
+
+    def timed(mode: str, extra: dict) -> dict:
+        prepare()
+        t = time.perf_counter()
+        eng.decode_replay()
+        torch.cuda.synchronize()
+        ms = time_steps(eng.decode_replay, a.warmup, a.repeats, a.steps)
+        rec = {**base, "mode": mode, "capture_s": time.perf_counter() - t, **extra,
+               **summary(ms, dims, n)}
+        rec.pop("target_ms", None)
+        print(f"{mode:>10} n={n}: {rec['step_ms_median']:.3f} ms/step", flush=True)
+        return rec
+
+    dense = timed("dense", {"load_s": time.perf_counter() - t0})
+    records.append(dense)
+    for keep in keeps:
+        t = time.perf_counter()
+        th = get_calibrator("teal", keep=keep).calibrate(eng, ids, text="random token ids")
+        calib_s = time.perf_counter() - t
+        sparsify_(eng.model, th.values, track=True)
+        with torch.inference_mode():  # one eager tracked step: the keep this step realizes
+            prepare()
+            eng.model(eng._tok, eng._pos, None)
+        realized = realized_projection_keep(eng.model)
+        sparsify_(eng.model, th.values, track=False)  # timed without the counting adds
+        rec = timed(f"proj{keep:g}", {"proj_keep": keep, "realized_keep": realized,
+                                      "calibrate_s": calib_s})
+        speedup = dense["step_ms_median"] / rec["step_ms_median"]
+        bound = bounds(dims, n, realized, 1.0).projection
+        rec.update(speedup=speedup, bound=bound, fraction_of_bound=speedup / bound,
+                   paired_dense_ms=dense["step_ms_median"])
+        print(f"  keep {keep:g}: realized {realized:.3f}, speedup {speedup:.3f}x, bound {bound:.3f}x, "
+              f"{100 * speedup / bound:.1f}% of bound", flush=True)
+        records.append(rec)
+        densify_(eng.model)
+    stamped = [stamp(r) for r in records]
+    for r in stamped:
+        write_record(a.out / f"proj_decode_{r['mode']}_{n}_{run_id}.json", r)
+    (a.out / "proj_decode_records.json").write_text(json.dumps(stamped, indent=1))
+    print("median dense ms", statistics.median(dense["step_ms"]))
+
+
+if __name__ == "__main__":
+    main()
