@@ -27,11 +27,10 @@ from torch import Tensor
 
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.sparse_gemv import keep_mask, sparse_gemv, sparse_gemv_ref, workspace
+from sparsedecode.projection.thresholds import MODULE_OF
+from sparsedecode.projection.thresholds import site_key as threshold_key
 
-SITE_KEYS = {
-    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
-    "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
-}
+SITE_KEYS = {module: short for short, module in MODULE_OF.items()}  # 'gate_proj' -> 'gate'
 FF_SITES = ("gate_proj", "up_proj", "down_proj")
 _FIXED_DTYPE = ("threshold", "kept", "ws_acc")  # follow .to(device) but never .to(dtype)
 
@@ -40,7 +39,7 @@ def site_key(layer: int, site: str) -> str:
     """The thresholds key of a projection site: ('layers.3.gate') for (3, 'gate_proj')."""
     if site not in SITE_KEYS:
         raise InputError(f"unknown projection site '{site}'; sites are {', '.join(SITE_KEYS)}")
-    return f"layers.{layer}.{SITE_KEYS[site]}"
+    return threshold_key(layer, SITE_KEYS[site])
 
 
 class SparseLinear(nn.Module):
