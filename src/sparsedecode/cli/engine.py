@@ -28,13 +28,24 @@ def generate(
     seed: int = typer.Option(None, "--seed", help="Sampling seed."),
     max_len: int = typer.Option(None, "--max-len", help="Cache length in tokens (default min(window, 4096))."),
     attention: str = typer.Option("split_k", "--attention", help="split_k, sdpa_masked or sdpa_fused."),
+    thresholds: str = typer.Option(None, "--thresholds", help="Projection thresholds file "
+                                   "(sparsedecode calibrate): sparse decode steps."),
+    proj_keep: str = typer.Option(None, "--proj-keep", help="Projection keep: calibrate uniform "
+                                  "TEAL thresholds on WikiText-2 validation once, cache, use."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
 ):
     """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
     import sparsedecode
+    from sparsedecode.errors import InputError
 
+    if thresholds is not None and proj_keep is not None:
+        raise InputError("give --thresholds FILE or --proj-keep K, not both")
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
-                            attention=attention, quiet=as_json)
+                            attention=attention, quiet=as_json, thresholds=thresholds)
+    if proj_keep is not None:
+        from sparsedecode.projection.calibrate import cached_teal
+
+        eng.sparsify(cached_teal(eng, proj_keep, progress=not as_json))
 
     def show(text: str) -> None:
         sys.stdout.write(text)
@@ -52,6 +63,9 @@ def generate(
         typer.echo(json.dumps({
             "model": eng.name, "source": str(eng.source_path), "device": str(eng.device),
             "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
+            "projection": None if eng.thresholds is None else {
+                "method": eng.thresholds.method, "keep": eng.thresholds.keep,
+                "path": "masked reference" if eng.device.type == "cpu" else "sparse GEMV"},
             "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
         }))
         return
@@ -59,7 +73,10 @@ def generate(
     typer.echo(
         f"[{eng.name} on {eng.device}] prompt {speeds['prompt_tokens']} tokens at "
         f"{speeds['prompt_tok_s']} tok/s, decode {speeds['new_tokens']} tokens at "
-        f"{speeds['decode_tok_s']} tok/s",
+        f"{speeds['decode_tok_s']} tok/s" + ("" if eng.thresholds is None else (
+            f"; projection {eng.thresholds.method} keep {eng.thresholds.keep:g}, "
+            + ("masked reference (reads every weight)" if eng.device.type == "cpu"
+               else "sparse GEMV"))),
         err=True,
     )
 

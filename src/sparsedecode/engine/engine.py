@@ -79,6 +79,7 @@ class Engine:
             )
         self._graph = None
         self._graph_out = None
+        self.thresholds = None  # set by sparsify
 
     # -- the model calls ----------------------------------------------------
     def _decode_forward(self) -> torch.Tensor:
@@ -172,6 +173,27 @@ class Engine:
             self._graph_out = self._step_fn()
         self._graph = graph
 
+    def sparsify(self, thresholds) -> None:
+        """Run the projection branch in the decode step (ByteCross §3.2): each site whose
+        threshold `thresholds` (a `Thresholds` or a path to one) holds reads only the weight
+        rows of input channels above it; prefill stays dense. Thresholds of other dims are
+        refused. The decode step is compiled and captured again on its next call."""
+        from sparsedecode.projection.sparse_linear import sparsify_
+        from sparsedecode.projection.thresholds import ACT_SITE, Thresholds
+
+        th = thresholds if isinstance(thresholds, Thresholds) else Thresholds.load(thresholds)
+        th.validate(self.dims)
+        sites = th.sites
+        if ACT_SITE in sites:
+            raise InputError(
+                "CATS thresholds (site 'act': SiLU(gate) -> sparse up/down) do not run in the "
+                "decode step yet; calibrate with --method teal"
+            )
+        if sites:
+            sparsify_(self.model, th.values, ff_only=not set(sites) - {"gate", "up", "down"})
+        self.thresholds = th
+        self._graph = None
+
     def reset(self) -> None:
         """Forget the cached tokens (the buffers stay allocated)."""
         self.pos = 0
@@ -253,11 +275,12 @@ class Engine:
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
          attention: str = "split_k", compile: bool | str | None = None, seed: int | None = 0,
-         quiet: bool = False) -> Engine:
+         quiet: bool = False, thresholds=None) -> Engine:
     """Load `ref` (known name, HF folder, hub id, .gguf file, or a config dict with
     init='random') into an Engine whose static cache holds `max_len` tokens
     (default min(model window, 4096)). `compile` defaults to True on CUDA; a string
-    is taken as the torch.compile mode."""
+    is taken as the torch.compile mode. `thresholds` (a `Thresholds` or a file) turns on
+    the projection branch in the decode step (`Engine.sparsify`)."""
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
 
     get_backend(attention)  # an unknown backend fails before any download
@@ -277,8 +300,11 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     eos = list(args.eos_ids) + list(extra_eos_ids(ckpt))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
-    return Engine(model, args, tokenizer=tokenizer, source_path=ckpt.source, device=dev, dtype=dt,
-                  attention=attention, name=ckpt.name, init=init, eos_ids=eos, compile=compile)
+    eng = Engine(model, args, tokenizer=tokenizer, source_path=ckpt.source, device=dev, dtype=dt,
+                 attention=attention, name=ckpt.name, init=init, eos_ids=eos, compile=compile)
+    if thresholds is not None:
+        eng.sparsify(thresholds)
+    return eng
 
 
 __all__ = ["DEFAULT_MAX_LEN", "Engine", "Generation", "load"]

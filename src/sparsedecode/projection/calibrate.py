@@ -438,3 +438,26 @@ __all__ = [
     "CALIBRATORS", "MIN_TOKENS", "Activations", "Calibrator", "collect_activations",
     "get_calibrator", "masks", "measure_keep", "quantile_threshold", "rope_at", "run_layers",
 ]
+
+
+def cached_teal(engine, keep: float, tokens: int = 8192, text_file=None, progress: bool = True):
+    """Uniform TEAL thresholds at `keep` for `engine`, calibrated on the first `tokens` of
+    WikiText-2 validation (or `text_file`) once and cached under the sparsedecode cache
+    (`generate --proj-keep`)."""
+    from sparsedecode.models.embedded import cache_dir
+    from sparsedecode.quality.data import text_ids, wikitext_path
+
+    keep = check_keep(keep, "--proj-keep")
+    path = wikitext_path("valid", text_file)
+    out = cache_dir() / "thresholds" / f"{engine.name}-teal-{keep:g}-{tokens}-{path.name}.safetensors"
+    if out.is_file():
+        return Thresholds.load(out)
+    ids = text_ids(engine.tokenizer, path)
+    if len(ids) < tokens:
+        raise InputError(f"{path} has {len(ids):,} tokens, fewer than the {tokens:,} calibration needs")
+    th = get_calibrator("teal", keep=keep).calibrate(
+        engine, ids[:tokens], text=f"{path.name}[:{tokens}]", progress=progress
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    th.save(out)
+    return th

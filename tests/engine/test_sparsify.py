@@ -1,0 +1,62 @@
+"""The engine runs the projection branch from a thresholds file: keep-1.0 thresholds decode
+exactly as dense, real thresholds change decode but not prefill, and thresholds of other
+dims or CATS thresholds are refused with a clear error."""
+
+import pytest
+import torch
+
+import sparsedecode
+from sparsedecode.errors import InputError
+from sparsedecode.projection.thresholds import SITES, Thresholds
+
+CFG = dict(
+    model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+    max_position_embeddings=256, rope_theta=10000.0, eos_token_id=None,
+)
+
+
+def _engine():
+    return sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64)
+
+
+def _thresholds(eng, t: float, sites=SITES[:7]) -> Thresholds:
+    values = {f"layers.{i}.{s}": t for i in range(2) for s in sites}
+    return Thresholds(values=values, method="teal", keep=0.5, model=eng.name, dims=eng.dims.to_dict())
+
+
+def _decode(eng, ids):
+    eng.reset()
+    eng.prefill(ids[:-3])
+    return torch.stack([eng.decode_step(int(t)).clone() for t in ids[-3:]])
+
+
+def test_zero_thresholds_decode_as_dense_and_real_ones_do_not(tmp_path):
+    ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(0))
+    eng = _engine()
+    dense = _decode(eng, ids)
+    prefill = eng.forward_logits(ids)
+    path = _thresholds(eng, 0.0).save(tmp_path / "t0.safetensors")
+    eng.sparsify(path)
+    torch.testing.assert_close(_decode(eng, ids), dense, rtol=1e-5, atol=1e-5)
+    eng.sparsify(_thresholds(eng, 0.02))
+    assert not torch.allclose(_decode(eng, ids), dense, atol=1e-5)
+    torch.testing.assert_close(eng.forward_logits(ids), prefill, rtol=1e-5, atol=1e-5)
+
+
+def test_load_takes_thresholds_and_ff_only_files(tmp_path):
+    eng = _engine()
+    path = _thresholds(eng, 0.02, sites=("gate", "up", "down")).save(tmp_path / "ff.safetensors")
+    eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, thresholds=path)
+    attn, mlp = eng.model.layers[0].self_attn, eng.model.layers[0].mlp
+    assert type(attn.q_proj).__name__ == "Linear" and type(mlp.up_proj).__name__ == "SparseLinear"
+
+
+def test_other_dims_and_cats_are_refused():
+    eng = _engine()
+    other = _thresholds(eng, 0.1)
+    other.dims = {**other.dims, "d_ff": 128}
+    with pytest.raises(InputError, match="d_ff"):
+        eng.sparsify(other)
+    with pytest.raises(InputError, match="CATS"):
+        eng.sparsify(_thresholds(eng, 0.1, sites=("act",)))
