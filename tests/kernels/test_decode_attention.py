@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from _compare import mismatch
 
 from sparsedecode.engine.attention import BACKENDS, decode_attention, get_backend, split_k_lse
 from sparsedecode.errors import InputError
@@ -51,23 +52,6 @@ def attend(q, k, v, start, end, dtype=torch.float64):
     p = torch.softmax(s, -1).nan_to_num(0.0)
     out = torch.matmul(p, v.to(dtype))  # (B, Hkv, G, D)
     return out.reshape(B, Hq, D), lse.reshape(B, Hq)
-
-
-def mismatch(got, want, tol, what) -> str | None:
-    """None when |got - want| <= tol everywhere, else a message with count, worst index and values."""
-    got, want = got.double().cpu(), want.double().cpu()
-    both_inf = torch.isinf(got) & torch.isinf(want) & (torch.sign(got) == torch.sign(want))
-    err = (got - want).abs().masked_fill(both_inf, 0.0).nan_to_num(math.inf)
-    bad = err > tol
-    if not bad.any():
-        return None
-    worst = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
-    first = [tuple(int(j) for j in i) for i in bad.nonzero()[:5]]
-    return (
-        f"{what}: {int(bad.sum())} of {err.numel()} elements off by more than {tol:.3g} "
-        f"(max {err.max().item():.3g} at {worst}: got {got[worst].item():.6g}, want "
-        f"{want[worst].item():.6g}); first off at {first}"
-    )
 
 
 def out_tol(q, k, v, start, end, ref64):

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from _compare import mismatch
 
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.sparse_gemv import (
@@ -58,22 +59,6 @@ def exact(x, w_t, t, b):
     if b is not None:
         y64, same = y64 + b.double(), same + b
     return y64, same
-
-
-def mismatch(got, want, tol, what) -> str | None:
-    """None when |got - want| <= tol everywhere, else a message with count, worst index and values."""
-    got, want = got.double().cpu(), want.double().cpu()
-    err = (got - want).abs().nan_to_num(math.inf)
-    bad = err > tol
-    if not bad.any():
-        return None
-    worst = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
-    first = [tuple(int(j) for j in i) for i in bad.nonzero()[:5]]
-    return (
-        f"{what}: {int(bad.sum())} of {err.numel()} elements off by more than {tol:.3g} "
-        f"(max {err.max().item():.3g} at {worst}: got {got[worst].item():.6g}, want "
-        f"{want[worst].item():.6g}); first off at {first}"
-    )
 
 
 def check(got, x, w_t, t, b, what, slack: float = 0.0) -> list[str]:
