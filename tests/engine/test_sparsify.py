@@ -1,6 +1,7 @@
 """The engine runs the projection branch from a thresholds file: keep-1.0 thresholds decode
-exactly as dense, real thresholds change decode but not prefill, and thresholds of other
-dims or CATS thresholds are refused with a clear error."""
+exactly as dense, real thresholds change decode but not prefill, CATS files run the
+gate -> mask -> sparse down path and match the masked reference, and thresholds of other
+dims are refused with a clear error."""
 
 import pytest
 import torch
@@ -58,5 +59,30 @@ def test_other_dims_and_cats_are_refused():
     other.dims = {**other.dims, "d_ff": 128}
     with pytest.raises(InputError, match="d_ff"):
         eng.sparsify(other)
-    with pytest.raises(InputError, match="CATS"):
-        eng.sparsify(_thresholds(eng, 0.1, sites=("act",)))
+    with pytest.raises(InputError, match="not both"):
+        eng.sparsify(_thresholds(eng, 0.1, sites=("act", "q")))
+
+
+def test_cats_runtime_drops_channels_below_the_activation_threshold():
+    from sparsedecode.projection.calibrate import masks
+
+    ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(1))
+    eng = _engine()
+    dense = _decode(eng, ids)
+    table = {f"layers.{i}.act": 0.01 for i in range(2)}
+    # what the masked hooks of the calibrators compute, one token at a time
+    eng.reset()
+    eng.prefill(ids[:-3])
+    with masks(eng.model, table):
+        want = torch.stack([eng.decode_step(int(t)).clone() for t in ids[-3:]])
+    eng.sparsify(_thresholds(eng, 0.0, sites=("act",)))
+    torch.testing.assert_close(_decode(eng, ids), dense, rtol=1e-5, atol=1e-5)  # nothing dropped
+    eng.sparsify(Thresholds(values=table, method="cats", keep=0.5, model=eng.name,
+                            dims=eng.dims.to_dict(), keep_metric="act_keep"))
+    got = _decode(eng, ids)
+    assert not torch.allclose(got, dense, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    mlp = eng.model.layers[0].mlp
+    mlp.track = True
+    _decode(eng, ids)
+    assert 0.0 < mlp.realized_keep() < 1.0

@@ -65,7 +65,9 @@ def generate(
             "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
             "projection": None if eng.thresholds is None else {
                 "method": eng.thresholds.method, "keep": eng.thresholds.keep,
-                "path": "masked reference" if eng.device.type == "cpu" else "sparse GEMV"},
+                "path": "masked reference" if eng.device.type == "cpu" else (
+                    "sparse down GEMV, up read whole" if eng.thresholds.method == "cats"
+                    else "sparse GEMV")},
             "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
         }))
         return
@@ -76,6 +78,7 @@ def generate(
         f"{speeds['decode_tok_s']} tok/s" + ("" if eng.thresholds is None else (
             f"; projection {eng.thresholds.method} keep {eng.thresholds.keep:g}, "
             + ("masked reference (reads every weight)" if eng.device.type == "cpu"
+               else "sparse down GEMV, up read whole" if eng.thresholds.method == "cats"
                else "sparse GEMV"))),
         err=True,
     )

@@ -176,21 +176,23 @@ class Engine:
     def sparsify(self, thresholds) -> None:
         """Run the projection branch in the decode step (ByteCross §3.2): each site whose
         threshold `thresholds` (a `Thresholds` or a path to one) holds reads only the weight
-        rows of input channels above it; prefill stays dense. Thresholds of other dims are
-        refused. The decode step is compiled and captured again on its next call."""
+        rows of input channels above it; a CATS file (sites 'act') drops MLP channels with
+        |SiLU(gate)| at or below its threshold (`projection.cats_runtime`). Prefill stays
+        dense. Thresholds of other dims are refused. The decode step is compiled and
+        captured again on its next call."""
+        from sparsedecode.projection.cats_runtime import cats_
         from sparsedecode.projection.sparse_linear import sparsify_
         from sparsedecode.projection.thresholds import ACT_SITE, Thresholds
 
         th = thresholds if isinstance(thresholds, Thresholds) else Thresholds.load(thresholds)
         th.validate(self.dims)
-        sites = th.sites
+        sites = set(th.sites)
         if ACT_SITE in sites:
-            raise InputError(
-                "CATS thresholds (site 'act': SiLU(gate) -> sparse up/down) do not run in the "
-                "decode step yet; calibrate with --method teal"
-            )
-        if sites:
-            sparsify_(self.model, th.values, ff_only=not set(sites) - {"gate", "up", "down"})
+            if sites != {ACT_SITE}:
+                raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
+            cats_(self.model, th.values)
+        elif sites:
+            sparsify_(self.model, th.values, ff_only=not sites - {"gate", "up", "down"})
         self.thresholds = th
         self._graph = None
 
