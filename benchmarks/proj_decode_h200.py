@@ -27,6 +27,7 @@ from dense_decode_h200 import summary, time_steps  # benchmarks/ is the script's
 
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
+from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.projection.calibrate import get_calibrator
 from sparsedecode.projection.sparse_linear import densify_, realized_projection_keep, sparsify_
 from sparsedecode.records import stamp, write_record
@@ -44,7 +45,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--gemv-configs", type=Path,
+                    help="sparse GEMV tile configs from sparse_gemv_bench.py --choose (else the built-in ones)")
     a = ap.parse_args()
+    if a.gemv_configs:
+        print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
     keeps = [float(k) for k in a.keeps.split(",")]
     run_id = time.strftime("%Y%m%dT%H%M%S")
@@ -60,6 +65,7 @@ def main() -> None:
             "compile_mode": a.compile_mode, "attention": eng.attention, "run_id": run_id,
             "fill": "random", "calibration": {"method": "teal", "greedy": False,
                                               "tokens": a.calib_tokens, "text": "random token ids"},
+            "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 
     def prepare() -> None:

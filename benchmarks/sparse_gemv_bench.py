@@ -32,13 +32,23 @@ import torch.nn.functional as F
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.records import stamp, write_record
 
-SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096)}  # name: (K in, N out)
+# name: (K in, N out). The default two are the issue's; q_o and kv are the attention projections
+# the decode step also runs sparse, and qkv / gate_up2 the concatenated (fused) weights.
+SHAPES = {"gate_up": (4096, 14336), "down": (14336, 4096), "q_o": (4096, 4096), "kv": (4096, 1024),
+          "qkv": (4096, 6144), "gate_up2": (4096, 28672)}
+DEFAULT_SHAPES = ("gate_up", "down")
 KEEPS = (1.0, 0.5, 0.3)
 BYTE_RATE = 4.15e12  # B/s: the H200 streaming rate the target is set against
 TARGET = 1.15
-# (BLOCK_N, BLOCK_K, programs per SM, num_warps) tried by --sweep beside the default
-SWEEP = [(256, 16, 24, 1), (256, 32, 8, 1), (256, 32, 6, 1), (256, 64, 6, 1), (512, 32, 6, 2),
-         (1024, 32, 3, 4), (1024, 16, 6, 4), (256, 32, 4, 4), (128, 32, 12, 1)]
+# Tile configs tried by --sweep beside the default: (BLOCK_N, BLOCK_K, split size, num_warps,
+# num_stages), the split size either 'pN' (splits for about N programs per SM) or 'rN' (N rows
+# per split; r == BLOCK_K is one tile per program, more rows loop, pipelined when stages > 1).
+SWEEP = [(256, 32, "p12", 1, 1), (256, 16, "p24", 1, 1), (256, 32, "p12", 1, 3),
+         (256, 32, "r32", 1, 1), (256, 64, "r64", 2, 1), (256, 64, "r64", 4, 1),
+         (256, 128, "r128", 4, 1), (256, 128, "r128", 8, 1), (512, 64, "r64", 4, 1),
+         (512, 64, "r64", 8, 1), (512, 128, "r128", 8, 1), (128, 128, "r128", 4, 1),
+         (1024, 32, "r32", 4, 1), (256, 256, "r256", 8, 1), (256, 64, "r256", 4, 3),
+         (256, 64, "r256", 4, 1), (512, 64, "r256", 8, 1), (256, 128, "r512", 8, 1)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -68,11 +78,41 @@ def time_graph(fn, args_list, reps: int) -> list[float]:
     return times
 
 
-def sweep_config(K: int, N: int, block_n: int, block_k: int, per_sm: int, warps: int) -> tuple:
-    """(BLOCK_N, BLOCK_K, splits, num_warps) with the split count for `per_sm` programs per SM."""
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    want = max(1, round(per_sm * sms / -(-N // block_n)))
-    return block_n, block_k, sg._splits(K, block_k, want), warps
+def sweep_config(K: int, N: int, block_n: int, block_k: int, size: str, warps: int, stages: int) -> tuple:
+    """(BLOCK_N, BLOCK_K, splits, num_warps, num_stages) of one SWEEP entry at shape (K, N)."""
+    if size[0] == "p":
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        want = max(1, round(int(size[1:]) * sms / -(-N // block_n)))
+    else:
+        want = -(-K // int(size[1:]))
+    return block_n, block_k, sg._splits(K, block_k, want), warps, stages
+
+
+def sweep_label(block_n: int, block_k: int, size: str, warps: int, stages: int) -> str:
+    return f"b{block_n}k{block_k}{size}w{warps}s{stages}"
+
+
+def choose(records: list[dict], keeps=(0.5, 0.3)) -> list[dict]:
+    """Per shape, the config with the least summed time over `keeps` (the decode regime)."""
+    by_shape: dict[str, dict[str, float]] = {}
+    first: dict[tuple[str, str], dict] = {}
+    for r in records:
+        if any(abs(r["keep_target"] - k) < 1e-9 for k in keeps):
+            cell = by_shape.setdefault(r["shape"], {})
+            cell[r["config_label"]] = cell.get(r["config_label"], 0.0) + r["time_s"]
+            first.setdefault((r["shape"], r["config_label"]), r)
+    out = []
+    for shape, times in by_shape.items():
+        n_keeps = {lab: sum(1 for r in records if r["shape"] == shape and r["config_label"] == lab
+                            and any(abs(r["keep_target"] - k) < 1e-9 for k in keeps)) for lab in times}
+        full = [lab for lab in times if n_keeps[lab] == len(keeps)]  # configs that ran at every keep
+        best = min(full, key=times.get)
+        r = first[(shape, best)]
+        c = r["config"]
+        out.append({"shape": shape, "K": r["K"], "N": r["N"], "dtype": r["dtype"], "sm_count": r["sm_count"],
+                    "label": best, "summed_time_s": times[best], "keeps": list(keeps),
+                    "config": [c["block_n"], c["block_k"], c["splits"], c["num_warps"], c["num_stages"]]})
+    return out
 
 
 def check(x, w_t, thr, ws, config, what: str) -> float:
@@ -106,7 +146,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
     default = sg.default_config(K, N, dtype, dev)
     variants = [("default", default)]
     if args.sweep:
-        variants += [(f"b{c[0]}k{c[1]}p{c[2]}w{c[3]}", sweep_config(K, N, *c)) for c in SWEEP]
+        variants += [(sweep_label(*c), sweep_config(K, N, *c)) for c in SWEEP]
     for keep in args.keeps:
         t_val = 0.0 if keep >= 1.0 else float(x.float().abs().quantile(1.0 - keep))
         thr = torch.tensor(t_val, device=dev)
@@ -123,13 +163,14 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                     raise
                 print(f"{name} keep={keep} {label}: failed ({str(e).splitlines()[0]})", flush=True)
                 continue
-            block_n, block_k, splits, warps = cfg
+            block_n, block_k, splits, warps, stages = cfg
             rec = stamp({
                 "kind": "sparse_gemv_bench", "shape": name, "K": K, "N": N, "dtype": "bfloat16",
                 "keep_target": keep, "threshold": t_val, "kept_rows": kept, "keep": kept / K,
                 "config_label": label,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
-                           "programs": -(-N // block_n) * splits},
+                           "num_stages": stages, "programs": -(-N // block_n) * splits},
+                "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
                 "copies": args.copies, "rounds": args.rounds, "reps": args.reps, "graph": True,
                 "time_s": t, "bytes_read": nbytes, "tb_per_s": nbytes / t / 1e12,
                 "byte_rate": BYTE_RATE, "byte_time_s": byte_time, "ratio_to_byte_time": t / byte_time,
@@ -152,17 +193,22 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON records")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
     ap.add_argument("--keeps", type=float, nargs="+", default=list(KEEPS))
     ap.add_argument("--copies", type=int, default=4, help="distinct weight copies per graph (beat the L2)")
     ap.add_argument("--rounds", type=int, default=8, help="calls per copy and graph")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
+    ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
+                    "for sparse_gemv.load_tuned")
+    ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     if (args.out / COMBINED).exists():
         raise SystemExit(f"{args.out / COMBINED} exists; records are never overwritten: pick a new --out")
     dev = torch.device("cuda")
+    if args.tuned:
+        print(f"{sg.load_tuned(args.tuned)} tuned configs from {args.tuned}")
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
     for name in args.shapes:
@@ -170,6 +216,11 @@ def main() -> None:
         records += recs
         rows += shape_rows
     write_record(args.out / COMBINED, records)
+    if args.choose:
+        chosen = choose(records)
+        write_record(args.choose, chosen)
+        for c in chosen:
+            print(f"chosen {c['shape']}: {c['label']} {c['config']}")
     print(f"\n{'shape':8s} {'keep':>5s} {'config':14s} {'us':>8s} {'TB/s':>6s} {'x byte':>7s} {'x dense':>8s}")
     for name, keep, label, us, tbs, ratio, speed in rows:
         print(f"{name:8s} {keep:5g} {label:14s} {us:8.1f} {tbs:6.2f} {ratio:7.2f} {speed:8.2f}")

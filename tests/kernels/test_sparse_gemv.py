@@ -128,7 +128,7 @@ def test_default_config_fills_an_h200_in_one_wave(monkeypatch):
 
     monkeypatch.setattr(sg, "_sm_count", lambda index: 132)
     for K, N in ((4096, 14336), (14336, 4096)):
-        block_n, block_k, splits, warps = default_config(K, N, torch.bfloat16, torch.device("cuda", 0))
+        block_n, block_k, splits, warps, stages = default_config(K, N, torch.bfloat16, torch.device("cuda", 0))
         programs = -(-N // block_n) * splits
         assert block_n * 2 == 512 * warps, (K, N, block_n)
         assert 0.75 * sg.PROGRAMS_PER_SM * 132 <= programs <= sg.PROGRAMS_PER_SM * 132, (K, N, splits)
@@ -168,7 +168,7 @@ def _interpreter_worker() -> None:
                 fails.append(f"{dtype} {K}x{N}: the workspace is not back at zero after the calls")
     x, w_t, b = make(577, 1537, torch.bfloat16, seed=3)
     for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
-        y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, 16, splits, 4))
+        y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, 16, splits, 4, 1))
         fails += check(y, x, w_t, threshold_for(x, 0.3), b, f"kernel splits={splits}", 2.0**-7)
         n += 1
     dense = F.linear(x, w_t.t(), b)

@@ -56,6 +56,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_BYTES = 512  # bytes of one row segment per warp: 4 lines of 128 B, one 16-byte vector per lane
 BLOCK_K = 32  # rows per loop iteration: 16 KB of weight per one-warp program at full keep
 NUM_WARPS = 1
+NUM_STAGES = 1  # software pipelining of the row loop (Triton num_stages)
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
 # the DRAM latency (Little's law: ~30 KB in flight per SM at 4.15 TB/s). In-flight bytes cost
@@ -138,13 +139,36 @@ def sparse_gemv_ref(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = Non
     return y.to(x.dtype)
 
 
-def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
-                   programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, splits, num_warps) for a (K, N) weight: static per shape and device.
+# Measured tile configs, (K, N, dtype name, SM count) -> (BLOCK_N, BLOCK_K, splits, num_warps,
+# num_stages); consulted before the rule of `default_config`. `load_tuned` adds the winners of
+# `benchmarks/sparse_gemv_bench.py --sweep --choose FILE`.
+TUNED: dict[tuple[int, int, str, int], tuple[int, int, int, int, int]] = {}
 
-    BLOCK_N spans ROW_BYTES of a row (fewer for narrow N); the K splits bring the grid to
-    about `programs_per_sm` programs per SM, each split a whole number of BLOCK_K rows.
+
+def load_tuned(path) -> int:
+    """Add the tile configs of a `--choose` file to TUNED; returns how many were read."""
+    import json
+
+    rows = json.loads(open(path).read())
+    for row in rows:
+        TUNED[(row["K"], row["N"], row["dtype"], row["sm_count"])] = tuple(row["config"])
+    return len(rows)
+
+
+def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
+                   programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, splits, num_warps, num_stages) for a (K, N) weight: static per shape
+    and device.
+
+    A measured config from TUNED when there is one; otherwise BLOCK_N spans ROW_BYTES of a
+    row (fewer for narrow N) and the K splits bring the grid to about `programs_per_sm`
+    programs per SM, each split a whole number of BLOCK_K rows.
     """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        tuned = TUNED.get((K, N, str(dtype).removeprefix("torch."), _sm_count(index)))
+        if tuned is not None:
+            return tuned
     elem = torch.empty((), dtype=dtype).element_size()
     block_n = max(MIN_BLOCK, min(ROW_BYTES * NUM_WARPS // elem, _pow2(N)))
     block_k = max(MIN_BLOCK, min(BLOCK_K, _pow2(K)))
@@ -154,7 +178,7 @@ def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
         want = max(1, round(programs_per_sm * _sm_count(index) / n_tiles))
     else:
         want = CPU_SPLITS
-    return block_n, block_k, _splits(K, block_k, want), NUM_WARPS
+    return block_n, block_k, _splits(K, block_k, want), NUM_WARPS, NUM_STAGES
 
 
 def _rows_per_split(K: int, block_k: int, splits: int) -> int:
@@ -234,7 +258,7 @@ if triton is not None:
 def _sparse_gemv_op(
     x: Tensor, w_t: Tensor, thr_t: Tensor | None, thr_f: float, bias: Tensor | None,
     ws_acc: Tensor | None, ws_count: Tensor | None,
-    block_n: int, block_k: int, splits: int, num_warps: int,
+    block_n: int, block_k: int, splits: int, num_warps: int, num_stages: int,
 ) -> Tensor:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
@@ -242,7 +266,7 @@ def _sparse_gemv_op(
     # (config from the SM count) run at trace and capture time and are static per shape.
     K, N = w_t.shape
     if not block_n:
-        block_n, block_k, splits, num_warps = default_config(K, N, x.dtype, x.device)
+        block_n, block_k, splits, num_warps, num_stages = default_config(K, N, x.dtype, x.device)
     else:
         splits = _splits(K, block_k, splits)
     if ws_acc is None or ws_count is None:
@@ -253,7 +277,7 @@ def _sparse_gemv_op(
         x, w_t, bias if bias is not None else x, thr_t if thr_t is not None else ws_acc, y,
         ws_acc, ws_count, thr_f, K, N, _rows_per_split(K, block_k, splits), splits,
         BLOCK_N=block_n, BLOCK_K=block_k, THR_T=thr_t is not None,
-        HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1,
+        HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=num_stages,
     )
     return y
 
@@ -265,7 +289,7 @@ def _(x, w_t, thr_t, thr_f, bias, ws_acc, ws_count, *config):
 
 def sparse_gemv(
     x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None,
-    ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int] | None = None,
+    ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
 ) -> Tensor:
     """Input-sparse GEMV of one token with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -275,7 +299,7 @@ def sparse_gemv(
     Returns (..., N) in x's dtype: sum over kept i of x_i * w_t[i, :] (+ bias), fp32
     accumulation; rows of dropped channels are never loaded (§3.2). `ws` is a persistent
     workspace from `workspace(N, device)` (without it each call zeroes a fresh one);
-    `config` (BLOCK_N, BLOCK_K, splits, num_warps) overrides `default_config`, for tuning.
+    `config` (BLOCK_N, BLOCK_K, splits, num_warps, num_stages) overrides `default_config`, for tuning.
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -294,15 +318,17 @@ def sparse_gemv(
     if ws is not None and (ws[0].numel() < N or ws[0].dtype != torch.float32 or ws[1].dtype != torch.int32):
         raise InputError("ws must be workspace(N, device): (float32 (>= N,), int32 counters)")
     if config is not None:
-        block_n, block_k, splits, num_warps = config
+        if len(config) != 5:
+            raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, num_stages); got {config}")
+        block_n, block_k, splits, num_warps, num_stages = config
         if block_n & (block_n - 1) or block_k & (block_k - 1) or min(block_n, block_k) < MIN_BLOCK:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two >= {MIN_BLOCK}; got {config}")
         if ws is not None and ws[1].numel() < -(-N // block_n):
             raise InputError(f"ws has {ws[1].numel()} counters; BLOCK_N={block_n} needs {-(-N // block_n)}")
     thr_t, thr_f = (threshold.reshape(()), 0.0) if isinstance(threshold, Tensor) else (None, float(threshold))
     y = _sparse_gemv_op(x.reshape(K), w_t, thr_t, thr_f, bias, *(ws or (None, None)),
-                        *(config or (0, 0, 0, 0)))
+                        *(config or (0, 0, 0, 0, 0)))
     return y.reshape(*x.shape[:-1], N)
 
 
-__all__ = ["default_config", "keep_mask", "sparse_gemv", "sparse_gemv_ref", "workspace"]
+__all__ = ["TUNED", "default_config", "keep_mask", "load_tuned", "sparse_gemv", "sparse_gemv_ref", "workspace"]
