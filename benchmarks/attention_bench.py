@@ -6,6 +6,8 @@ layer, as in a decode step, so a 2K cache does not sit in L2 between calls) are
 captured in one CUDA graph; a replay is timed with CUDA events, and the time per
 call is the median replay over `--reps` divided by the layer count. Achieved
 TB/s counts the K and V bytes of the valid context, 2 * Hkv * D * n * 2 bytes.
+split_k (merge fused into the split kernel) and split_k_2kernel (the merge as a
+second launch) time our kernel's two paths side by side.
 
   PYTHONPATH=src python benchmarks/attention_bench.py --out DIR [--check] [--sweep]
 
@@ -33,7 +35,8 @@ from sparsedecode.records import stamp, write_record
 
 HQ, HKV, D = 32, 8, 128  # llama-3.1-8b attention
 GENERATED = 64  # cache slack for generated tokens, as the timing protocol allocates
-BACKENDS = ["split_k", "sdpa_fused", "sdpa_fused_gqa", "sdpa_masked"]
+BACKENDS = ["split_k", "split_k_2kernel", "sdpa_fused", "sdpa_fused_gqa", "sdpa_masked"]
+SPLIT_K = {"split_k": True, "split_k_2kernel": False}  # our kernel's backends -> fused_merge
 SWEEP_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (32, 4, 4)]  # BLOCK_N, warps, stages
 
 
@@ -45,10 +48,12 @@ def _fused_gqa(q, k, v, end):
 
 def calls(name: str, n: int, end_t: torch.Tensor, config=None, splits=None):
     """fn(q, k, v) for one backend; tensor bounds where the backend is capturable with them."""
-    if name == "split_k":
-        if config or splits:
-            return lambda q, k, v: split_k_attention(q, k, v, end_t, num_splits=splits, config=config)[0]
+    if name == "split_k" and not (config or splits):
         return lambda q, k, v: decode_attention(q, k, v, end_t, backend="split_k")
+    if name in SPLIT_K:
+        fused = SPLIT_K[name]
+        return lambda q, k, v: split_k_attention(q, k, v, end_t, num_splits=splits, config=config,
+                                                 fused_merge=fused)[0]
     if name == "sdpa_masked":
         return lambda q, k, v: decode_attention(q, k, v, end_t, backend="sdpa_masked")
     if name == "sdpa_fused":
@@ -87,11 +92,14 @@ def time_graph(fn, q, caches, reps: int) -> list[float]:
 def check(q, caches, n: int, end_t: torch.Tensor, names) -> None:
     k, v = caches[0]
     want, want_lse = split_k_ref(q, k, v, end_t, num_splits=8)
-    got, lse = split_k_attention(q, k, v, end_t)
-    lse_err = (lse - want_lse).abs().max().item()
-    assert lse_err < 1e-3, f"split_k lse off by {lse_err:.3g} at n={n}"
+    got, lse_errs = {}, []
+    for name, fused in SPLIT_K.items():
+        got[name], lse = split_k_attention(q, k, v, end_t, fused_merge=fused)
+        lse_errs.append((lse - want_lse).abs().max().item())
+        assert lse_errs[-1] < 1e-3, f"{name} lse off by {lse_errs[-1]:.3g} at n={n}"
+    lse_err = max(lse_errs)
     for name in names:
-        out = calls(name, n, end_t)(q, k, v) if name != "split_k" else got
+        out = got[name] if name in got else calls(name, n, end_t)(q, k, v)
         err = (out.float() - want.float()).abs()
         tol = 2e-2 * want.abs().max().item() + 1e-3
         bad = int((err > tol).sum())
@@ -155,9 +163,10 @@ def main() -> None:
                 "layers": args.layers, "reps": args.reps, "graph": True,
                 "time_s": t, "kv_bytes": nbytes, "tb_per_s": nbytes / t / 1e12,
                 "bytes_read_masked": 2 * HKV * D * T * 2 if name == "sdpa_masked" else None,
-                "split_k": None if name != "split_k" else {
+                "split_k": None if name not in SPLIT_K else {
                     "config": list(cfg or _kernel_config(D, dtype)),
                     "num_splits": splits or default_num_splits(T, HKV, dev),
+                    "fused_merge": SPLIT_K[name],
                 },
             })
             tag = "" if cfg is None else f"-b{cfg[0]}w{cfg[1]}s{cfg[2]}-S{splits}"

@@ -43,12 +43,14 @@ TARGET = 1.15
 # Tile configs tried by --sweep beside the default: (BLOCK_N, BLOCK_K, split size, num_warps,
 # num_stages), the split size either 'pN' (splits for about N programs per SM) or 'rN' (N rows
 # per split; r == BLOCK_K is one tile per program, more rows loop, pipelined when stages > 1).
-SWEEP = [(256, 32, "p12", 1, 1), (256, 16, "p24", 1, 1), (256, 32, "p12", 1, 3),
-         (256, 32, "r32", 1, 1), (256, 64, "r64", 2, 1), (256, 64, "r64", 4, 1),
-         (256, 128, "r128", 4, 1), (256, 128, "r128", 8, 1), (512, 64, "r64", 4, 1),
-         (512, 64, "r64", 8, 1), (512, 128, "r128", 8, 1), (128, 128, "r128", 4, 1),
-         (1024, 32, "r32", 4, 1), (256, 256, "r256", 8, 1), (256, 64, "r256", 4, 3),
-         (256, 64, "r256", 4, 1), (512, 64, "r256", 8, 1), (256, 128, "r512", 8, 1)]
+# The first sweep (records h200/sparse_gemv_20261129T194455Z) tried one-tile-per-program grids
+# and 2-8 warps per program; all lost to 16-row one-warp tiles, so this one explores around
+# those: programs per SM, x prefetch (stages 2), 512-byte vs 1 KB rows, 32-row tiles.
+SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p24", 1, 2), (256, 16, "p32", 1, 1),
+         (256, 16, "p32", 1, 2), (256, 16, "p48", 1, 1), (256, 16, "p48", 1, 2),
+         (256, 16, "p64", 1, 2), (512, 16, "p12", 2, 1), (512, 16, "p16", 2, 2),
+         (256, 32, "p24", 1, 2), (128, 16, "p48", 1, 2), (256, 16, "r16", 1, 1),
+         (256, 32, "p12", 1, 1)]
 COMBINED = "sparse_gemv_records.json"
 
 

@@ -14,20 +14,20 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _compare import mismatch
 
+from interpreted import run_interpreted
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.sparse_gemv import (
     default_config,
     keep_mask,
     sparse_gemv,
     sparse_gemv_ref,
+    sparse_gemv_segments_ref,
     workspace,
 )
 
@@ -168,9 +168,13 @@ def _interpreter_worker() -> None:
                 fails.append(f"{dtype} {K}x{N}: the workspace is not back at zero after the calls")
     x, w_t, b = make(577, 1537, torch.bfloat16, seed=3)
     for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
-        y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, 16, splits, 4, 1))
-        fails += check(y, x, w_t, threshold_for(x, 0.3), b, f"kernel splits={splits}", 2.0**-7)
-        n += 1
+        for stages in (1, 2):  # stages 2: the next x slice loaded one iteration ahead
+            y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, 16, splits, 4, stages))
+            fails += check(y, x, w_t, threshold_for(x, 0.3), b, f"kernel splits={splits} stages={stages}",
+                           2.0**-7)
+            n += 1
+    fails += _segment_cases()
+    n += 6
     dense = F.linear(x, w_t.t(), b)
     fails += [m for m in [mismatch(sparse_gemv(x, w_t, 0.0, b), dense, 0.05, "threshold 0 vs F.linear")] if m]
     y = sparse_gemv(x, w_t, math.inf, b)
@@ -183,12 +187,7 @@ def _interpreter_worker() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernel_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_sparse_gemv as t; t._interpreter_worker()"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
+    report = run_interpreted(__file__, "_interpreter_worker")
     assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
 
 
@@ -203,12 +202,14 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n):
 
     fn = sg._sparse_gemv_kernel
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, HAS_BIAS=True, EVEN_N=even_n)
-    types = dict(X=ty, W=ty, Bias=ty, Y=ty, Thr="*fp32", Acc="*fp32", Count="*i32", thr_f="fp32")
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
+                  EVEN_N=even_n, PREFETCH=False)
+    types = dict(X=ty, W=ty, Bias=ty, Y=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
+                 Count="*i32", thr_f="fp32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})
-    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N")]  # what the launcher specialises
+    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk")]  # what the launcher specialises
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     try:
@@ -239,6 +240,28 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     per_thread = block_k * block_n * elem // 16 // (NUM_WARPS * 32)  # 16-byte vectors per thread and tile
     assert len(vec) == per_thread, f"{len(vec)} vector loads per iteration, expected {per_thread}"
     assert "atom.global.gpu.acq_rel.add" in ptx and "red.global" in ptx
+
+
+def _segment_cases(device="cpu") -> list[str]:
+    """Column slices of a concatenated weight (row stride > N) and segmented calls, each block
+    with its own threshold: block bounds on and off the BLOCK_N grid, 2 and 3 blocks."""
+    fails = []
+    for dtype, widths, block_n in ((torch.bfloat16, [64, 32, 32], 32), (torch.float16, [40, 27, 30], 16),
+                                   (torch.float32, [96, 160], 32)):
+        K, N = 301, sum(widths)
+        x, w_t, b = make(K, N, dtype, device=device, seed=N)
+        thr = [torch.tensor(threshold_for(x, keep), device=device) for keep in (0.2, 0.7, 1.0)[:len(widths)]]
+        slack = 2.0**-7 if dtype == torch.bfloat16 else 0.0
+        y = sparse_gemv(x, w_t, thr, b, segments=widths, config=(block_n, 16, 5, 1, 2))
+        want = sparse_gemv_segments_ref(x, w_t, thr, widths, b)
+        ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
+        what = f"segments {widths} {dtype} BLOCK_N={block_n}"
+        fails += [m for m in [mismatch(y, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype], what)] if m]
+        lo = widths[0]  # the middle block alone, as a strided column slice
+        view = w_t[:, lo:lo + widths[1]]
+        y = sparse_gemv(x, view, thr[1], None, config=(block_n, 16, 3, 1, 1))
+        fails += check(y, x, view, thr[1], None, what + " strided slice", slack)
+    return fails
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
@@ -280,3 +303,9 @@ def test_kernel_in_cuda_graph_follows_threshold_updates():
             torch.cuda.synchronize()
             fails = check(out, x, w_t, threshold_for(x, keep), b, f"graph replay keep={keep}")
             assert not fails, "\n".join(fails)
+
+
+@gpu
+def test_segments_and_strided_slices_on_cuda():
+    fails = _segment_cases("cuda")
+    assert not fails, "\n".join(fails)

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sparsedecode
+from interpreted import run_interpreted
 from sparsedecode.errors import InputError
 from sparsedecode.projection.sparse_linear import (
     SITE_KEYS,
@@ -188,3 +189,51 @@ def test_sparse_engine_on_cuda_matches_masked_reference():
     # Upstream fp32 rounding differs by device, so a channel next to its threshold may flip.
     assert (d_gpu.cpu() - d_cpu).abs().max().item() <= 2e-2 * d_cpu.abs().max().item()
     assert realized_projection_keep(gpu.model) == pytest.approx(realized_projection_keep(cpu.model), abs=0.02)
+
+
+def _fused_worker() -> None:
+    """Under TRITON_INTERPRET=1: q|k|v and gate|up as one segmented kernel launch each
+    (SparseConcat) against the unfused masked reference, site by site thresholds."""
+    import json
+
+
+    ref, fused = tiny_engine(dtype="float32"), tiny_engine(dtype="float32")
+    fused.model.load_state_dict(ref.model.state_dict())
+    inputs = site_inputs(ref, site_modules(ref.model))
+    thresholds = {k: float(torch.stack(v).abs().quantile(0.5)) for k, v in inputs.items()}
+    sparsify_(ref.model, thresholds, track=True, fuse=False)
+    sparsify_(fused.model, thresholds, track=True)  # fuse defaults on under the interpreter
+    attached = [type(getattr(m, n)).__name__ for layer in fused.model.layers
+                for m, n in ((layer.self_attn, "qkv"), (layer.mlp, "gate_up"))]
+    shares = all(m.w_t.untyped_storage().data_ptr() == layer.self_attn.qkv.w_t.untyped_storage().data_ptr()
+                 for layer in fused.model.layers
+                 for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+    calls = []
+    for layer in fused.model.layers:
+        for mod in (layer.self_attn.qkv, layer.mlp.gate_up):
+            mod.register_forward_hook(lambda *_: calls.append(1))
+    p_ref, d_ref = run(ref)
+    p_fused, d_fused = run(fused)
+    keeps = (realized_projection_keep(ref.model), realized_projection_keep(fused.model))
+    densify_(fused.model)
+    unfused = [layer.self_attn.qkv is None and layer.mlp.gate_up is None
+               for layer in fused.model.layers]
+    densify_(ref.model)
+    _, d_dense_ref = run(ref)
+    _, d_dense_fused = run(fused)
+    print(json.dumps({
+        "attached": attached, "shares": shares, "fused_calls": len(calls), "unfused": all(unfused), "keeps": keeps,
+        "decode_err": (d_fused - d_ref).abs().max().item(), "scale": d_ref.abs().max().item(),
+        "prefill_equal": torch.equal(p_fused, p_ref),
+        "dense_after_densify": torch.equal(d_dense_ref, d_dense_fused),
+    }))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_fused_qkv_and_gate_up_match_unfused_under_interpreter():
+    r = run_interpreted(__file__, "_fused_worker")
+    assert r["attached"] == ["SparseConcat"] * 4 and r["shares"], r
+    assert r["fused_calls"] == 2 * 2 * len(DECODE), "each decode step must run both fused launches per layer"
+    assert r["decode_err"] <= 1e-5 * r["scale"], r
+    assert r["keeps"][0] == pytest.approx(r["keeps"][1], rel=1e-12) and 0.3 < r["keeps"][0] < 0.7, r
+    assert r["prefill_equal"] and r["unfused"] and r["dense_after_densify"], r

@@ -4,11 +4,11 @@ At batch 1 a decode step has one query per head, so a kernel that gives each
 (sequence, head) one program leaves most SMs idle while it streams a long
 cache. Split-K cuts the read range [start, end) of every (sequence, KV head)
 into NUM_SPLITS chunks handled by separate programs; each program returns a
-normalised partial output and the log-sum-exp (LSE) of its scores, and a small
-merge kernel combines the splits by LSE. The paper reads every mode's cache
-through such a kernel (flash_attn_with_kvcache wrapped as an opaque custom
-operator, App. A): §4.4 shows that a masked or fused dense baseline inflates
-the apparent KV speedup about fivefold at 128K.
+normalised partial output and the log-sum-exp (LSE) of its scores, and the
+splits are combined by LSE. The paper reads every mode's cache through such a
+kernel (flash_attn_with_kvcache wrapped as an opaque custom operator, App. A):
+§4.4 shows that a masked or fused dense baseline inflates the apparent KV
+speedup about fivefold at 128K.
 
 Design points:
 - One program handles all G query heads of a GQA group against its KV chunk,
@@ -19,8 +19,20 @@ Design points:
   graph. The chunk length is derived on the device from the runtime length,
   chunk = BLOCK_N * ceil(ceil(len / NUM_SPLITS) / BLOCK_N), so every active
   program gets an equal share however short the valid range is within a large
-  allocation. Programs past the last active chunk exit at once and the merge
-  reads only the active splits (an empty split is an LSE of -inf).
+  allocation; the first n_active = ceil(len / chunk) splits are active and
+  the rest exit at once (n_active is 0 for an empty range).
+- The merge is fused into the split kernel, one launch per call: a second
+  merge launch costs ~4 us per layer on an H200 (0.13 ms per decode step at
+  2K). Each active program writes its partial and LSE to a workspace,
+  then bumps an int32 arrival counter of its (sequence, KV head); the one that
+  arrives last (counter n_active - 1) merges the splits of all G heads, writes
+  the output and resets the counter with an atomic exchange. The counters are
+  a persistent zeroed buffer (`arrival_counters`) that every call leaves at
+  zero, so there is no memset per call and a captured graph replays as is.
+  Inactive programs never arrive; a call with one active split writes its
+  output directly, and an empty range is written (0, -inf) by split 0. The
+  two-launch path (split kernel, then `_merge_kernel`) stays behind
+  `fused_merge=False` for comparison.
 - `start` lets a window read its recent entries in place from an offset and its
   sinks in a second call, the two merged by `merge_lse` (App. A) with no copy.
 - An empty range gives output 0 and LSE -inf, never NaN.
@@ -48,6 +60,12 @@ except ImportError:
 
 BLOCK_N = 64  # keys per inner iteration: 16 KB of K and of V per tile at D=128 in bf16
 MAX_SPLITS = 128  # the merge holds all split LSEs of a head in one vector
+# Elements of one (heads, splits, D) tile of partials in the fused merge (64 fp32 per thread
+# at 4 warps): the merge runs on the tail of the kernel, so it reads a 33-split group in few
+# serial steps. An sm_90 compile at the Llama shape (G=4, D=128, bf16) takes 128 registers
+# with the merge against 80 without, within the 170 that three resident programs allow, and
+# shared memory (~70 KB each) already caps an SM at three.
+MERGE_TILE = 8192
 # Target programs per SM at full length. Measured on an H200 (benchmarks/attention_bench.py
 # --sweep, Llama-3.1-8B layer shape, bf16): 2 per SM, i.e. 33 splits x 8 KV heads = 264
 # programs on 132 SMs, read a 128K cache at 4.15 TB/s against 3.82 TB/s for 6 per SM (99
@@ -201,6 +219,34 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def arrival_counters(batch_kv_heads: int, device) -> Tensor:
+    """Zeroed int32 arrival counters of the fused merge, one per (sequence, KV head): (B*Hkv,).
+
+    Every call leaves them at zero again, so one buffer serves any number of calls in
+    sequence on a stream (and in a CUDA graph); calls that may run at the same time on
+    different streams need a buffer each.
+    """
+    return torch.zeros(batch_kv_heads, device=device, dtype=torch.int32)
+
+
+# Counters for calls that bring none, one buffer per (device, B*Hkv). Never freed or
+# replaced: a captured graph keeps the address it was captured with.
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+
+
+def _cached_counters(n: int, device: torch.device) -> Tensor:
+    buf = _COUNTERS.get((device, n))
+    if buf is not None:
+        return buf
+    buf = arrival_counters(n, device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Zeroed by a memset node that runs only on replay, so an eager call must not see
+        # it: used by this call alone (a node more per replay; warm up before capturing).
+        return buf
+    _COUNTERS[(device, n)] = buf
+    return buf
+
+
 if triton is not None:
 
     @triton.jit
@@ -217,14 +263,60 @@ if triton is not None:
             hi = end_int
         return tl.maximum(lo, 0), tl.minimum(hi, T)
 
+    @triton.jit
+    def _store_out(Out, Lse, b64, heads, offs_d, out, lse, mask_g, mask_d, stride_ob, stride_oh,
+                   HQ: tl.constexpr):
+        """Final output rows (BLOCK, BLOCK_D) and LSEs (BLOCK,) of query heads `heads` of row b."""
+        ptrs = Out + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(Lse + b64 * HQ + heads, lse, mask=mask_g)
+
+    @triton.jit
+    def _merge_group(
+        O_part, L_part, Out, Lse, b64, h, n_active, stride_ob, stride_oh,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, TILE_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """LSE merge of the n_active partials of the G query heads of KV head h of row b."""
+        offs_g = tl.arange(0, BLOCK_GM)
+        mask_g = offs_g < G
+        heads = h * G + offs_g  # (BLOCK_GM,)
+        rows = (b64 * HKV * G + heads) * NUM_SPLITS  # (BLOCK_GM,) first partial of each head
+        offs_s = tl.arange(0, BLOCK_S)
+        # Partials of other programs are read at L2 (.cg): they were written on other SMs.
+        lse_s = tl.load(L_part + rows[:, None] + offs_s[None, :],
+                        mask=mask_g[:, None] & (offs_s < n_active)[None, :], other=float("-inf"),
+                        cache_modifier=".cg")  # (BLOCK_GM, BLOCK_S)
+        m = tl.max(lse_s, 1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # (BLOCK_GM,)
+        total = tl.sum(tl.exp(lse_s - m[:, None]), 1)  # (BLOCK_GM,), >= 1 for a real head
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
+        for s0 in range(0, n_active, TILE_S):
+            offs_t = s0 + tl.arange(0, TILE_S)
+            mask_t = mask_g[:, None] & (offs_t < n_active)[None, :]  # (BLOCK_GM, TILE_S)
+            idx = rows[:, None] + offs_t[None, :]
+            w = tl.exp(tl.load(L_part + idx, mask=mask_t, other=float("-inf"), cache_modifier=".cg")
+                       - m[:, None])  # (BLOCK_GM, TILE_S), 0 off the active splits
+            o = tl.load(O_part + idx[:, :, None] * D + offs_d[None, None, :],
+                        mask=mask_t[:, :, None] & mask_d[None, None, :], other=0.0,
+                        cache_modifier=".cg")  # (BLOCK_GM, TILE_S, BLOCK_D)
+            acc += tl.sum(w[:, :, None] * o, 1)
+        safe = tl.where(total > 0, total, 1.0)
+        lse = tl.where(total > 0, m + tl.log(safe), float("-inf"))
+        _store_out(Out, Lse, b64, heads, offs_d, acc / safe[:, None], lse, mask_g, mask_d,
+                   stride_ob, stride_oh, HKV * G)
+
     @triton.jit(do_not_specialize=["start_int", "end_int"])
     def _split_kernel(
-        Q, K, V, O_part, L_part, Start, End,
+        Q, K, V, O_part, L_part, Out, Lse, Count, Start, End,
         start_int, end_int, T, qk_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-        stride_start, stride_end,
+        stride_ob, stride_oh, stride_start, stride_end,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, TILE_S: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         # Scores use tl.dot with the G query heads padded to BLOCK_G >= 16 rows. The
@@ -240,16 +332,17 @@ if triton is not None:
                                       T, START_T, END_T)
         length = tl.maximum(hi_all - lo_all, 0)
         chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = lo_all + split * chunk
-        hi = tl.minimum(lo + chunk, hi_all)
-        if lo < hi:
-            offs_g = tl.arange(0, BLOCK_G)
+        n_active = tl.cdiv(length, tl.maximum(chunk, 1))  # split s is active iff s * chunk < length
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = h * G + offs_g  # (BLOCK_G,)
+        mask_g = offs_g < G
+        mask_d = offs_d < D
+        b64 = b.to(tl.int64)
+        if split < n_active:
+            lo = lo_all + split * chunk
+            hi = tl.minimum(lo + chunk, hi_all)
             offs_n = tl.arange(0, BLOCK_N)
-            offs_d = tl.arange(0, BLOCK_D)
-            heads = h * G + offs_g  # (BLOCK_G,)
-            mask_g = offs_g < G
-            mask_d = offs_d < D
-            b64 = b.to(tl.int64)
             q = tl.load(
                 Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0,
@@ -282,10 +375,39 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PRECISION)
                 m = m_new
             lse = (m + tl.log2(l_sum)) * 0.6931471805599453  # natural log
+            o = acc / l_sum[:, None]
             row = (b64 * HKV * G + heads) * NUM_SPLITS + split  # (BLOCK_G,)
-            tl.store(O_part + row[:, None] * D + offs_d[None, :], acc / l_sum[:, None],
-                     mask=mask_g[:, None] & mask_d[None, :])
-            tl.store(L_part + row, lse, mask=mask_g)
+            if FUSED:
+                if n_active == 1:  # this program read the whole range: no merge
+                    _store_out(Out, Lse, b64, heads, offs_d, o, lse, mask_g, mask_d,
+                               stride_ob, stride_oh, HKV * G)
+                else:
+                    tl.store(O_part + row[:, None] * D + offs_d[None, :], o,
+                             mask=mask_g[:, None] & mask_d[None, :])
+                    tl.store(L_part + row, lse, mask=mask_g)
+                    # Memory order: every thread's partial stores precede the barrier; the
+                    # release half of the arrival (one thread, gpu scope) is cumulative, so
+                    # it publishes them all. The last arrival's acquire, followed by the
+                    # barrier Triton puts after a scalar atomic to broadcast its result,
+                    # orders its threads' loads of the other partials after every release.
+                    tl.debug_barrier()
+                    arrived = tl.atomic_add(Count + pid_bh, 1, sem="acq_rel")
+                    if arrived == n_active - 1:
+                        _merge_group(O_part, L_part, Out, Lse, b64, h, n_active,
+                                     stride_ob, stride_oh, HKV, G, D, NUM_SPLITS,
+                                     BLOCK_GM, BLOCK_S, TILE_S, BLOCK_D)
+                        # Every active program has arrived: nobody else touches the counter
+                        # in this launch, and the next launch finds it at zero.
+                        tl.atomic_xchg(Count + pid_bh, 0, sem="relaxed")
+            else:
+                tl.store(O_part + row[:, None] * D + offs_d[None, :], o,
+                         mask=mask_g[:, None] & mask_d[None, :])
+                tl.store(L_part + row, lse, mask=mask_g)
+        elif FUSED:
+            if split == 0:  # then n_active == 0: an empty range, and no program arrives
+                _store_out(Out, Lse, b64, heads, offs_d, tl.zeros([BLOCK_G, BLOCK_D], tl.float32),
+                           tl.full([BLOCK_G], float("-inf"), tl.float32), mask_g, mask_d,
+                           stride_ob, stride_oh, HKV * G)
 
     @triton.jit(do_not_specialize=["start_int", "end_int"])
     def _merge_kernel(
@@ -296,6 +418,7 @@ if triton is not None:
         TILE_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr,
     ):
+        # The second launch of the two-kernel path (fused_merge=False): one program per query head.
         pid = tl.program_id(0)  # b * HQ + query head
         b = pid // HQ
         hq = pid % HQ
@@ -340,15 +463,25 @@ def _kernel_config(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return BLOCK_N, 4, 3
 
 
+def _merge_blocks(G: int, D: int, num_splits: int) -> tuple[int, int, int]:
+    """(BLOCK_GM, BLOCK_S, TILE_S) of the fused merge: a tile of partials is <= MERGE_TILE floats."""
+    block_gm = triton.next_power_of_2(G)
+    block_s = max(16, triton.next_power_of_2(num_splits))
+    tile_s = max(1, min(block_s, MERGE_TILE // (block_gm * max(16, triton.next_power_of_2(D)))))
+    return block_gm, block_s, tile_s
+
+
 @torch.library.custom_op("sparsedecode::split_k_decode", mutates_args=())
 def _split_k_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, start_t: Tensor | None, end_t: Tensor | None,
-    start_int: int, end_int: int, scale: float, num_splits: int,
-    block_n: int, num_warps: int, num_stages: int,
+    counters: Tensor | None, start_int: int, end_int: int, scale: float, num_splits: int,
+    block_n: int, num_warps: int, num_stages: int, fused_merge: bool,
 ) -> tuple[Tensor, Tensor]:
     # Opaque to torch.compile (as the paper wraps flash_attn_with_kvcache, App. A): the
     # host-side choices below (split count from the SM count, tile config; 0 = default)
-    # run eagerly at trace and capture time and are static for a given shape.
+    # run eagerly at trace and capture time and are static for a given shape. Declared
+    # pure although the fused path writes the counters: it leaves them at zero before it
+    # exits, so no caller can observe the writes (as in sparse_gemv).
     B, Hq, D = q.shape
     Hkv, T = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -359,6 +492,8 @@ def _split_k_op(
     l_part = torch.empty((B, Hq, num_splits), device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32)
+    if fused_merge and counters is None:
+        counters = _cached_counters(B * Hkv, q.device)
     block_d = max(16, triton.next_power_of_2(D))
     bounds = (
         start_t if start_t is not None else l_part,
@@ -370,31 +505,37 @@ def _split_k_op(
         0 if end_t is None or end_t.numel() == 1 else end_t.stride(0),
     )
     flags = dict(START_T=start_t is not None, END_T=end_t is not None)
+    block_gm, block_s, tile_s = _merge_blocks(G, D, num_splits)
     _split_kernel[(B * Hkv, num_splits)](
-        q, k_cache, v_cache, o_part, l_part, *bounds, scale * LOG2E,
+        q, k_cache, v_cache, o_part, l_part, out, lse, counters if fused_merge else l_part,
+        *bounds, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *strides,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), *strides,
         HKV=Hkv, G=G, D=D, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(G)),
-        BLOCK_N=block_n, BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=block_n, BLOCK_D=block_d,
+        FUSED=fused_merge, BLOCK_GM=block_gm, BLOCK_S=block_s, TILE_S=tile_s,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
         num_warps=num_warps, num_stages=num_stages, **flags,
     )
-    _merge_kernel[(B * Hq,)](
-        o_part, l_part, out, lse, *bounds, out.stride(0), out.stride(1), *strides,
-        HQ=Hq, D=D, NUM_SPLITS=num_splits, BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
-        TILE_S=16, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **flags,
-    )
+    if not fused_merge:
+        _merge_kernel[(B * Hq,)](
+            o_part, l_part, out, lse, *bounds, out.stride(0), out.stride(1), *strides,
+            HQ=Hq, D=D, NUM_SPLITS=num_splits, BLOCK_S=block_s,
+            TILE_S=16, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **flags,
+        )
     return out, lse
 
 
 @_split_k_op.register_fake
-def _(q, k_cache, v_cache, start_t, end_t, start_int, end_int, scale, num_splits, *config):
+def _(q, k_cache, v_cache, start_t, end_t, counters, start_int, end_int, scale, num_splits, *config):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def split_k_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, end, start=0, scale: float | None = None,
-    num_splits: int | None = None, config: tuple[int, int, int] | None = None,
+    num_splits: int | None = None, config: tuple[int, int, int] | None = None, *,
+    fused_merge: bool = True, counters: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Split-K decode attention with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -405,12 +546,24 @@ def split_k_attention(
     of the scaled scores; an empty range gives 0 and -inf). `num_splits` and `config`
     (BLOCK_N, num_warps, num_stages) override the static defaults, for tuning. Python-int
     bounds are baked into a captured graph; pass tensors for bounds that move.
+    `fused_merge=False` runs the two-launch path (split kernel, then merge kernel), for
+    comparison. `counters` (`arrival_counters(B*Hkv, device)`) are the fused merge's
+    arrival counters; by default one cached buffer per device and B*Hkv serves every call,
+    which is right for calls in sequence on one stream (pass your own for concurrent ones).
     """
     if triton is None:
         raise InputError("the split_k kernel needs Triton: pip install triton (or use split_k_ref on CPU)")
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
     if D > MAX_HEAD_DIM or D < 8:
         raise InputError(f"head dim {D} is not supported by the split_k kernel (8..{MAX_HEAD_DIM})")
+    if counters is not None and (
+        counters.dtype != torch.int32 or counters.device != q.device
+        or counters.dim() != 1 or counters.numel() < B * Hkv or counters.stride(0) != 1
+    ):
+        raise InputError(
+            f"counters must be arrival_counters({B * Hkv}, {q.device}): contiguous int32 (>= B*Hkv,); "
+            f"got {counters.dtype} {tuple(counters.shape)} on {counters.device}"
+        )
     if not (q.is_cuda or _interpreting()):
         raise InputError(
             "the split_k Triton kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1); use split_k_ref"
@@ -433,5 +586,6 @@ def split_k_attention(
         else:
             bounds.append((None, int(x)))
     (start_t, start_int), (end_t, end_int) = bounds
-    return _split_k_op(q, k_cache, v_cache, start_t, end_t, start_int, end_int, float(scale),
-                       num_splits or 0, block_n, num_warps, num_stages)
+    return _split_k_op(q, k_cache, v_cache, start_t, end_t, counters if fused_merge else None,
+                       start_int, end_int, float(scale), num_splits or 0, block_n, num_warps,
+                       num_stages, bool(fused_merge))

@@ -54,18 +54,19 @@ except ImportError:
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_BYTES = 512  # bytes of one row segment per warp: 4 lines of 128 B, one 16-byte vector per lane
-BLOCK_K = 32  # rows per loop iteration: 16 KB of weight per one-warp program at full keep
+BLOCK_K = 16  # rows per loop iteration: 8 KB of weight per one-warp program at full keep
 NUM_WARPS = 1
 NUM_STAGES = 1  # software pipelining of the row loop (Triton num_stages)
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
 # the DRAM latency (Little's law: ~30 KB in flight per SM at 4.15 TB/s). In-flight bytes cost
 # registers, so the accumulator is 1-D and one warp wide (each lane sums its 8 columns over
-# the tile's rows in-thread): at BLOCK_K=32 the kernel takes 162 registers (ptxas, sm_90),
-# 12 one-warp programs fit an SM and together hold ~200 KB of tiles in flight. The grid is
-# one wave of those 12 per SM; `benchmarks/sparse_gemv_bench.py --sweep` measures the
-# alternatives (shorter tiles and more programs, more warps per program) on the H200.
-PROGRAMS_PER_SM = 12
+# the tile's rows in-thread). Measured on the H200 (`benchmarks/sparse_gemv_bench.py --sweep`,
+# records in benchmarks/records/h200/sparse_gemv_20261129T194455Z): 16-row tiles in 24
+# one-warp programs per SM beat every other of 19 configs on 5 of 6 projection shapes, and
+# 32-row tiles in 12 per SM (the first guess) ran 1.3-2x slower; one-tile-per-program grids
+# and 2-8 warps per program were slower too.
+PROGRAMS_PER_SM = 24
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16
 
@@ -206,34 +207,58 @@ if triton is not None:
 
     @triton.jit
     def _sparse_gemv_kernel(
-        X, W, Bias, Thr, Y, Acc, Count, thr_f, K, N, rows_per_split, num_splits,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        THR_T: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+        X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2,
+        rows_per_split, num_splits,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
+        SEG_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         # Program (n tile, k split); programs with adjacent n tiles of one split run side by
         # side, so together they stream whole kept rows of w_t.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if THR_T:
-            t = tl.load(Thr).to(tl.float32)
-        else:
-            t = thr_f
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         mask_n = offs_n < N
+        # Thresholds: one scalar, or one per column segment [0, b1), [b1, b2), [b2, N) of a
+        # concatenated weight (q|k|v or gate|up, each site with its own threshold).
+        if THR_T:
+            t0 = tl.load(Thr0).to(tl.float32)
+        else:
+            t0 = thr_f
+        if NSEG > 1:
+            t1 = tl.load(Thr1).to(tl.float32)
+            t2 = t1
+            if NSEG > 2:
+                t2 = tl.load(Thr2).to(tl.float32)
+            if SEG_ALIGNED:  # segment bounds are whole tiles: one threshold per program
+                n0 = pid_n * BLOCK_N
+                t0 = tl.where(n0 < b1, t0, tl.where(n0 < b2, t1, t2))
+            else:
+                t_col = tl.where(offs_n < b1, t0, tl.where(offs_n < b2, t1, t2))  # (BLOCK_N,)
         k_lo = pid_k * rows_per_split
         k_hi = tl.minimum(k_lo + rows_per_split, K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if PREFETCH:  # the x slice of the next iteration is in flight with this one's weights
+            x_next = tl.load(X + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < k_hi,
+                             other=0.0)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
             in_k = offs_k < k_hi
-            x = tl.load(X + offs_k, mask=in_k, other=0.0).to(tl.float32)
-            keep = (tl.abs(x) > t) & in_k  # the fused threshold test
-            if EVEN_N:
-                row_mask = keep[:, None]
+            if PREFETCH:
+                x = x_next.to(tl.float32)
+                x_next = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0)
             else:
-                row_mask = keep[:, None] & mask_n[None, :]
+                x = tl.load(X + offs_k, mask=in_k, other=0.0).to(tl.float32)
+            if NSEG > 1 and not SEG_ALIGNED:
+                row_mask = (tl.abs(x)[:, None] > t_col[None, :]) & in_k[:, None] & mask_n[None, :]
+            else:
+                keep = (tl.abs(x) > t0) & in_k  # the fused threshold test
+                if EVEN_N:
+                    row_mask = keep[:, None]
+                else:
+                    row_mask = keep[:, None] & mask_n[None, :]
             # Masked lanes issue no load: a dropped row moves no bytes.
-            w = tl.load(W + offs_k[:, None] * N + offs_n[None, :], mask=row_mask, other=0.0)
+            w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
             # Summed over the tile's rows at once: with BLOCK_N = 512 B * num_warps each thread
             # holds all BLOCK_K rows of its 8 columns, so this is in-thread adds and the
             # accumulator costs 8 registers, leaving registers for loads in flight.
@@ -256,9 +281,9 @@ if triton is not None:
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
 def _sparse_gemv_op(
-    x: Tensor, w_t: Tensor, thr_t: Tensor | None, thr_f: float, bias: Tensor | None,
+    x: Tensor, w_t: Tensor, thr_ts: list[Tensor], thr_f: float, bounds: list[int], bias: Tensor | None,
     ws_acc: Tensor | None, ws_count: Tensor | None,
-    block_n: int, block_k: int, splits: int, num_warps: int, num_stages: int,
+    block_n: int, block_k: int, splits: int, num_warps: int, stages: int,
 ) -> Tensor:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
@@ -266,69 +291,111 @@ def _sparse_gemv_op(
     # (config from the SM count) run at trace and capture time and are static per shape.
     K, N = w_t.shape
     if not block_n:
-        block_n, block_k, splits, num_warps, num_stages = default_config(K, N, x.dtype, x.device)
+        block_n, block_k, splits, num_warps, stages = default_config(K, N, x.dtype, x.device)
     else:
         splits = _splits(K, block_k, splits)
     if ws_acc is None or ws_count is None:
         ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(N, block_n)
+    thr = list(thr_ts) + [ws_acc] * (3 - len(thr_ts))  # unused pointer slots
+    b1, b2 = (list(bounds) + [N, N])[:2]
     _sparse_gemv_kernel[(n_tiles, splits)](
-        x, w_t, bias if bias is not None else x, thr_t if thr_t is not None else ws_acc, y,
-        ws_acc, ws_count, thr_f, K, N, _rows_per_split(K, block_k, splits), splits,
-        BLOCK_N=block_n, BLOCK_K=block_k, THR_T=thr_t is not None,
-        HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=num_stages,
+        x, w_t, bias if bias is not None else x, *thr, y, ws_acc, ws_count, thr_f, K, N, w_t.stride(0),
+        b1, b2, _rows_per_split(K, block_k, splits), splits,
+        BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
+        SEG_ALIGNED=all(b % block_n == 0 for b in bounds), HAS_BIAS=bias is not None,
+        EVEN_N=N % block_n == 0, PREFETCH=stages >= 2, num_warps=num_warps, num_stages=1,
     )
     return y
 
 
 @_sparse_gemv_op.register_fake
-def _(x, w_t, thr_t, thr_f, bias, ws_acc, ws_count, *config):
+def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, *config):
     return x.new_empty(w_t.shape[1])
 
 
 def sparse_gemv(
     x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None,
     ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
+    segments: list[int] | None = None,
 ) -> Tensor:
     """Input-sparse GEMV of one token with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
-    x (..., K) holding one token; w_t (K, N), the weight transposed (unit stride along N);
-    threshold a float or a 1-element float tensor on x's device (read on the device, so a
-    captured graph follows in-place updates); channel i is kept iff |x_i| > threshold.
-    Returns (..., N) in x's dtype: sum over kept i of x_i * w_t[i, :] (+ bias), fp32
-    accumulation; rows of dropped channels are never loaded (§3.2). `ws` is a persistent
-    workspace from `workspace(N, device)` (without it each call zeroes a fresh one);
-    `config` (BLOCK_N, BLOCK_K, splits, num_warps, num_stages) overrides `default_config`, for tuning.
+    x (..., K) holding one token; w_t (K, N), the weight transposed (unit stride along N; the
+    row stride may exceed N, so a column slice of a concatenated weight works); threshold a
+    float or a 1-element float tensor on x's device (read on the device, so a captured graph
+    follows in-place updates); channel i is kept iff |x_i| > threshold. Returns (..., N) in
+    x's dtype: sum over kept i of x_i * w_t[i, :] (+ bias), fp32 accumulation; rows of
+    dropped channels are never loaded (§3.2).
+
+    A concatenated weight (q|k|v, or gate|up) runs as one launch with one threshold per
+    site: `segments` lists the widths of its 2 or 3 column blocks and `threshold` is a list
+    of as many 1-element tensors; column block j keeps row i iff |x_i| > threshold[j].
+
+    `ws` is a persistent workspace from `workspace(N, device)` (without it each call zeroes
+    a fresh one); `config` (BLOCK_N, BLOCK_K, splits, num_warps, stages) overrides
+    `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
-    K, N = check_inputs(x, w_t, threshold, bias)
+    thresholds = threshold if isinstance(threshold, (list, tuple)) else [threshold]
+    if segments is not None or len(thresholds) > 1:
+        if segments is None or len(segments) != len(thresholds) or not 2 <= len(segments) <= 3:
+            raise InputError(
+                f"a segmented call wants 2 or 3 column widths and one threshold per width; got "
+                f"segments={segments} and {len(thresholds)} thresholds"
+            )
+        if sum(segments) != w_t.shape[-1] or min(segments) < 1:
+            raise InputError(f"segments {segments} must be positive and sum to N={w_t.shape[-1]}")
+        if not all(isinstance(t, Tensor) for t in thresholds):
+            raise InputError("segment thresholds must be 1-element float tensors on x's device")
+    for t in thresholds:
+        K, N = check_inputs(x, w_t, t, bias)
     if not (x.is_cuda or _interpreting()):
         raise InputError(
             "the sparse GEMV Triton kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1); "
             "use sparse_gemv_ref, the masked reference"
         )
-    if w_t.stride(1) != 1 or w_t.stride(0) != N:
+    if w_t.stride(1) != 1 or w_t.stride(0) < N:
         raise InputError(
-            "w_t must be contiguous (K, N): the kernel skips whole rows; store the weight transposed once"
+            f"w_t (K, N) must have unit stride along N and a row stride >= N (got strides {w_t.stride()}): "
+            "the kernel skips whole rows; store the weight transposed once"
         )
-    if K * N >= 2**31:
-        raise InputError(f"a ({K}, {N}) weight exceeds the kernel's 32-bit offsets")
+    if K * w_t.stride(0) >= 2**31:
+        raise InputError(f"a ({K}, {w_t.stride(0)}) weight exceeds the kernel's 32-bit offsets")
     if ws is not None and (ws[0].numel() < N or ws[0].dtype != torch.float32 or ws[1].dtype != torch.int32):
         raise InputError("ws must be workspace(N, device): (float32 (>= N,), int32 counters)")
     if config is not None:
         if len(config) != 5:
-            raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, num_stages); got {config}")
-        block_n, block_k, splits, num_warps, num_stages = config
+            raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
+        block_n, block_k, splits, num_warps, stages = config
         if block_n & (block_n - 1) or block_k & (block_k - 1) or min(block_n, block_k) < MIN_BLOCK:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two >= {MIN_BLOCK}; got {config}")
         if ws is not None and ws[1].numel() < -(-N // block_n):
             raise InputError(f"ws has {ws[1].numel()} counters; BLOCK_N={block_n} needs {-(-N // block_n)}")
-    thr_t, thr_f = (threshold.reshape(()), 0.0) if isinstance(threshold, Tensor) else (None, float(threshold))
-    y = _sparse_gemv_op(x.reshape(K), w_t, thr_t, thr_f, bias, *(ws or (None, None)),
+    if isinstance(thresholds[0], Tensor):
+        thr_ts, thr_f = [t.reshape(()) for t in thresholds], 0.0
+    else:
+        thr_ts, thr_f = [], float(thresholds[0])
+    bounds = [] if segments is None else [sum(segments[:j + 1]) for j in range(len(segments) - 1)]
+    y = _sparse_gemv_op(x.reshape(K), w_t, thr_ts, thr_f, bounds, bias, *(ws or (None, None)),
                         *(config or (0, 0, 0, 0, 0)))
     return y.reshape(*x.shape[:-1], N)
 
 
-__all__ = ["TUNED", "default_config", "keep_mask", "load_tuned", "sparse_gemv", "sparse_gemv_ref", "workspace"]
+def sparse_gemv_segments_ref(x: Tensor, w_t: Tensor, thresholds: list, segments: list[int],
+                             bias: Tensor | None = None) -> Tensor:
+    """Masked reference of a segmented `sparse_gemv`: each column block with its own threshold."""
+    outs, lo = [], 0
+    for t, width in zip(thresholds, segments, strict=True):
+        b = None if bias is None else bias[lo:lo + width]
+        outs.append(sparse_gemv_ref(x, w_t[:, lo:lo + width], t, b))
+        lo += width
+    return torch.cat(outs, dim=-1)
+
+
+__all__ = [
+    "TUNED", "default_config", "keep_mask", "load_tuned", "sparse_gemv", "sparse_gemv_ref",
+    "sparse_gemv_segments_ref", "workspace",
+]

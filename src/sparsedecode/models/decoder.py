@@ -76,15 +76,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.qk_norm = args.qk_norm
+        self.qkv = None  # a fused one-token projection (projection.sparse_linear.SparseConcat)
         self.cache: KVCache | None = None
         self.backend = "split_k"
 
     def forward(self, x, cos, sin, pos, start: int | None):
         """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start: see module doc."""
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)  # (B, L, Hq, D)
-        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)  # (B, L, Hkv, D)
-        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim)
+        if self.qkv is not None and B * L == 1:
+            q, k, v = self.qkv(x)  # one launch for the three sites
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, L, self.n_heads, self.head_dim)  # (B, L, Hq, D)
+        k = k.view(B, L, self.n_kv_heads, self.head_dim)  # (B, L, Hkv, D)
+        v = v.view(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
@@ -122,9 +127,14 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.d_ff, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.dim, args.d_ff, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.d_ff, args.dim, bias=args.mlp_bias)
+        self.gate_up = None  # a fused one-token projection (projection.sparse_linear.SparseConcat)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and x.shape[:-1].numel() == 1:
+            gate, up = self.gate_up(x)  # one launch for both sites
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

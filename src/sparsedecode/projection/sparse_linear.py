@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.sparse_gemv import keep_mask, sparse_gemv, sparse_gemv_ref, workspace
+from sparsedecode.kernels.sparse_gemv import (
+    _interpreting,
+    keep_mask,
+    sparse_gemv,
+    sparse_gemv_ref,
+    workspace,
+)
 from sparsedecode.projection.thresholds import MODULE_OF
 from sparsedecode.projection.thresholds import site_key as threshold_key
 
@@ -52,8 +58,11 @@ class SparseLinear(nn.Module):
     def __init__(self, w_t: Tensor, bias: Tensor | None, threshold: float, site: str = "",
                  track: bool = False, column_major: bool = False):
         super().__init__()
-        if w_t.dim() != 2 or not w_t.is_contiguous():
-            raise InputError(f"SparseLinear wants a contiguous (in, out) weight; got {tuple(w_t.shape)}")
+        if w_t.dim() != 2 or w_t.stride(1) != 1 or w_t.stride(0) < w_t.shape[1]:
+            raise InputError(
+                f"SparseLinear wants an (in, out) weight with unit stride along out; got {tuple(w_t.shape)} "
+                f"with strides {w_t.stride()}"
+            )
         t = float(threshold)
         if not t >= 0.0:
             raise InputError(f"threshold of {site or 'a site'} must be >= 0; got {threshold}")
@@ -80,9 +89,10 @@ class SparseLinear(nn.Module):
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear with the same values (and the source's memory layout)."""
-        w = self.w_t.detach().t()  # (out, in) view
+        w_t = self.w_t.detach()  # (in, out), possibly a column slice of a fused weight
+        w = w_t.contiguous().t() if self.column_major else w_t.t().contiguous()  # (out, in)
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        lin.weight = nn.Parameter(w if self.column_major else w.contiguous(), requires_grad=False)
+        lin.weight = nn.Parameter(w, requires_grad=False)
         if self.bias is not None:
             lin.bias = nn.Parameter(self.bias.detach(), requires_grad=False)
         return lin
@@ -100,13 +110,17 @@ class SparseLinear(nn.Module):
         """The (out, in) weight, a view of w_t, for code that expects an nn.Linear."""
         return self.w_t.t()
 
+    def count_kept(self, x: Tensor) -> None:
+        """Add this token's [kept channels, channels] to `kept` (on the device, no sync)."""
+        self.kept[0] += keep_mask(x, self.threshold).sum()
+        self.kept[1] += self.in_features
+
     def forward(self, x: Tensor) -> Tensor:
         """x (..., in) -> (..., out). One token: input-sparse; several tokens: dense."""
         if x.shape[:-1].numel() != 1:
             return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
         if self.track:
-            self.kept[0] += keep_mask(x, self.threshold).sum()
-            self.kept[1] += self.in_features
+            self.count_kept(x)
         if x.is_cuda:
             return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count))
         return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)  # masked: reads every row
@@ -134,14 +148,91 @@ class SparseLinear(nn.Module):
                 f"bias={self.bias is not None}, threshold={self.threshold.item():.4g}, track={self.track}")
 
 
-def sparsify_(model, thresholds: dict[str, float], ff_only: bool = False, track: bool = False
-              ) -> list[SparseLinear]:
+class SparseConcat(nn.Module):
+    """One input-sparse launch for the sites that read the same input: q|k|v or gate|up.
+
+    Each site keeps its own threshold, but the decode step pays one kernel launch (and its
+    fixed cost of a few µs on an H200, `benchmarks/sparse_gemv_bench.py`) instead of two or
+    three, and the small k/v GEMVs run inside a larger grid. The weights are concatenated
+    once into w_t (in, sum of outs); each site's `SparseLinear.w_t` becomes a column slice of
+    it (no second copy), so the sites stay addressable (thresholds, keep tracking, prefill).
+    The segmented kernel tests column block j against site j's threshold (§3.2: one
+    threshold per (layer, projection)). The sites are held in a plain list: they remain
+    registered where they were. Build it after the model is on its device.
+    """
+
+    def __init__(self, sites: list[SparseLinear]):
+        super().__init__()
+        if not 2 <= len(sites) <= 3 or len({m.in_features for m in sites}) != 1:
+            raise InputError("SparseConcat fuses 2 or 3 SparseLinear sites that share one input width")
+        if len({m.bias is None for m in sites}) != 1:
+            raise InputError("SparseConcat needs every site with a bias or none")
+        w_t = torch.cat([m.w_t.detach() for m in sites], dim=1)  # (in, sum outs)
+        self.w_t = nn.Parameter(w_t, requires_grad=False)
+        self.bias = None if sites[0].bias is None else nn.Parameter(
+            torch.cat([m.bias.detach() for m in sites]), requires_grad=False)
+        self.widths = [m.out_features for m in sites]
+        lo = 0
+        for m in sites:  # the sites read column slices of the one fused copy
+            m.w_t = nn.Parameter(w_t[:, lo:lo + m.out_features], requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(self.bias[lo:lo + m.out_features], requires_grad=False)
+            lo += m.out_features
+        self.sites = list(sites)
+        acc, count = workspace(w_t.shape[1], w_t.device)
+        self.register_buffer("ws_acc", acc, persistent=False)
+        self.register_buffer("ws_count", count, persistent=False)
+
+    def forward(self, x: Tensor) -> list[Tensor]:
+        """x (..., in) holding one token -> the sites' outputs [(..., out_j)], one launch."""
+        for m in self.sites:
+            if m.track:
+                m.count_kept(x)
+        y = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], self.bias,
+                        ws=(self.ws_acc, self.ws_count), segments=self.widths)
+        return list(y.split(self.widths, dim=-1))
+
+    def extra_repr(self) -> str:
+        return f"sites={[m.site for m in self.sites]}, widths={self.widths}"
+
+
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
+
+def _fuse_(model) -> int:
+    """Attach a SparseConcat as `qkv` / `gate_up` of every attention / MLP whose sites are all
+    SparseLinear (the decoder uses it for one-token calls); returns how many were attached."""
+    n = 0
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, sites in FUSED.items():
+                mods = [getattr(parent, s, None) for s in sites]
+                if hasattr(parent, name) and getattr(parent, name) is None and all(
+                        isinstance(m, SparseLinear) for m in mods):
+                    setattr(parent, name, SparseConcat(mods))
+                    n += 1
+    return n
+
+
+def unfuse_(model) -> None:
+    """Drop the SparseConcat modules (the sites keep their slices; `densify_` copies them out)."""
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in FUSED:
+                if getattr(parent, name, None) is not None:
+                    setattr(parent, name, None)
+
+
+def sparsify_(model, thresholds: dict[str, float], ff_only: bool = False, track: bool = False,
+              fuse: bool | None = None) -> list[SparseLinear]:
     """Replace the projections of `model` (a `Transformer`) by SparseLinear modules, in place.
 
     thresholds maps 'layers.{i}.{q|k|v|o|gate|up|down}' to a float (values may be 0-d
     tensors); ff_only touches gate/up/down only. A site that is already sparse gets the
-    new threshold. Returns the sparse modules in site order. A decode step captured or
-    compiled before this call keeps running the old modules: capture again.
+    new threshold. `fuse` (default: where the kernel runs, CUDA or TRITON_INTERPRET=1)
+    also runs q|k|v and gate|up as one segmented launch each (`SparseConcat`). Returns the
+    sparse modules in site order. A decode step captured or compiled before this call
+    keeps running the old modules: capture again.
     """
     plan = []
     for layer, site, parent in model.projection_sites():
@@ -164,12 +255,17 @@ def sparsify_(model, thresholds: dict[str, float], ff_only: bool = False, track:
             mod = SparseLinear.from_linear(mod, t, site=key, track=track)
             setattr(parent, site, mod)
         out.append(mod)
+    if fuse is None:
+        fuse = bool(out) and (out[0].w_t.is_cuda or _interpreting())
+    if fuse:
+        _fuse_(model)
     return out
 
 
 def densify_(model) -> int:
     """Put plain nn.Linear modules (same values and layout) back at every sparse site; returns
     how many were replaced."""
+    unfuse_(model)
     n = 0
     for _, site, parent in model.projection_sites():
         mod = getattr(parent, site)
@@ -204,6 +300,6 @@ def realized_projection_keep(model) -> float:
 
 
 __all__ = [
-    "SITE_KEYS", "SparseLinear", "densify_", "realized_projection_keep", "site_key", "sparse_modules",
+    "FUSED", "SITE_KEYS", "SparseConcat", "SparseLinear", "densify_", "unfuse_", "realized_projection_keep", "site_key", "sparse_modules",
     "sparsify_",
 ]
