@@ -29,6 +29,7 @@ import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.projection.calibrate import get_calibrator
+from sparsedecode.projection.cats_runtime import cats_
 from sparsedecode.projection.sparse_linear import densify_, realized_projection_keep, sparsify_
 from sparsedecode.records import stamp, write_record
 
@@ -39,6 +40,9 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--context", default="2K")
     ap.add_argument("--keeps", default="0.5", help="comma list of projection keeps")
+    ap.add_argument("--method", choices=["teal", "cats"], default="teal",
+                    help="teal: all seven projections input-sparse (fused q|k|v, gate|up); cats: the MLP "
+                         "channels with |SiLU(gate)| <= t dropped (row-gather up, sparse down)")
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
@@ -52,6 +56,8 @@ def main() -> None:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
     keeps = [float(k) for k in a.keeps.split(",")]
+    if a.method == "cats" and len(keeps) > 1:
+        raise SystemExit("--method cats replaces the MLP modules for good: time one keep per run")
     run_id = time.strftime("%Y%m%dT%H%M%S")
     records = []
 
@@ -63,7 +69,7 @@ def main() -> None:
     base = {"kind": "proj_decode_bench", "model": {"name": a.model, "dims": dims.to_dict(),
             "init": "random"}, "dtype": "bfloat16", "batch": 1, "context": n,
             "compile_mode": a.compile_mode, "attention": eng.attention, "run_id": run_id,
-            "fill": "random", "calibration": {"method": "teal", "greedy": False,
+            "fill": "random", "calibration": {"method": a.method, "greedy": False,
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
@@ -94,24 +100,31 @@ def main() -> None:
     records.append(dense)
     for keep in keeps:
         t = time.perf_counter()
-        th = get_calibrator("teal", keep=keep).calibrate(eng, ids, text="random token ids")
+        th = get_calibrator(a.method, keep=keep).calibrate(eng, ids, text="random token ids")
         calib_s = time.perf_counter() - t
-        sparsify_(eng.model, th.values, track=True)
+        install = cats_ if a.method == "cats" else sparsify_
+        mods = install(eng.model, th.values, track=True)
         with torch.inference_mode():  # one eager tracked step: the keep this step realizes
             prepare()
             eng.model(eng._tok, eng._pos, None)
-        realized = realized_projection_keep(eng.model)
-        sparsify_(eng.model, th.values, track=False)  # timed without the counting adds
-        rec = timed(f"proj{keep:g}", {"proj_keep": keep, "realized_keep": realized,
-                                      "calibrate_s": calib_s})
+        install(eng.model, th.values, track=False)  # timed without the counting adds
+        if a.method == "cats":  # kept SiLU(gate) channels; gate is read whole, up and down at keep
+            realized = sum(m.kept[0].item() for m in mods) / sum(m.kept[1].item() for m in mods)
+            total = dense["bytes"]["total"]
+            bound = total / (total - (1 - realized) * 2 / 3 * dense["bytes"]["mlp"])
+        else:
+            realized = realized_projection_keep(eng.model)
+            bound = bounds(dims, n, realized, 1.0).projection
+        mode = f"{'cats' if a.method == 'cats' else 'proj'}{keep:g}"
+        rec = timed(mode, {"proj_keep": keep, "realized_keep": realized, "calibrate_s": calib_s})
         speedup = dense["step_ms_median"] / rec["step_ms_median"]
-        bound = bounds(dims, n, realized, 1.0).projection
         rec.update(speedup=speedup, bound=bound, fraction_of_bound=speedup / bound,
                    paired_dense_ms=dense["step_ms_median"])
         print(f"  keep {keep:g}: realized {realized:.3f}, speedup {speedup:.3f}x, bound {bound:.3f}x, "
               f"{100 * speedup / bound:.1f}% of bound", flush=True)
         records.append(rec)
-        densify_(eng.model)
+        if a.method == "teal":
+            densify_(eng.model)
     stamped = [stamp(r) for r in records]
     for r in stamped:
         write_record(a.out / f"proj_decode_{r['mode']}_{n}_{run_id}.json", r)

@@ -80,6 +80,16 @@ def time_graph(fn, args_list, reps: int) -> list[float]:
     return times
 
 
+def timing_fields(t: float, nbytes: int, t_dense: float, dense_bytes: int, err: float) -> dict:
+    """The record fields of one timed cell: rate, ratio to byte time and target, dense peer."""
+    byte_time = nbytes / BYTE_RATE
+    return {"time_s": t, "bytes_read": nbytes, "tb_per_s": nbytes / t / 1e12,
+            "byte_rate": BYTE_RATE, "byte_time_s": byte_time, "ratio_to_byte_time": t / byte_time,
+            "target_ratio": TARGET, "meets_target": t / byte_time <= TARGET,
+            "dense_time_s": t_dense, "dense_bytes": dense_bytes, "dense_tb_per_s": dense_bytes / t_dense / 1e12,
+            "speedup_vs_dense": t_dense / t, "max_abs_err_vs_ref": err}
+
+
 def sweep_config(K: int, N: int, block_n: int, block_k: int, size: str, warps: int, stages: int) -> tuple:
     """(BLOCK_N, BLOCK_K, splits, num_warps, num_stages) of one SWEEP entry at shape (K, N)."""
     if size[0] == "p":
@@ -174,11 +184,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
                 "copies": args.copies, "rounds": args.rounds, "reps": args.reps, "graph": True,
-                "time_s": t, "bytes_read": nbytes, "tb_per_s": nbytes / t / 1e12,
-                "byte_rate": BYTE_RATE, "byte_time_s": byte_time, "ratio_to_byte_time": t / byte_time,
-                "target_ratio": TARGET, "meets_target": t / byte_time <= TARGET,
-                "dense_time_s": t_dense, "dense_bytes": dense_bytes, "dense_tb_per_s": dense_bytes / t_dense / 1e12,
-                "speedup_vs_dense": t_dense / t, "max_abs_err_vs_ref": err,
+                **timing_fields(t, nbytes, t_dense, dense_bytes, err),
             })
             sub = args.out if label == "default" else args.out / "sweep"
             write_record(sub / f"sparse_gemv_bench-{name}-keep{keep:g}-{label}-{run}.json", rec)

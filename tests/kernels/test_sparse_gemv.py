@@ -168,13 +168,13 @@ def _interpreter_worker() -> None:
                 fails.append(f"{dtype} {K}x{N}: the workspace is not back at zero after the calls")
     x, w_t, b = make(577, 1537, torch.bfloat16, seed=3)
     for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
-        for stages in (1, 2):  # stages 2: the next x slice loaded one iteration ahead
+        for stages in (1, 2, 3):  # 2: the next x slice loaded one iteration ahead; 3: kept rows packed
             y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, 16, splits, 4, stages))
             fails += check(y, x, w_t, threshold_for(x, 0.3), b, f"kernel splits={splits} stages={stages}",
                            2.0**-7)
             n += 1
     fails += _segment_cases()
-    n += 6
+    n += 9
     dense = F.linear(x, w_t.t(), b)
     fails += [m for m in [mismatch(sparse_gemv(x, w_t, 0.0, b), dense, 0.05, "threshold 0 vs F.linear")] if m]
     y = sparse_gemv(x, w_t, math.inf, b)
@@ -254,11 +254,13 @@ def _segment_cases(device="cpu") -> list[str]:
         x, w_t, b = make(K, N, dtype, device=device, seed=N)
         thr = [torch.tensor(threshold_for(x, keep), device=device) for keep in (0.2, 0.7, 1.0)[:len(widths)]]
         slack = 2.0**-7 if dtype == torch.bfloat16 else 0.0
-        y = sparse_gemv(x, w_t, thr, b, segments=widths, config=(block_n, 16, 5, 1, 2))
         want = sparse_gemv_segments_ref(x, w_t, thr, widths, b)
         ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
         what = f"segments {widths} {dtype} BLOCK_N={block_n}"
-        fails += [m for m in [mismatch(y, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype], what)] if m]
+        for stages in (2, 3):  # packed (3) where the bounds fall on the tile grid
+            y = sparse_gemv(x, w_t, thr, b, segments=widths, config=(block_n, 16, 5, 1, stages))
+            fails += [m for m in [mismatch(y, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
+                                           f"{what} stages={stages}")] if m]
         lo = widths[0]  # the middle block alone, as a strided column slice
         view = w_t[:, lo:lo + widths[1]]
         y = sparse_gemv(x, view, thr[1], None, config=(block_n, 16, 3, 1, 1))

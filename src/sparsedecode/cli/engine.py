@@ -66,7 +66,7 @@ def generate(
             "projection": None if eng.thresholds is None else {
                 "method": eng.thresholds.method, "keep": eng.thresholds.keep,
                 "path": "masked reference" if eng.device.type == "cpu" else (
-                    "sparse down GEMV, up read whole" if eng.thresholds.method == "cats"
+                    "row-gather up + sparse down GEMV" if eng.thresholds.method == "cats"
                     else "sparse GEMV")},
             "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
         }))
@@ -78,7 +78,7 @@ def generate(
         f"{speeds['decode_tok_s']} tok/s" + ("" if eng.thresholds is None else (
             f"; projection {eng.thresholds.method} keep {eng.thresholds.keep:g}, "
             + ("masked reference (reads every weight)" if eng.device.type == "cpu"
-               else "sparse down GEMV, up read whole" if eng.thresholds.method == "cats"
+               else "row-gather up + sparse down GEMV" if eng.thresholds.method == "cats"
                else "sparse GEMV"))),
         err=True,
     )

@@ -1,0 +1,300 @@
+"""Output-sparse (row-gather) up projection fused with the CATS activation (SATS paper §2, CATS).
+
+CATS keeps MLP channel j of one decode token iff |SiLU(gate(x))_j| > t; a dropped
+channel zeroes h_j = SiLU(gate(x))_j * up(x)_j, so neither row j of up nor column
+j of down is needed. Down takes h as an input-sparse GEMV at threshold 0
+(`kernels.sparse_gemv`); this kernel is the up side. nn.Linear stores up as
+w_up (N, K), row j contiguous in K, so a kept channel is one contiguous row of
+K elements and a dropped one is a row never loaded:
+
+- The CATS test is fused: a program loads gate_act for its block of BLOCK_R
+  candidate rows, forms the mask |gate_act| > t (float32) and never issues a
+  load for a dropped row, so the bytes read are keep x N x K x elem (+ x).
+- The kept rows of the block are compacted in registers (a prefix sum gives
+  each kept row its slot) and processed BLOCK_J at a time, so every tile the
+  program loads is full of kept rows whatever the keep. A masked tile (dropped
+  rows as predicated-off lanes) would still hold registers for every row and
+  at keep 0.3 leave 70% of the loads-in-flight budget idle; only the last group
+  of a block is partial here.
+- A program is one warp. Each tile is BLOCK_J rows x BLOCK_K columns with
+  BLOCK_K x elem = 512 bytes, one 16-byte vector per lane and row, so a lane
+  has BLOCK_J vectors in flight beside its slice of x. Each lane folds a
+  vector's products into one fp32 partial per row at once (the accumulator is
+  BLOCK_J registers per lane, not 8 x BLOCK_J: registers are what bound the
+  loads in flight), and the lanes are reduced with shuffles once per group.
+  With one warp nothing in the loop goes through shared memory or a barrier.
+- Batch-1 decode has too few row blocks to fill 132 SMs (14336 rows are 224
+  blocks of 64), so the grid is (row blocks, K splits) sized from the SM count,
+  and the splits are reduced in the same kernel as in `sparse_gemv`: partial
+  sums go to an fp32 workspace with atomics (it stays in L2), a per-block
+  arrival counter elects the last program, which takes the sums with an atomic
+  exchange (leaving the workspace at zero), applies bias and gate_act, writes
+  all BLOCK_R outputs (exact zeros for dropped rows) and resets the counter.
+  One launch, no host sync, threshold read on the device: capturable in a CUDA
+  graph and replayable. With one split there are no atomics and no workspace.
+
+`cats_up_ref` is the same math as a masked PyTorch reference: it reads every row
+and zeroes the dropped channels, so it saves no bytes ('masked'). It is the
+oracle of the tests and benchmark.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.sparse_gemv import (
+    DTYPES,
+    _interpreting,
+    _pow2,
+    _rows_per_split,
+    _sm_count,
+    _splits,
+    check_threshold,
+    keep_mask,
+    workspace,
+)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+ROW_BYTES = 512  # bytes of one row segment per tile: one 16-byte vector per lane of the warp
+BLOCK_R = 64  # candidate rows per program; the kept ones are compacted into groups of BLOCK_J
+BLOCK_J = 16  # kept rows per tile: 16 x 512 B = 8 KB of weight per iteration, 16 vectors per lane
+NUM_WARPS = 1
+# Programs per SM at the default split. Every tile but the last of a block is full of kept
+# rows, so the bytes in flight per SM are about (resident programs) x 8 KB at any keep (x 0.6
+# at keep 0.3, where 19 kept rows of 64 fill 2 groups of 16). The kernel takes 87 registers at
+# this config (ptxas, sm_90; 149 at BLOCK_R=128, whose compaction is twice as wide), so 23
+# one-warp programs fit an SM, far above the ~30-50 KB per SM that 4.15 TB/s needs (Little's
+# law). `benchmarks/cats_gemv_bench.py --sweep` measures the alternatives on the H200.
+PROGRAMS_PER_SM = 16
+CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
+MIN_BLOCK = 16  # smallest BLOCK_R / BLOCK_K: workspace() sizes its counters for BLOCK_R >= 16
+
+
+def check_inputs(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None
+                 ) -> tuple[int, int]:
+    """Validate CATS up-projection operands; returns (N, K)."""
+    if w_up.dim() != 2:
+        raise InputError(f"cats_up wants w_up (N, K), nn.Linear's weight layout; got {tuple(w_up.shape)}")
+    N, K = w_up.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise InputError(f"x {tuple(x.shape)} does not end in K={K}, the columns of w_up {tuple(w_up.shape)}")
+    if x.numel() != K:
+        raise InputError(
+            f"cats_up multiplies one token: x {tuple(x.shape)} holds {x.numel() // max(K, 1)} rows; "
+            "run several tokens (prefill) densely"
+        )
+    if gate_act.shape[-1:] != (N,) or gate_act.numel() != N:
+        raise InputError(f"gate_act must hold the N={N} activations of one token; got {tuple(gate_act.shape)}")
+    if x.dtype != w_up.dtype or x.dtype != gate_act.dtype or x.dtype not in DTYPES:
+        raise InputError(
+            f"cats_up runs in float16, bfloat16 or float32 with one dtype for x, w_up and gate_act; "
+            f"got {x.dtype}, {w_up.dtype} and {gate_act.dtype}"
+        )
+    if x.device != w_up.device or x.device != gate_act.device:
+        raise InputError(f"x lives on {x.device}, w_up on {w_up.device} and gate_act on {gate_act.device}")
+    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+        raise InputError(f"bias must be ({N},) on {x.device}; got {tuple(bias.shape)} on {bias.device}")
+    check_threshold(threshold, x.device)
+    return N, K
+
+
+def cats_up_ref(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None = None
+                ) -> Tensor:
+    """Masked reference of `cats_up`: dropped channels are zeroed, every row of w_up is read.
+
+    x (..., K) holding one token; w_up (N, K); gate_act (..., N) = SiLU(gate(x)); threshold
+    a float or 1-element float tensor; channel j is kept iff |gate_act_j| > threshold (in
+    float32). Returns (..., N) in x's dtype: gate_act_j * (w_up[j] . x + bias_j) for kept j,
+    exactly 0 otherwise, accumulated in float32 ('masked': it saves no bytes).
+    """
+    N, K = check_inputs(x, w_up, gate_act, threshold, bias)
+    u = x.float() @ w_up.float().t()  # (..., N) float32
+    if bias is not None:
+        u = u + bias.float()
+    keep = keep_mask(gate_act, threshold).reshape(u.shape)
+    return torch.where(keep, gate_act.float().reshape(u.shape) * u, 0.0).to(x.dtype)
+
+
+def default_config(N: int, K: int, dtype: torch.dtype, device: torch.device,
+                   programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int, int, int, int]:
+    """(BLOCK_R, BLOCK_J, BLOCK_K, splits, num_warps) for an (N, K) weight: static per shape
+    and device. The K splits bring the grid to about `programs_per_sm` programs per SM."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_r = max(MIN_BLOCK, min(BLOCK_R, _pow2(N)))
+    block_j = min(BLOCK_J, block_r)
+    block_k = max(MIN_BLOCK, min(ROW_BYTES // elem, _pow2(K)))
+    blocks = -(-N // block_r)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        want = max(1, round(programs_per_sm * _sm_count(index) / blocks))
+    else:
+        want = CPU_SPLITS
+    return block_r, block_j, block_k, _splits(K, block_k, want), NUM_WARPS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _cats_up_kernel(
+        X, W, G, Bias, Thr, Y, Acc, Count, thr_f, K, N, cols_per_split, num_splits,
+        BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+        THR_T: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+        VEC: tl.constexpr,
+    ):
+        # Program (row block, k split): BLOCK_R candidate rows, columns
+        # [pid_k * cols_per_split, + cols_per_split) of each kept one.
+        pid_r = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if THR_T:
+            t = tl.load(Thr).to(tl.float32)
+        else:
+            t = thr_f
+        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+        in_n = offs_r < N
+        a = tl.load(G + offs_r, mask=in_n, other=0.0).to(tl.float32)  # (BLOCK_R,)
+        keep = (tl.abs(a) > t) & in_n  # the fused CATS test
+        kept = keep.to(tl.int32)
+        slot_of = tl.cumsum(kept, axis=0) - 1  # (BLOCK_R,) slot of each kept row
+        count = tl.sum(kept, axis=0)
+        k_lo = pid_k * cols_per_split
+        k_len = tl.minimum(cols_per_split, K - k_lo)
+        for g in range(0, count, BLOCK_J):
+            # Compaction: the row of slot s is the kept row whose prefix count is s.
+            slots = g + tl.arange(0, BLOCK_J)  # (BLOCK_J,)
+            hit = (slot_of[None, :] == slots[:, None]) & keep[None, :]  # (BLOCK_J, BLOCK_R)
+            local = tl.sum(tl.where(hit, tl.arange(0, BLOCK_R)[None, :], 0), axis=1)  # (BLOCK_J,)
+            valid = slots < count
+            rows = pid_r * BLOCK_R + local  # (BLOCK_J,) kept rows of this group
+            acc = tl.zeros([BLOCK_J, BLOCK_K // VEC], dtype=tl.float32)
+            for k0 in range(0, k_len, BLOCK_K):
+                offs_k = k_lo + k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+                # Splits are whole BLOCK_K tiles, so only the last tile of K can be partial.
+                if EVEN_K:
+                    xk = tl.load(X + offs_k).to(tl.float32)
+                    mask = valid[:, None]
+                else:
+                    in_k = offs_k < K
+                    xk = tl.load(X + offs_k, mask=in_k, other=0.0).to(tl.float32)
+                    mask = valid[:, None] & in_k[None, :]
+                # Only kept rows are addressed; an empty slot of the last group issues no load.
+                w = tl.load(W + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+                prod = w.to(tl.float32) * xk[None, :]  # (BLOCK_J, BLOCK_K)
+                # in-thread: the VEC products of one 16-byte vector fold into one partial
+                acc += tl.sum(tl.reshape(prod, [BLOCK_J, BLOCK_K // VEC, VEC]), axis=2)
+            part = tl.sum(acc, axis=1)  # (BLOCK_J,)
+            if SPLIT:
+                tl.atomic_add(Acc + rows, part, mask=valid, sem="relaxed")
+            else:
+                if HAS_BIAS:
+                    part += tl.load(Bias + rows, mask=valid, other=0.0).to(tl.float32)
+                a_j = tl.load(G + rows, mask=valid, other=0.0).to(tl.float32)
+                tl.store(Y + rows, (a_j * part).to(Y.dtype.element_ty), mask=valid)
+        if SPLIT:
+            # All lanes' partial adds precede the release of the arrival count (bar.sync, then a
+            # release atomic, which is cumulative); the last arrival acquires it and so sees them.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Count + pid_r, 1, sem="acq_rel")
+            if arrived == num_splits - 1:
+                # The sums, and the workspace back at zero, in one atomic (on the float's bits);
+                # dropped rows were never added to and are left alone.
+                acc_bits = Acc.to(tl.pointer_type(tl.int32)) + offs_r
+                total = tl.atomic_xchg(acc_bits, tl.zeros([BLOCK_R], dtype=tl.int32), mask=keep,
+                                       sem="relaxed").to(tl.float32, bitcast=True)
+                if HAS_BIAS:
+                    total += tl.load(Bias + offs_r, mask=keep, other=0.0).to(tl.float32)
+                h = tl.where(keep, a * total, 0.0)
+                tl.store(Y + offs_r, h.to(Y.dtype.element_ty), mask=in_n)
+                tl.atomic_xchg(Count + pid_r, 0, sem="relaxed")
+        else:
+            tl.store(Y + offs_r, tl.zeros([BLOCK_R], dtype=Y.dtype.element_ty), mask=in_n & ~keep)
+
+
+@torch.library.custom_op("sparsedecode::cats_up", mutates_args=())
+def _cats_up_op(
+    x: Tensor, w_up: Tensor, gate_act: Tensor, thr_t: Tensor | None, thr_f: float, bias: Tensor | None,
+    ws_acc: Tensor | None, ws_count: Tensor | None,
+    block_r: int, block_j: int, block_k: int, splits: int, num_warps: int,
+) -> Tensor:
+    # Declared pure although it writes the workspace: the kernel returns it to all-zero
+    # before it exits (see sparse_gemv). Host-side choices run at trace and capture time.
+    N, K = w_up.shape
+    if not block_r:
+        block_r, block_j, block_k, splits, num_warps = default_config(N, K, x.dtype, x.device)
+    else:
+        splits = _splits(K, block_k, splits)
+    if splits > 1 and (ws_acc is None or ws_count is None):
+        ws_acc, ws_count = workspace(N, x.device)  # a memset: capturable, but a node more
+    y = torch.empty(N, device=x.device, dtype=x.dtype)
+    _cats_up_kernel[(triton.cdiv(N, block_r), splits)](
+        x, w_up, gate_act, bias if bias is not None else x, thr_t if thr_t is not None else gate_act, y,
+        ws_acc if splits > 1 else y, ws_count if splits > 1 else y, thr_f, K, N,
+        _rows_per_split(K, block_k, splits), splits,
+        BLOCK_R=block_r, BLOCK_J=block_j, BLOCK_K=block_k, THR_T=thr_t is not None,
+        HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0, SPLIT=splits > 1, VEC=16 // x.element_size(),
+        num_warps=num_warps, num_stages=1,
+    )
+    return y
+
+
+@_cats_up_op.register_fake
+def _(x, w_up, gate_act, thr_t, thr_f, bias, ws_acc, ws_count, *config):
+    return x.new_empty(w_up.shape[0])
+
+
+def cats_up(
+    x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None = None,
+    ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
+) -> Tensor:
+    """CATS-gated up projection of one token with the Triton kernel (CUDA, or CPU under
+    TRITON_INTERPRET=1): reads only the rows of w_up whose channel is kept.
+
+    x (..., K) holding one token; w_up (N, K) contiguous (nn.Linear's weight); gate_act
+    (..., N) = SiLU(gate(x)) of that token; threshold a float or a 1-element float tensor
+    on x's device (read on the device, so a captured graph follows in-place updates).
+    Returns h (..., N) in x's dtype: gate_act_j * (w_up[j] . x + bias_j) where
+    |gate_act_j| > threshold (float32 compare), exactly 0 elsewhere; fp32 accumulation.
+    `ws` is a persistent `sparse_gemv.workspace(N, device)` (without it each split call
+    zeroes a fresh one); `config` (BLOCK_R, BLOCK_J, BLOCK_K, splits, num_warps) overrides
+    `default_config`, for tuning.
+    """
+    if triton is None:
+        raise InputError("the CATS up kernel needs Triton: pip install triton (or use cats_up_ref)")
+    N, K = check_inputs(x, w_up, gate_act, threshold, bias)
+    if not (x.is_cuda or _interpreting()):
+        raise InputError(
+            "the CATS up Triton kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1); "
+            "use cats_up_ref, the masked reference"
+        )
+    if w_up.stride(1) != 1 or w_up.stride(0) != K:
+        raise InputError(
+            "w_up must be contiguous (N, K), one row per output: the kernel gathers whole rows; "
+            "store the weight row-major once (weight.contiguous())"
+        )
+    if N * K >= 2**31:
+        raise InputError(f"an ({N}, {K}) weight exceeds the kernel's 32-bit offsets")
+    if ws is not None and (ws[0].numel() < N or ws[0].dtype != torch.float32 or ws[1].dtype != torch.int32
+                           or ws[1].numel() < -(-N // MIN_BLOCK)):
+        raise InputError("ws must be sparse_gemv.workspace(N, device): (float32 (>= N,), int32 counters)")
+    if config is not None:
+        block_r, block_j, block_k, splits, num_warps = config
+        if any(b & (b - 1) for b in (block_r, block_j, block_k)) or min(block_r, block_k) < MIN_BLOCK:
+            raise InputError(f"BLOCK_R, BLOCK_J and BLOCK_K must be powers of two, BLOCK_R and BLOCK_K "
+                             f">= {MIN_BLOCK}; got {config}")
+        if block_j > block_r or splits < 1:
+            raise InputError(f"BLOCK_J must be <= BLOCK_R and splits >= 1; got {config}")
+    thr_t, thr_f = (threshold.reshape(()), 0.0) if isinstance(threshold, Tensor) else (None, float(threshold))
+    bias = None if bias is None else bias.contiguous()
+    h = _cats_up_op(x.reshape(K).contiguous(), w_up, gate_act.reshape(N).contiguous(), thr_t, thr_f, bias,
+                    *(ws or (None, None)),
+                    *(config or (0, 0, 0, 0, 0)))
+    return h.reshape(*gate_act.shape[:-1], N)
+
+
+__all__ = ["cats_up", "cats_up_ref", "check_inputs", "default_config"]
