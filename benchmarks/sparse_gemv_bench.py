@@ -43,14 +43,12 @@ TARGET = 1.15
 # Tile configs tried by --sweep beside the default: (BLOCK_N, BLOCK_K, split size, num_warps,
 # num_stages), the split size either 'pN' (splits for about N programs per SM) or 'rN' (N rows
 # per split; r == BLOCK_K is one tile per program, more rows loop, pipelined when stages > 1).
-# The first sweep (records h200/sparse_gemv_20261129T194455Z) tried one-tile-per-program grids
-# and 2-8 warps per program; all lost to 16-row one-warp tiles, so this one explores around
-# those: programs per SM, x prefetch (stages 2), 512-byte vs 1 KB rows, 32-row tiles.
-SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p24", 1, 2), (256, 16, "p32", 1, 1),
-         (256, 16, "p32", 1, 2), (256, 16, "p48", 1, 1), (256, 16, "p48", 1, 2),
-         (256, 16, "p64", 1, 2), (512, 16, "p12", 2, 1), (512, 16, "p16", 2, 2),
-         (256, 32, "p24", 1, 2), (128, 16, "p48", 1, 2), (256, 16, "r16", 1, 1),
-         (256, 32, "p12", 1, 1)]
+# Sweeps so far (records h200/sparse_gemv_2026*): one-tile-per-program grids and 2-8 warps per
+# program lost to 16-row one-warp tiles at ~24 programs per SM, and x prefetch (stages 2) gained
+# nothing. This one tries the packed loop (stages 3, kept rows first) at several split sizes.
+SWEEP = [(256, 16, "p24", 1, 3), (256, 16, "p16", 1, 3), (256, 16, "p32", 1, 3),
+         (256, 16, "p12", 1, 3), (256, 32, "p24", 1, 3), (256, 32, "p12", 1, 3),
+         (256, 16, "r128", 1, 3), (256, 16, "r256", 1, 3), (256, 16, "p32", 1, 1)]
 COMBINED = "sparse_gemv_records.json"
 
 
