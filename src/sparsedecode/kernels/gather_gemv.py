@@ -63,16 +63,16 @@ except ImportError:
     triton = None
 
 ROW_BYTES = 512  # bytes of one row segment per tile: one 16-byte vector per lane of the warp
-BLOCK_R = 64  # candidate rows per program; the kept ones are compacted into groups of BLOCK_J
-BLOCK_J = 16  # kept rows per tile: 16 x 512 B = 8 KB of weight per iteration, 16 vectors per lane
+BLOCK_R = 32  # candidate rows per program; the kept ones are compacted into groups of BLOCK_J
+BLOCK_J = 8  # kept rows per tile: 8 x 512 B = 4 KB of weight per iteration, 8 vectors per lane
 NUM_WARPS = 1
 # Programs per SM at the default split. Every tile but the last of a block is full of kept
-# rows, so the bytes in flight per SM are about (resident programs) x 8 KB at any keep (x 0.6
-# at keep 0.3, where 19 kept rows of 64 fill 2 groups of 16). The kernel takes 87 registers at
-# this config (ptxas, sm_90; 149 at BLOCK_R=128, whose compaction is twice as wide), so 23
-# one-warp programs fit an SM, far above the ~30-50 KB per SM that 4.15 TB/s needs (Little's
-# law). `benchmarks/cats_gemv_bench.py --sweep` measures the alternatives on the H200.
-PROGRAMS_PER_SM = 16
+# rows, so the bytes in flight per SM are about (resident programs) x tile bytes at any keep.
+# Measured on the H200 (`benchmarks/cats_gemv_bench.py --sweep`, records in
+# benchmarks/records/h200/cats_gemv_20261129T203130Z): 32 candidate rows packed into tiles of
+# 8, 24 one-warp programs per SM, beat 10 other configs at keeps 1, 0.5 and 0.3 (the first
+# guess, 64 rows in tiles of 16 at 16 per SM, was 1.4-1.6x slower).
+PROGRAMS_PER_SM = 24
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16  # smallest BLOCK_R / BLOCK_K: workspace() sizes its counters for BLOCK_R >= 16
 

@@ -56,8 +56,10 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_BYTES = 512  # bytes of one row segment per warp: 4 lines of 128 B, one 16-byte vector per lane
 BLOCK_K = 16  # rows per loop iteration: 8 KB of weight per one-warp program at full keep
 NUM_WARPS = 1
-NUM_STAGES = 1  # the loop variant: 1 plain, 2 x slice prefetched, PACKED kept rows packed first
-PACKED = 3
+# The loop variant: 1 plain, 2 the next x slice prefetched. A third, the kept rows of each
+# split ranked by a prefix sum and packed into full tiles, ran 1.5-2x slower on the H200
+# (records h200/sparse_gemv_20261129T203104Z) and was dropped.
+NUM_STAGES = 1
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
 # the DRAM latency (Little's law: ~30 KB in flight per SM at 4.15 TB/s). In-flight bytes cost
@@ -298,47 +300,6 @@ if triton is not None:
         _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
 
 
-    @triton.jit
-    def _sparse_gemv_packed_kernel(
-        X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2,
-        rows_per_split, num_splits,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, THR_T: tl.constexpr,
-        NSEG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-    ):
-        # The same product as _sparse_gemv_kernel, with the kept rows of the split packed
-        # first: the program loads its whole x slice (ROWS >= rows_per_split) once, ranks the
-        # kept rows by a prefix sum, and every weight tile then holds BLOCK_K kept rows (the
-        # last one fewer). At keep 0.3 a split takes a third of the iterations, each with a
-        # full tile of useful loads in flight. Segment bounds must fall on the tile grid.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        mask_n = offs_n < N
-        t = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
-        k_lo = pid_k * rows_per_split
-        k_hi = tl.minimum(k_lo + rows_per_split, K)
-        r = tl.arange(0, ROWS)
-        in_r = k_lo + r < k_hi
-        xs = tl.load(X + k_lo + r, mask=in_r, other=0.0).to(tl.float32)  # (ROWS,)
-        keep = (tl.abs(xs) > t) & in_r
-        rank = tl.cumsum(keep.to(tl.int32), axis=0) - 1  # (ROWS,) slot of each kept row
-        n_kept = tl.sum(keep.to(tl.int32), axis=0)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j0 in range(0, n_kept, BLOCK_K):
-            j = j0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,) packed slots of this tile
-            hit = keep[None, :] & (rank[None, :] == j[:, None])  # (BLOCK_K, ROWS): one 1 per filled slot
-            row = tl.sum(tl.where(hit, r[None, :], 0), axis=1)  # (BLOCK_K,) the kept row in slot j
-            x = tl.sum(tl.where(hit, xs[None, :], 0.0), axis=1)  # (BLOCK_K,) its input value
-            valid = j < n_kept
-            if EVEN_N:
-                tile_mask = valid[:, None]
-            else:
-                tile_mask = valid[:, None] & mask_n[None, :]
-            w = tl.load(W + (k_lo + row)[:, None] * stride_wk + offs_n[None, :], mask=tile_mask, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
-        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
-
-
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
 def _sparse_gemv_op(
     x: Tensor, w_t: Tensor, thr_ts: list[Tensor], thr_f: float, bounds: list[int], bias: Tensor | None,
@@ -366,10 +327,7 @@ def _sparse_gemv_op(
             b1, b2, rows, splits)
     common = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
                   HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1)
-    if stages == PACKED and aligned:
-        _sparse_gemv_packed_kernel[(n_tiles, splits)](*args, ROWS=max(block_k, _pow2(rows)), **common)
-    else:  # (a packed config with column segments off the tile grid runs unpacked)
-        _sparse_gemv_kernel[(n_tiles, splits)](*args, SEG_ALIGNED=aligned, PREFETCH=stages == 2, **common)
+    _sparse_gemv_kernel[(n_tiles, splits)](*args, SEG_ALIGNED=aligned, PREFETCH=stages >= 2, **common)
     return y
 
 
@@ -398,8 +356,7 @@ def sparse_gemv(
 
     `ws` is a persistent workspace from `workspace(N, device)` (without it each call zeroes
     a fresh one); `config` (BLOCK_N, BLOCK_K, splits, num_warps, stages) overrides
-    `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead; stages 3,
-    PACKED, ranks the kept rows of each split first so every weight tile is full of kept rows).
+    `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
