@@ -1,0 +1,97 @@
+"""Markdown tables of timing records, rebuilt from the records alone (ByteCross §4, App. A).
+
+One function per record kind; `speed_tables(paths)` sorts a list of record files
+(or JSON lists of records) by kind and returns every table that has rows. Nothing
+here measures: numbers come from the records, formatted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sparsedecode.errors import InputError
+
+
+def load_records(paths) -> list[dict]:
+    """Records from files holding one record or a JSON list of them, in the order given."""
+    out = []
+    for p in paths:
+        try:
+            data = json.loads(Path(p).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"cannot read record {p}: {e}") from e
+        out += data if isinstance(data, list) else [data]
+    return out
+
+
+def _commit(r: dict) -> str:
+    return (r.get("env", {}).get("git_commit") or "")[:7]
+
+
+def gemv_table(records: list[dict]) -> str:
+    """Default-config cells of 'sparse_gemv_bench' and 'cats_gemv_bench': time against byte time."""
+    rows = ["| kernel | shape | keep | µs | TB/s | × byte time | × dense cuBLAS | run |",
+            "|---|---|---|---|---|---|---|---|"]
+    cells = [r for r in records
+             if r["kind"] in ("sparse_gemv_bench", "cats_gemv_bench") and r["config_label"] == "default"]
+    for r in sorted(cells, key=lambda r: (r["kind"] != "sparse_gemv_bench", r["shape"], -r["keep_target"])):
+        kernel = "input-sparse GEMV" if r["kind"] == "sparse_gemv_bench" else "CATS row-gather up"
+        rows.append(f"| {kernel} | {r['shape']} {r['K']}→{r['N']} | {r['keep_target']:g} | {r['time_s'] * 1e6:.1f} "
+                    f"| {r['tb_per_s']:.2f} | {r['ratio_to_byte_time']:.2f} | {r['speedup_vs_dense']:.2f} "
+                    f"| {_commit(r)} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def decode_table(records: list[dict]) -> str:
+    """'proj_decode_bench' sparse modes beside their paired dense step and byte bound."""
+    rows = ["| mode | compile | realized keep | step ms | dense ms | speedup | byte bound | % of bound | run |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["kind"] != "proj_decode_bench" or r["mode"] == "dense":
+            continue
+        rows.append(f"| {r['mode']} ({r['calibration']['method']}) | {r['compile_mode'] or 'default'} "
+                    f"| {r['realized_keep']:.3f} | {r['step_ms_median']:.3f} | {r['paired_dense_ms']:.3f} "
+                    f"| {r['speedup']:.3f}× | {r['bound']:.3f}× | {100 * r['fraction_of_bound']:.1f}% "
+                    f"| {_commit(r)} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def dense_table(records: list[dict]) -> str:
+    """'dense_decode_bench' step times per implementation and context."""
+    rows = ["| impl | compile | context | step ms | GB/s | target ms | run |", "|---|---|---|---|---|---|---|"]
+    cells = [r for r in records if r["kind"] == "dense_decode_bench" and "step_ms_median" in r]
+    for r in sorted(cells, key=lambda r: (r["impl"], r["context"])):
+        compile_mode = r.get("compile_mode") or r.get("compile")
+        rows.append(f"| {r['impl']} | {compile_mode if compile_mode is not True else 'default'} | {r['context']} "
+                    f"| {r['step_ms_median']:.3f} | {r['achieved_GBps']:.0f} | {r.get('target_ms') or ''} "
+                    f"| {_commit(r)} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def attention_table(records: list[dict]) -> str:
+    """'attention_bench' records: one row per backend, one column per context (µs, TB/s)."""
+    cells: dict[str, dict[int, dict]] = {}
+    for r in records:
+        if r["kind"] == "attention_bench":
+            cells.setdefault(r["backend"], {})[r["context"]] = r
+    if not cells:
+        return ""
+    contexts = sorted({c for row in cells.values() for c in row})
+    rows = ["| backend | " + " | ".join(f"{c} tokens" for c in contexts) + " |",
+            "|---|" + "---|" * len(contexts)]
+    for backend, row in cells.items():
+        rows.append(f"| {backend} | " + " | ".join(
+            f"{row[c]['time_s'] * 1e6:.1f} µs ({row[c]['tb_per_s']:.2f} TB/s)" if c in row else ""
+            for c in contexts) + " |")
+    return "\n".join(rows)
+
+
+def speed_tables(paths) -> str:
+    """Every table the given record files fill, separated by blank lines."""
+    recs = load_records(paths)
+    tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table)]
+    return "\n\n".join(t for t in tables if t)
+
+
+__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "load_records", "speed_tables"]

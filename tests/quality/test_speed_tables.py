@@ -1,0 +1,39 @@
+"""Timing tables rebuilt from records: formatting, filtering and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparsedecode.errors import InputError
+from sparsedecode.report.speed_tables import decode_table, gemv_table, load_records, speed_tables
+
+
+def gemv(label, keep, t):
+    return {"kind": "sparse_gemv_bench", "config_label": label, "shape": "down", "K": 14336, "N": 4096,
+            "keep_target": keep, "time_s": t, "tb_per_s": 3.0, "ratio_to_byte_time": 1.25,
+            "speedup_vs_dense": 1.5, "env": {"git_commit": "0123456789abcdef"}}
+
+
+def test_tables_come_from_records_only(tmp_path):
+    decode = {"kind": "proj_decode_bench", "mode": "proj0.5", "calibration": {"method": "teal"},
+              "compile_mode": "", "realized_keep": 0.4641, "step_ms_median": 3.2571, "paired_dense_ms": 5.4117,
+              "speedup": 1.6616, "bound": 1.9601, "fraction_of_bound": 0.8477, "env": {"git_commit": None}}
+    (tmp_path / "a.json").write_text(json.dumps([gemv("default", 0.5, 19.6e-6), gemv("b512", 0.5, 1e-6),
+                                                  gemv("default", 1.0, 31.7e-6)]))
+    (tmp_path / "b.json").write_text(json.dumps(decode))
+    recs = load_records([tmp_path / "a.json", tmp_path / "b.json"])
+    g = gemv_table(recs).splitlines()
+    assert len(g) == 4, "only default-config cells, one row each"
+    assert g[2].startswith("| input-sparse GEMV | down 14336→4096 | 1 | 31.7 |"), "keep 1 first"
+    assert "| 0.5 | 19.6 | 3.00 | 1.25 | 1.50 | 0123456 |" in g[3]
+    d = decode_table(recs).splitlines()[2]
+    assert d == "| proj0.5 (teal) | default | 0.464 | 3.257 | 5.412 | 1.662× | 1.960× | 84.8% |  |"
+    assert speed_tables([tmp_path / "b.json"]).count("\n\n") == 0  # one table, no empty ones
+
+
+def test_unreadable_record_is_a_clear_error(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InputError, match="cannot read record"):
+        load_records([tmp_path / "bad.json"])
