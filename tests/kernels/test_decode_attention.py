@@ -19,6 +19,7 @@ import torch
 from _compare import mismatch
 
 from interpreted import run_interpreted
+from shapes import random_qkv
 from sparsedecode.engine.attention import BACKENDS, decode_attention, get_backend, split_k_lse
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.decode_attention import (
@@ -34,12 +35,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available()
 
 
-def make(B, Hkv, G, T, D, dtype, device="cpu", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hkv * G, D, generator=gen)  # (B, Hq, D)
-    k = torch.randn(B, Hkv, T, D, generator=gen)  # (B, Hkv, T, D)
-    v = torch.randn(B, Hkv, T, D, generator=gen)
-    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
+make = random_qkv
 
 
 def attend(q, k, v, start, end, dtype=torch.float64):

@@ -32,6 +32,10 @@ def generate(
                                    "(sparsedecode calibrate): sparse decode steps."),
     proj_keep: str = typer.Option(None, "--proj-keep", help="Projection keep: calibrate uniform "
                                   "TEAL thresholds on WikiText-2 validation once, cache, use."),
+    kv: str = typer.Option(None, "--kv", help="KV branch after the prefill: snapkv (attention-scored "
+                           "selection) or window (4 sinks + recent entries)."),
+    kv_keep: float = typer.Option(None, "--kv-keep", help="Fraction of the prompt's KV entries "
+                                  "decoding reads, in (0, 1]; needs --kv."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
 ):
     """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
@@ -40,12 +44,22 @@ def generate(
 
     if thresholds is not None and proj_keep is not None:
         raise InputError("give --thresholds FILE or --proj-keep K, not both")
+    if (kv is None) != (kv_keep is None):
+        raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.2)")
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
                             attention=attention, quiet=as_json, thresholds=thresholds)
     if proj_keep is not None:
         from sparsedecode.projection.calibrate import cached_teal
 
         eng.sparsify(cached_teal(eng, proj_keep, progress=not as_json))
+
+    if kv is not None:
+        from sparsedecode.engine.config import KVConfig
+
+        eng.kv_config = KVConfig(kv, kv_keep)
+        from sparsedecode.kv.select import get_selector
+
+        get_selector(kv)  # an unknown method fails before the prefill
 
     def show(text: str) -> None:
         sys.stdout.write(text)
@@ -68,6 +82,9 @@ def generate(
                 "path": "masked reference" if eng.device.type == "cpu" else (
                     "row-gather up + sparse down GEMV" if eng.thresholds.method == "cats"
                     else "sparse GEMV")},
+            "kv": None if eng.kv is None else {
+                "method": eng.kv.method, "keep": eng.kv.keep, "mode": eng.kv.mode, "prompt_tokens": eng.kv.n,
+                "budget": eng.kv.budget, "select_s": round(eng.kv.select_s, 4)},
             "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
         }))
         return
@@ -79,7 +96,9 @@ def generate(
             f"; projection {eng.thresholds.method} keep {eng.thresholds.keep:g}, "
             + ("masked reference (reads every weight)" if eng.device.type == "cpu"
                else "row-gather up + sparse down GEMV" if eng.thresholds.method == "cats"
-               else "sparse GEMV"))),
+               else "sparse GEMV"))) + ("" if eng.kv is None else (
+            f"; kv {eng.kv.method} keep {eng.kv.keep:g}: {eng.kv.budget} of {eng.kv.n} prompt entries "
+            f"per KV head, selected in {eng.kv.select_s:.3f} s")),
         err=True,
     )
 

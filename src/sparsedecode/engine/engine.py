@@ -36,6 +36,7 @@ class Generation:
     text: str | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    kv_select_s: float = 0.0  # the KV branch's one-time observation, scoring and gather
     stopped_at_eos: bool = False
 
     @property
@@ -80,6 +81,9 @@ class Engine:
         self._graph = None
         self._graph_out = None
         self.thresholds = None  # set by sparsify
+        self.kv = None  # a kv.apply.KVSelection while decoding reads selected entries
+        self.kv_config = None  # an engine.config.KVConfig: selected after every prompt's prefill
+        self.last_prefill: tuple[torch.Tensor | None, int] = (None, 0)  # (ids (L,), start)
 
     # -- the model calls ----------------------------------------------------
     def _decode_forward(self) -> torch.Tensor:
@@ -117,6 +121,11 @@ class Engine:
             raise InputError(f"prefill chunk must be >= 1, got {chunk}")
         L = ids.numel()
         self._check_len(start + L, "the prompt")
+        if start == 0 and any(layer.self_attn.cache.compact is not None or layer.self_attn.cache.window
+                              is not None for layer in self.model.layers):  # a new prompt: selection void
+            from sparsedecode.kv.apply import clear_kv
+
+            clear_kv(self)
         outs = []
         for s in range(0, L, chunk):
             piece = ids[s : s + chunk]  # (l,)
@@ -125,6 +134,7 @@ class Engine:
             logits = self.model(piece[None], pos, p0)[0]  # (l, V)
             outs.append(logits.float() if all_logits else logits[-1:].float())
         self.pos = start + L
+        self.last_prefill = (ids, start)
         return torch.cat(outs) if all_logits else outs[-1][0]
 
     def forward_logits(self, ids, chunk: int = 512) -> torch.Tensor:
@@ -196,6 +206,30 @@ class Engine:
         self.thresholds = th
         self._graph = None
 
+    def configure(self, config) -> str:
+        """Install an `engine.config.SparsityConfig`: its projection thresholds (or dense
+        projections) now, its KV selection after each prompt's prefill in `generate`.
+        Returns the mode name."""
+        from sparsedecode.projection.sparse_linear import densify_
+
+        if config.projection is not None:
+            self.sparsify(config.projection)
+        elif self.thresholds is not None:
+            densify_(self.model)
+            self.thresholds = None
+            self._graph = None
+        self.kv_config = config.kv
+        return config.mode
+
+    def select_kv(self, method: str, keep: float, max_new: int, **params):
+        """KV branch (ByteCross §4.1, App. A): after the prefill, decode reads only the
+        entries `method` ('snapkv' or 'window', `kv.SELECTORS`) keeps at `keep` for the next
+        `max_new` tokens; returns a `kv.apply.KVSelection` with the one-time cost. The next
+        prefill from position 0 returns to dense attention."""
+        from sparsedecode.kv.apply import select_kv
+
+        return select_kv(self, method, keep, max_new, **params)
+
     def reset(self) -> None:
         """Forget the cached tokens (the buffers stay allocated)."""
         self.pos = 0
@@ -231,9 +265,14 @@ class Engine:
         logits = self.prefill(ids)
         nxt = sample(logits, temperature, top_p, gen)  # (1,)
         tok = int(nxt)
+        if self.kv_config is not None:  # the KV branch: once per prompt, after the prefill
+            kv = self.kv_config
+            sel = self.select_kv(kv.method, kv.keep, max_new_tokens, **kv.params)
+            if timing is not None:
+                timing.kv_select_s = sel.select_s
         t1 = time.perf_counter()
         if timing is not None:
-            timing.prefill_s = t1 - t0
+            timing.prefill_s = t1 - t0 - timing.kv_select_s
         for i in range(max_new_tokens):
             if timing is not None:
                 timing.decode_s = time.perf_counter() - t1

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sparsedecode.engine.attention import decode_attention
+from sparsedecode.kv.window_attention import window_attention
 from sparsedecode.models.args import ModelArgs
 from sparsedecode.models.rope import apply_rope, rope_tables
 
@@ -56,11 +57,27 @@ class KVCache(nn.Module):
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.compact = None  # (k, v, offset) of the selected entries, see read_compact
+        self.window = None  # (sinks, recent), see read_window
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (B, Hkv, L, D) at cache positions pos (L,)."""
         self.k.index_copy_(2, pos, k)
         self.v.index_copy_(2, pos, v)
+
+    def read_compact(self, k: torch.Tensor | None, v: torch.Tensor | None = None,
+                     offset: torch.Tensor | None = None) -> None:
+        """Decode reads this contiguous buffer of selected entries (B, Hkv, budget + new, D)
+        instead of the cache; the token at position p goes to slot p - offset (ByteCross
+        App. A: entries gathered once, each step appends its own). None: read the cache."""
+        self.compact = None if k is None else (k, v, offset)
+        self.window = None
+
+    def read_window(self, sinks: int | None, recent: int = 0) -> None:
+        """Decode reads the first `sinks` and the last `recent` entries in place (App. A);
+        None: read the cache."""
+        self.window = None if sinks is None else (int(sinks), int(recent))
+        self.compact = None
 
 
 class Attention(nn.Module):
@@ -77,6 +94,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.qk_norm = args.qk_norm
         self.qkv = None  # a fused one-token projection (projection.sparse_linear.SparseConcat)
+        self.observe: list | None = None  # set to a list to collect post-RoPE queries (B, Hq, L, D)
         self.cache: KVCache | None = None
         self.backend = "split_k"
 
@@ -95,16 +113,30 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, L, D)
         v = v.transpose(1, 2)  # (B, Hkv, L, D)
-        self.cache.update(pos, k, v)
+        self.cache.update(pos, k, v)  # the full cache receives every entry, in every mode
+        if self.observe is not None:  # queries of an observation window, for KV scoring
+            self.observe.append(q)
         if start is None:
-            y = decode_attention(
-                q[:, :, 0], self.cache.k, self.cache.v, pos + 1, backend=self.backend
-            )  # (B, Hq, D)
+            y = self._decode_attention(q[:, :, 0], k, v, pos)  # (B, Hq, D)
             y = y.reshape(B, 1, self.n_heads * self.head_dim)
         else:
             y = self._prefill_attention(q, start, L).transpose(1, 2)  # (B, L, Hq, D)
             y = y.reshape(B, L, self.n_heads * self.head_dim)
         return self.o_proj(y)
+
+    def _decode_attention(self, q, k, v, pos):
+        """One query per sequence (B, Hq, D) over the cache, the compact buffer of selected
+        entries (the new k, v (B, Hkv, 1, D) appended at slot pos - offset) or the window."""
+        cache = self.cache
+        if cache.compact is not None:
+            ck, cv, offset = cache.compact
+            slot = pos - offset  # (1,)
+            ck.index_copy_(2, slot, k)
+            cv.index_copy_(2, slot, v)
+            return decode_attention(q, ck, cv, slot + 1, backend=self.backend)
+        if cache.window is not None:
+            return window_attention(q, cache.k, cache.v, pos + 1, *cache.window, backend=self.backend)
+        return decode_attention(q, cache.k, cache.v, pos + 1, backend=self.backend)
 
     def _prefill_attention(self, q, start: int, L: int):
         """SDPA of a chunk's queries (B, Hq, L, D) over cache entries [0, start+L)."""

@@ -27,12 +27,10 @@ them with the sparsity applied (see `Calibrator`).
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 import torch
@@ -49,6 +47,7 @@ from sparsedecode.projection.thresholds import (
     site_key,
     site_params,
 )
+from sparsedecode.registry import Registry
 
 MIN_TOKENS = 256
 WINDOW = 2048
@@ -386,25 +385,7 @@ def _thresholds(acts: Activations, keeps: dict[str, float]) -> dict[str, float]:
     return {k: t for k, t in values.items() if t is not None}
 
 
-class _Registry(Mapping):
-    """Name -> calibrator class, importing a method's module on first use (the
-    method modules import this one, so eager imports here would be circular)."""
-
-    def __init__(self, paths: dict[str, str]):
-        self._paths = paths
-
-    def __getitem__(self, name: str) -> type[Calibrator]:
-        module, cls = self._paths[name].split(":")
-        return getattr(importlib.import_module(module), cls)
-
-    def __iter__(self):
-        return iter(self._paths)
-
-    def __len__(self) -> int:
-        return len(self._paths)
-
-
-CALIBRATORS: Mapping[str, type[Calibrator]] = _Registry({
+CALIBRATORS: Mapping[str, type[Calibrator]] = Registry("calibration method", {
     "teal": "sparsedecode.projection.teal:Teal",
     "cats": "sparsedecode.projection.cats:Cats",
 })
@@ -412,18 +393,7 @@ CALIBRATORS: Mapping[str, type[Calibrator]] = _Registry({
 
 def get_calibrator(name: str, **params) -> Calibrator:
     """Build the calibrator `name` from its fields; an unknown name suggests a close one."""
-    if name not in CALIBRATORS:
-        close = difflib.get_close_matches(name, list(CALIBRATORS), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise InputError(f"unknown calibration method '{name}': {hint}choose one of "
-                         f"{', '.join(CALIBRATORS)}")
-    cls = CALIBRATORS[name]
-    known = [f.name for f in fields(cls)]
-    unknown = [k for k in params if k not in known]
-    if unknown:
-        raise InputError(f"{name} has no option {', '.join(unknown)}; its options are "
-                         f"{', '.join(known)}")
-    return cls(**params)
+    return CALIBRATORS.build(name, **params)
 
 
 def _bar(items, enabled: bool, desc: str):

@@ -1,0 +1,124 @@
+"""KV selection applied to an engine after its dense prefill (ByteCross §4.1, App. A, App. G).
+
+`select_kv(engine, method, keep, max_new)` runs once per prompt, after the
+prefill of n tokens:
+
+- scored methods (snapkv) re-run the last W prompt tokens through the model as
+  the observation window, which rewrites the same keys and values at the same
+  positions and collects each layer's post-RoPE queries (B, Hq, W, D);
+- each layer's selector picks round(keep x n) - max_new positions per KV head
+  and the kept keys and values are gathered once into a contiguous buffer with
+  room for the max_new generated tokens; every decode step then appends its own
+  entry there and reads the buffer through the same attention backend, while
+  the full cache keeps receiving every entry (so a new turn can be rescored);
+- `window` reads the cache in place instead: the first `sinks` entries and the
+  most recent ones, two split-K calls merged by log-sum-exp, no copy. It reads
+  round(keep x n) entries at every step, which is what the selection reads at
+  its last generated token.
+
+keep 1.0 keeps everything: decoding reads the full cache exactly as dense.
+The one-time cost (observation pass, scoring and gather) is timed, with a
+device synchronisation, and returned.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sparsedecode.account.units import check_keep
+from sparsedecode.errors import InputError
+from sparsedecode.kv.select import get_selector
+
+
+@dataclass
+class KVSelection:
+    """What `select_kv` did: method, keep, prompt length n, entries kept per KV head
+    (the budget; n at keep 1.0), the tokens it left room for, and its one-time cost."""
+
+    method: str
+    keep: float
+    n: int
+    budget: int
+    max_new: int
+    select_s: float
+
+    @property
+    def mode(self) -> str:
+        return "dense" if self.keep >= 1.0 else "window" if self.method == "window" else "sel"
+
+
+def observation_queries(engine, window: int) -> list[torch.Tensor]:
+    """Post-RoPE queries (B, Hq, W, D) of each layer for the last W = min(window, n) cached
+    prompt tokens, from re-running them (their keys and values are rewritten unchanged)."""
+    n = engine.pos
+    ids, start = engine.last_prefill  # (L,) ids the last prefill put at positions [start, start + L)
+    w = min(window, n)
+    if ids is None or start + ids.numel() != n or ids.numel() < w:
+        raise InputError(
+            f"the observation window is the last {w} prompt tokens, and the last prefill did not end "
+            f"at the cache's {n} tokens with at least that many: prefill the prompt right before selecting"
+        )
+    attn = [layer.self_attn for layer in engine.model.layers]
+    for a in attn:
+        a.observe = []
+    try:
+        pos = torch.arange(n - w, n, device=engine.device)  # (W,)
+        with torch.inference_mode():
+            engine.model(ids[ids.numel() - w:][None], pos, n - w)
+        return [a.observe[0] for a in attn]
+    finally:
+        for a in attn:
+            a.observe = None
+
+
+def clear_kv(engine) -> None:
+    """Decode reads the full cache again (dense attention)."""
+    for layer in engine.model.layers:
+        layer.self_attn.cache.read_compact(None)
+    engine.kv = None
+    engine._graph = None
+
+
+def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSelection:
+    """Select the KV entries decoding reads for the next max_new tokens; see the module doc."""
+    check_keep(keep, "kv keep")
+    if max_new < 0:
+        raise InputError(f"max_new must be >= 0, got {max_new}")
+    n = engine.pos
+    if n < 1:
+        raise InputError("select_kv runs after the prefill: prefill a prompt first")
+    if n + max_new > engine.max_len:
+        raise InputError(f"{n} cached tokens plus {max_new} new exceed the cache of {engine.max_len}")
+    selector = get_selector(method, **params)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    clear_kv(engine)
+    if keep >= 1.0:
+        budget = n
+    else:
+        budget = selector.budget(n, keep, max_new)
+        caches = [layer.self_attn.cache for layer in engine.model.layers]
+        if method == "window":
+            sinks = min(selector.sinks, budget)
+            for cache in caches:  # round(keep x n) entries per step: budget + the room for new ones
+                cache.read_window(sinks, budget - sinks + max_new)
+        else:
+            queries = observation_queries(engine, selector.window)
+            offset = torch.tensor([n - budget], device=engine.device)  # (1,): slot = position - offset
+            with torch.inference_mode():
+                for cache, q_obs in zip(caches, queries, strict=True):
+                    idx = selector.select(q_obs, cache.k, n, keep, max_new)  # (B, Hkv, budget)
+                    k, v = selector.gather(cache.k, cache.v, idx, extra=max_new)  # (B, Hkv, budget+new, D)
+                    cache.read_compact(k, v, offset)
+    sync()
+    sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0)
+    engine.kv = sel
+    engine._graph = None  # the decode step reads other buffers now: capture again
+    return sel
+
+
+__all__ = ["KVSelection", "clear_kv", "observation_queries", "select_kv"]
