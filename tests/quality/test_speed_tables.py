@@ -37,3 +37,17 @@ def test_unreadable_record_is_a_clear_error(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(InputError, match="cannot read record"):
         load_records([tmp_path / "bad.json"])
+
+
+def test_passkey_table_marks_answers_and_the_window_region():
+    from sparsedecode.report.speed_tables import passkey_table
+
+    rows = [{"depth": d, "mode": m, "keep": k, "correct": ok, **extra}
+            for d, m, k, ok, extra in [(0.1, "dense", 1.0, True, {}), (0.9, "dense", 1.0, True, {}),
+                                       (0.1, "window", 0.3, False, {"key_in_window": False}),
+                                       (0.9, "window", 0.3, True, {"key_in_window": True})]]
+    rec = {"kind": "passkey_kv", "model": "m", "runtime": "CPU", "tokens": 4096, "rows": rows}
+    lines = passkey_table([rec]).splitlines()
+    assert lines[0] == "| model | mode | keep | depth 0.1 | depth 0.9 |"
+    assert lines[2] == "| m (CPU, 4096 tokens) | dense | 1 | yes | yes |"
+    assert lines[3] == "| m (CPU, 4096 tokens) | window | 0.3 | no (outside) | yes (in window) |"

@@ -87,11 +87,38 @@ def attention_table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def passkey_table(records: list[dict]) -> str:
+    """'passkey_kv' records: per mode, which key depths it answered (and, for the window,
+    whether the key lay inside its region)."""
+    rows = []
+    for r in records:
+        if r["kind"] != "passkey_kv":
+            continue
+        depths = sorted({x["depth"] for x in r["rows"]})
+        if not rows:
+            rows = ["| model | mode | keep | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
+                    "|---|---|---|" + "---|" * len(depths)]
+        modes = dict.fromkeys((x["mode"], x["keep"]) for x in r["rows"])
+        for mode, keep in modes:
+            cells = {x["depth"]: x for x in r["rows"] if (x["mode"], x["keep"]) == (mode, keep)}
+            marks = []
+            for d in depths:
+                x = cells.get(d)
+                mark = "" if x is None else ("yes" if x["correct"] else "no")
+                if x is not None and "key_in_window" in x:
+                    mark += " (in window)" if x["key_in_window"] else " (outside)"
+                marks.append(mark)
+            rows.append(f"| {r['model']} ({r['runtime']}, {r['tokens']} tokens) | {mode} | {keep:g} | "
+                        + " | ".join(marks) + " |")
+    return "\n".join(rows)
+
+
 def speed_tables(paths) -> str:
     """Every table the given record files fill, separated by blank lines."""
     recs = load_records(paths)
-    tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table)]
+    tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, passkey_table)]
     return "\n\n".join(t for t in tables if t)
 
 
-__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "load_records", "speed_tables"]
+__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "load_records", "passkey_table",
+           "speed_tables"]
