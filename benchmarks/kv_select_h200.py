@@ -1,0 +1,83 @@
+"""One-time cost of the KV branch on one GPU: observation pass + scoring + gather (ByteCross App. A).
+
+llama-3.1-8b dims, random init, bf16, batch 1: a chunked prefill of n random
+token ids, then `Engine.select_kv` (snapkv: re-run of the last 64 prompt tokens,
+scores, top-k, gather into the compact buffer; window: nothing to gather), timed
+with device synchronisation, `--repeats` times per (context, method, keep).
+The paper reports 0.24 s for scoring + gather at 32K on an A100; the target
+here is <= 0.1 s.
+
+    PYTHONPATH=src python3 benchmarks/kv_select_h200.py --out DIR [--contexts 32K] [--keeps 0.3]
+
+Writes one record (kind 'kv_select_bench') per cell into DIR and all of them as
+a list in DIR/kv_select_records.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import sparsedecode
+from sparsedecode.account.units import parse_token_list
+from sparsedecode.records import stamp, write_record
+
+TARGET_S = 0.1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--contexts", default="32K")
+    ap.add_argument("--keeps", default="0.3")
+    ap.add_argument("--methods", default="snapkv")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a dry run)")
+    ap.add_argument("--config", type=Path, help="a config.json instead of --model (dry runs)")
+    a = ap.parse_args()
+    contexts = parse_token_list(a.contexts)
+    keeps = [float(k) for k in a.keeps.split(",")]
+    ref = json.loads(a.config.read_text()) if a.config else a.model
+    eng = sparsedecode.load(ref, device=a.device, dtype="bfloat16", init="random",
+                            max_len=max(contexts) + a.new, compile=False)
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    records = []
+    for n in contexts:
+        ids = torch.randint(0, eng.dims.vocab, (n,), generator=torch.Generator().manual_seed(n))
+        sync()
+        t = time.perf_counter()
+        eng.prefill(ids, chunk=4096)
+        sync()
+        prefill_s = time.perf_counter() - t
+        for method in a.methods.split(","):
+            for keep in keeps:
+                times = []
+                for _ in range(a.repeats + 1):  # the first call warms up (allocations, kernels)
+                    eng.pos = n
+                    times.append(eng.select_kv(method, keep, a.new).select_s)
+                sel = eng.kv
+                med = statistics.median(times[1:])
+                rec = stamp({
+                    "kind": "kv_select_bench", "model": {"name": a.model, "dims": eng.dims.to_dict(),
+                                                         "init": "random"},
+                    "dtype": "bfloat16", "context": n, "method": method, "keep": keep, "max_new": a.new,
+                    "budget": sel.budget, "prefill_s": prefill_s, "select_s": times[1:], "first_s": times[0],
+                    "select_s_median": med, "target_s": TARGET_S, "meets_target": med <= TARGET_S,
+                    "protocol": f"1 warm-up + {a.repeats} timed select_kv calls, device-synchronised",
+                })
+                records.append(rec)
+                write_record(a.out / f"kv_select_{method}{keep:g}_{n}.json", rec)
+                print(f"n={n} {method} keep {keep:g}: budget {sel.budget}, select {med * 1e3:.1f} ms "
+                      f"(first {times[0] * 1e3:.1f} ms), prefill {prefill_s:.2f} s", flush=True)
+    (a.out / "kv_select_records.json").write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
