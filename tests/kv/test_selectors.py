@@ -240,3 +240,17 @@ def test_shape_mismatches_are_refused():
         sel.scores(q, k, 107)
     with pytest.raises(InputError, match="holds 8 observation queries but the snapkv window is 16"):
         SnapKV(window=16).select(q, k, 101, 0.5, 0)
+
+
+def test_scores_do_not_depend_on_how_many_groups_are_scored_at_once(monkeypatch):
+    import sparsedecode.kv.snapkv as snap
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 12, 8, 16, generator=gen)  # (B, Hq, W, D): 4 KV heads, G = 3
+    k = torch.randn(2, 4, 50, 16, generator=gen)  # (B, Hkv, T, D)
+    sel = get_selector("snapkv", window=8)
+    whole = sel.scores(q, k, 45)
+    monkeypatch.setattr(snap, "SCORE_ELEMENTS", 2 * 3 * 8 * 45 * 3)  # 3 groups, then 1
+    assert torch.allclose(sel.scores(q, k, 45), whole, rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(snap, "SCORE_ELEMENTS", 1)  # one group at a time
+    assert torch.allclose(sel.scores(q, k, 45), whole, rtol=1e-6, atol=1e-7)

@@ -112,7 +112,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSel
             with torch.inference_mode():
                 for cache, q_obs in zip(caches, queries, strict=True):
                     idx = selector.select(q_obs, cache.k, n, keep, max_new)  # (B, Hkv, budget)
-                    k, v = selector.gather(cache.k, cache.v, idx, extra=max_new)  # (B, Hkv, budget+new, D)
+                    k, v = selector.gather(cache.k, cache.v, idx, extra=max_new, check=False)  # (B, Hkv, budget+new, D)
                     cache.read_compact(k, v, offset)
     sync()
     sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0)

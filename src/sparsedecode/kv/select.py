@@ -105,8 +105,13 @@ class KVSelector:
             mask[max(n - self.window, 0):] = True
         return mask
 
+    def n_forced(self, n: int) -> int:
+        """How many of n positions `forced` marks (known on the host: no device sync)."""
+        s, w = min(self.sinks, n), min(self.window, n)  # [0, s) and [n - w, n)
+        return s + w - max(0, s + w - n)  # minus their overlap
+
     @staticmethod
-    def topk_positions(scores: Tensor, budget: int, forced: Tensor) -> Tensor:
+    def topk_positions(scores: Tensor, budget: int, forced: Tensor, n_forced: int | None = None) -> Tensor:
         """The `budget` positions kept per (batch, KV head), ascending, int64 (B, Hkv, budget).
 
         scores (B, Hkv, n): higher is kept first. forced: (n,) bool mask, or a 1-D
@@ -123,7 +128,8 @@ class KVSelector:
             forced[pos] = True
         if forced.shape != (n,):
             raise InputError(f"forced mask has shape {tuple(forced.shape)}, want ({n},) for {n} scores")
-        n_forced = int(forced.sum())
+        if n_forced is None:
+            n_forced = int(forced.sum())  # a host sync; callers that know it pass n_forced
         _check_int(budget, "budget", 0)
         if not n_forced <= budget <= n:
             raise InputError(
@@ -135,7 +141,8 @@ class KVSelector:
         return order[..., :budget].sort(dim=-1).values  # (B, Hkv, budget) int64
 
     @staticmethod
-    def gather(k_cache: Tensor, v_cache: Tensor, idx: Tensor, extra: int = 0) -> tuple[Tensor, Tensor]:
+    def gather(k_cache: Tensor, v_cache: Tensor, idx: Tensor, extra: int = 0,
+               check: bool = True) -> tuple[Tensor, Tensor]:
         """Contiguous buffers (B, Hkv, budget + extra, D) holding the kept entries first.
 
         k_cache, v_cache (B, Hkv, T, D); idx (B, Hkv, budget) positions in [0, T).
@@ -152,7 +159,8 @@ class KVSelector:
         _check_int(extra, "extra", 0)
         budget = idx.shape[-1]
         # One host sync, outside any captured step: an index past T would gather garbage on CUDA.
-        if budget and (int(idx.min()) < 0 or int(idx.max()) >= T):
+        # `check=False` skips it for indices from `topk_positions`, in range by construction.
+        if check and budget and (int(idx.min()) < 0 or int(idx.max()) >= T):
             raise InputError(f"idx holds positions outside [0, {T}) of the caches")
         ix = idx.long().to(k_cache.device)[..., None].expand(B, Hkv, budget, D)  # (B, Hkv, budget, D)
         out = []

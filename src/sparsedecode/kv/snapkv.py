@@ -38,6 +38,7 @@ from sparsedecode.errors import InputError
 from sparsedecode.kv.select import KVSelector, _check_int
 
 POOL_KINDS = ("avg", "max")
+SCORE_ELEMENTS = 2**28  # float32 logits scored at once (1 GiB)
 
 
 @dataclass
@@ -74,13 +75,17 @@ class SnapKV(KVSelector):
         qpos = torch.arange(n - W, n, device=k_cache.device)[:, None]  # (W, 1)
         future = torch.arange(n, device=k_cache.device)[None, :] > qpos  # (W, n)
         out = torch.empty(B, Hkv, n, dtype=torch.float32, device=k_cache.device)  # (B, Hkv, n)
-        # One GQA group at a time bounds the float32 logits to (B, G, W, n).
-        for h in range(Hkv):
-            q = q_obs[:, h * G : (h + 1) * G].to(k_cache.device, torch.float32)  # (B, G, W, D)
-            k = k_cache[:, h, :n].float()  # (B, n, D)
-            logits = torch.einsum("bgwd,bnd->bgwn", q, k) * scale  # (B, G, W, n)
-            attn = logits.masked_fill_(future, -math.inf).softmax(dim=-1)  # (B, G, W, n)
-            out[:, h] = attn.sum(dim=(1, 2))  # (B, n): summed over queries and the group
+        # As many GQA groups at a time as keep the float32 logits (B, heads, G, W, n) under
+        # SCORE_ELEMENTS: all of them at 32K on Llama-3.1-8B, one at a time at long contexts.
+        step = max(1, min(Hkv, SCORE_ELEMENTS // max(1, B * G * W * n)))
+        for h0 in range(0, Hkv, step):
+            h1 = min(h0 + step, Hkv)
+            q = q_obs[:, h0 * G : h1 * G].to(k_cache.device, torch.float32)  # (B, h*G, W, D)
+            q = q.reshape(B, h1 - h0, G, W, D)  # (B, h, G, W, D), repeat_kv order
+            k = k_cache[:, h0:h1, :n].float()  # (B, h, n, D)
+            logits = torch.einsum("bhgwd,bhnd->bhgwn", q, k) * scale  # (B, h, G, W, n)
+            attn = logits.masked_fill_(future, -math.inf).softmax(dim=-1)  # (B, h, G, W, n)
+            out[:, h0:h1] = attn.sum(dim=(2, 3))  # (B, h, n): summed over the group and queries
         return self.pool(out)
 
     def pool(self, s: Tensor) -> Tensor:
@@ -108,7 +113,7 @@ class SnapKV(KVSelector):
         if budget == n:
             return torch.arange(n, device=k_cache.device).expand(B, Hkv, n).contiguous()
         return self.topk_positions(self.scores(q_obs, k_cache, n), budget,
-                                   self.forced(n, k_cache.device))
+                                   self.forced(n, k_cache.device), n_forced=self.n_forced(n))
 
 
 def _check_shapes(q_obs: Tensor, k_cache: Tensor, n: int) -> tuple[int, int, int, int, int]:
