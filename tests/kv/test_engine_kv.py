@@ -119,3 +119,26 @@ def test_bad_input():
         eng.select_kv("nosuch", 0.5, max_new=2)
     with pytest.raises(InputError, match=r"outside \(0, 1\]"):
         KVConfig("snapkv", 1.5)
+
+
+def test_rescore_after_a_new_turn_scores_the_full_history():
+    eng = engine()
+    eng.prefill(PROMPT)
+    first = eng.select_kv("snapkv", 0.5, max_new=3, window=16)
+    decode(eng, [3, 4, 5])
+    turn = [7, 8, 9, 10] * 5  # 20 tokens, more than the 16-token window
+    start = eng.pos
+    eng.prefill(turn, start=start)  # a continuation: the selection is not voided
+    assert eng.kv is first
+    full = [layer.self_attn.cache.k[:, :, : eng.pos].clone() for layer in eng.model.layers]
+    again = eng.rescore(max_new=2)
+    assert again.n == len(PROMPT) + 3 + len(turn) and again.method == "snapkv"
+    for layer, k0 in zip(eng.model.layers, full, strict=True):
+        cache = layer.self_attn.cache
+        assert torch.allclose(cache.k[:, :, : eng.pos], k0, atol=1e-6), "the history is not recomputed"
+        ck = cache.compact[0]
+        tail = ck[:, :, again.budget - 16 : again.budget]  # the last kept: the new turn's window
+        assert torch.equal(tail, cache.k[:, :, eng.pos - 16 : eng.pos])
+    assert torch.isfinite(eng.decode_step(11)).all()
+    with pytest.raises(InputError, match="select_kv first"):
+        engine().rescore(2)

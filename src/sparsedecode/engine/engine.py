@@ -230,6 +230,14 @@ class Engine:
 
         return select_kv(self, method, keep, max_new, **params)
 
+    def rescore(self, max_new: int):
+        """Select again with the current method and keep after a new turn was prefilled
+        (`prefill(ids, start=engine.pos)`): its last tokens are the new observation window,
+        scored against the full cache, which kept every entry, so nothing is recomputed."""
+        if self.kv is None:
+            raise InputError("rescore needs a selection to repeat: call select_kv first")
+        return self.select_kv(self.kv.method, self.kv.keep, max_new, **self.kv.params)
+
     def reset(self) -> None:
         """Forget the cached tokens (the buffers stay allocated)."""
         self.pos = 0

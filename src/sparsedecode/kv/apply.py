@@ -24,7 +24,7 @@ device synchronisation, and returned.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,7 +36,8 @@ from sparsedecode.kv.select import get_selector
 @dataclass
 class KVSelection:
     """What `select_kv` did: method, keep, prompt length n, entries kept per KV head
-    (the budget; n at keep 1.0), the tokens it left room for, and its one-time cost."""
+    (the budget; n at keep 1.0), the tokens it left room for, its one-time cost and the
+    selector's fields."""
 
     method: str
     keep: float
@@ -44,6 +45,7 @@ class KVSelection:
     budget: int
     max_new: int
     select_s: float
+    params: dict = field(default_factory=dict)  # the selector's fields as given
 
     @property
     def mode(self) -> str:
@@ -115,7 +117,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSel
                     k, v = selector.gather(cache.k, cache.v, idx, extra=max_new, check=False)  # (B, Hkv, budget+new, D)
                     cache.read_compact(k, v, offset)
     sync()
-    sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0)
+    sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params))
     engine.kv = sel
     engine._graph = None  # the decode step reads other buffers now: capture again
     return sel
