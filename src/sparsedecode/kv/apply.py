@@ -111,7 +111,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSel
         else:
             queries = observation_queries(engine, selector.window)
             offset = torch.tensor([n - budget], device=engine.device)  # (1,): slot = position - offset
-            with torch.inference_mode():
+            with torch.no_grad():  # not inference_mode: the step writes these buffers in place
                 for cache, q_obs in zip(caches, queries, strict=True):
                     idx = selector.select(q_obs, cache.k, n, keep, max_new)  # (B, Hkv, budget)
                     k, v = selector.gather(cache.k, cache.v, idx, extra=max_new, check=False)  # (B, Hkv, budget+new, D)
