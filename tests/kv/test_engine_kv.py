@@ -142,3 +142,21 @@ def test_rescore_after_a_new_turn_scores_the_full_history():
     assert torch.isfinite(eng.decode_step(11)).all()
     with pytest.raises(InputError, match="select_kv first"):
         engine().rescore(2)
+
+
+def test_a_selection_that_fits_reuses_the_buffers_and_matches_a_fresh_one():
+    other = torch.randint(0, 100, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    eng = engine()
+    eng.prefill(PROMPT)
+    eng.select_kv("snapkv", 0.5, max_new=4, window=16)
+    bufs = [layer.self_attn.cache.compact[0] for layer in eng.model.layers]
+    decode(eng, [3, 4])
+    eng.prefill(other, start=0)  # a new prompt: back to dense, buffers kept
+    assert all(layer.self_attn.cache.compact is None for layer in eng.model.layers)
+    eng.select_kv("snapkv", 0.4, max_new=4, window=16)  # a smaller budget fits
+    assert all(layer.self_attn.cache.compact[0] is b for layer, b in zip(eng.model.layers, bufs, strict=True))
+    reused = decode(eng, [5, 6, 7])
+    fresh = engine()
+    fresh.prefill(other)
+    fresh.select_kv("snapkv", 0.4, max_new=4, window=16)
+    assert torch.allclose(reused, decode(fresh, [5, 6, 7]), atol=1e-6, rtol=1e-6)

@@ -10,7 +10,9 @@ prefill of n tokens:
   and the kept keys and values are gathered once into a contiguous buffer with
   room for the max_new generated tokens; every decode step then appends its own
   entry there and reads the buffer through the same attention backend, while
-  the full cache keeps receiving every entry (so a new turn can be rescored);
+  the full cache keeps receiving every entry (so a new turn can be rescored).
+  The buffers stay with the engine: a later selection that fits them reuses
+  them, so a captured decode step replays without being captured again;
 - `window` reads the cache in place instead: the first `sinks` entries and the
   most recent ones, two split-K calls merged by log-sum-exp, no copy. It reads
   round(keep x n) entries at every step, which is what the selection reads at
@@ -84,6 +86,23 @@ def clear_kv(engine) -> None:
     engine._graph = None
 
 
+def _reserve(engine, caches, need: int) -> bool:
+    """Make engine._kv_buffers hold >= `need` slots per layer; True when the decode step must
+    be captured again (buffers allocated, or the step did not read them before). A selection
+    that fits the buffers of the previous one reuses them, offset updated in place, so a
+    captured step replays as is: only the entries and the offset change."""
+    bufs = getattr(engine, "_kv_buffers", None)
+    reading = bufs is not None and all(
+        c.compact is not None and c.compact[0] is b[0] for c, b in zip(caches, bufs, strict=True))
+    if bufs is not None and bufs[0][0].shape[2] >= need:
+        return not reading
+    k = caches[0].k
+    B, Hkv, _, D = k.shape
+    engine._kv_buffers = [(k.new_zeros(B, Hkv, need, D), k.new_zeros(B, Hkv, need, D)) for _ in caches]
+    engine._kv_offset = torch.zeros(1, dtype=torch.long, device=k.device)
+    return True
+
+
 def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSelection:
     """Select the KV entries decoding reads for the next max_new tokens; see the module doc."""
     check_keep(keep, "kv keep")
@@ -98,28 +117,34 @@ def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSel
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    clear_kv(engine)
+    recapture = True
     if keep >= 1.0:
+        clear_kv(engine)
         budget = n
     else:
         budget = selector.budget(n, keep, max_new)
         caches = [layer.self_attn.cache for layer in engine.model.layers]
         if method == "window":
+            clear_kv(engine)
             sinks = min(selector.sinks, budget)
             for cache in caches:  # round(keep x n) entries per step: budget + the room for new ones
                 cache.read_window(sinks, budget - sinks + max_new)
         else:
             queries = observation_queries(engine, selector.window)
-            offset = torch.tensor([n - budget], device=engine.device)  # (1,): slot = position - offset
+            recapture = _reserve(engine, caches, budget + max_new)
             with torch.no_grad():  # not inference_mode: the step writes these buffers in place
-                for cache, q_obs in zip(caches, queries, strict=True):
+                for cache, q_obs, (k_buf, v_buf) in zip(caches, queries, engine._kv_buffers, strict=True):
                     idx = selector.select(q_obs, cache.k, n, keep, max_new)  # (B, Hkv, budget)
-                    k, v = selector.gather(cache.k, cache.v, idx, extra=max_new, check=False)  # (B, Hkv, budget+new, D)
-                    cache.read_compact(k, v, offset)
+                    k, v = selector.gather(cache.k, cache.v, idx, check=False)  # (B, Hkv, budget, D)
+                    k_buf[:, :, :budget].copy_(k)
+                    v_buf[:, :, :budget].copy_(v)
+                    cache.read_compact(k_buf, v_buf, engine._kv_offset)
+            engine._kv_offset.fill_(n - budget)  # (1,): slot = position - offset
     sync()
     sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params))
     engine.kv = sel
-    engine._graph = None  # the decode step reads other buffers now: capture again
+    if recapture:
+        engine._graph = None  # the decode step reads other buffers now: capture again
     return sel
 
 
