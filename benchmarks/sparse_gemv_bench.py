@@ -46,8 +46,10 @@ TARGET = 1.15
 # Sweeps so far (records h200/sparse_gemv_2026*): one-tile-per-program grids and 2-8 warps per
 # program lost to 16-row one-warp tiles at 24-32 programs per SM; x prefetch (stages 2) and a
 # packed loop (since dropped) gained nothing. The neighbourhood of the default stays here.
+# Next: 8-row tiles, fewer registers per program and so more programs (and loads) per SM.
 SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
-         (256, 32, "p12", 1, 1), (512, 16, "p16", 2, 1)]
+         (256, 32, "p12", 1, 1), (512, 16, "p16", 2, 1), (256, 8, "p32", 1, 1),
+         (256, 8, "p48", 1, 1), (256, 8, "p64", 1, 1), (512, 8, "p24", 1, 1)]
 COMBINED = "sparse_gemv_records.json"
 
 

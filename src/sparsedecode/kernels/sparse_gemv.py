@@ -71,7 +71,8 @@ NUM_STAGES = 1
 # and 2-8 warps per program were slower too.
 PROGRAMS_PER_SM = 24
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
-MIN_BLOCK = 16
+MIN_BLOCK = 16  # smallest BLOCK_N (and default BLOCK_K); workspace() sizes its counters for it
+MIN_BLOCK_K = 8  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
 
 
 def _interpreting() -> bool:
@@ -391,8 +392,9 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if block_n & (block_n - 1) or block_k & (block_k - 1) or min(block_n, block_k) < MIN_BLOCK:
-            raise InputError(f"BLOCK_N and BLOCK_K must be powers of two >= {MIN_BLOCK}; got {config}")
+        if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
+            raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
+                             f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
         if ws is not None and ws[1].numel() < -(-N // block_n):
             raise InputError(f"ws has {ws[1].numel()} counters; BLOCK_N={block_n} needs {-(-N // block_n)}")
     if isinstance(thresholds[0], Tensor):
