@@ -51,3 +51,12 @@ def test_passkey_table_marks_answers_and_the_window_region():
     assert lines[0] == "| model | mode | keep | depth 0.1 | depth 0.9 |"
     assert lines[2] == "| m (CPU, 4096 tokens) | dense | 1 | yes | yes |"
     assert lines[3] == "| m (CPU, 4096 tokens) | window | 0.3 | no (outside) | yes (in window) |"
+
+
+def test_kv_select_table():
+    from sparsedecode.report.speed_tables import kv_select_table
+
+    rec = {"kind": "kv_select_bench", "method": "snapkv", "keep": 0.3, "context": 32768, "budget": 9766,
+           "select_s_median": 0.155, "target_s": 0.1, "env": {"git_commit": "83120796f5"}}
+    assert kv_select_table([rec]).splitlines()[2] == "| snapkv | 0.3 | 32768 | 9766 | 155.0 | 100 | 8312079 |"
+    assert kv_select_table([{"kind": "other"}]) == ""

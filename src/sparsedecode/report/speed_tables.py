@@ -87,6 +87,17 @@ def attention_table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def kv_select_table(records: list[dict]) -> str:
+    """'kv_select_bench' records: the KV branch's one-time cost against its target."""
+    rows = ["| method | keep | context | budget | select ms (median) | target ms | run |",
+            "|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in records if r["kind"] == "kv_select_bench"),
+                    key=lambda r: (r["method"], r["context"], -r["keep"])):
+        rows.append(f"| {r['method']} | {r['keep']:g} | {r['context']} | {r['budget']} "
+                    f"| {r['select_s_median'] * 1e3:.1f} | {r['target_s'] * 1e3:.0f} | {_commit(r)} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def passkey_table(records: list[dict]) -> str:
     """'passkey_kv' records: per mode, which key depths it answered (and, for the window,
     whether the key lay inside its region)."""
@@ -116,9 +127,10 @@ def passkey_table(records: list[dict]) -> str:
 def speed_tables(paths) -> str:
     """Every table the given record files fill, separated by blank lines."""
     recs = load_records(paths)
-    tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, passkey_table)]
+    tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, kv_select_table,
+                                passkey_table)]
     return "\n\n".join(t for t in tables if t)
 
 
-__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "load_records", "passkey_table",
+__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "kv_select_table", "load_records", "passkey_table",
            "speed_tables"]
