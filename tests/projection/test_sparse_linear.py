@@ -21,6 +21,7 @@ from interpreted import run_interpreted
 from sparsedecode.errors import InputError
 from sparsedecode.projection.sparse_linear import (
     SITE_KEYS,
+    SparseConcat,
     SparseLinear,
     densify_,
     realized_projection_keep,
@@ -170,6 +171,10 @@ def test_dtype_cast_keeps_threshold_counts_and_workspace():
     x = torch.randn(1, 16).bfloat16()
     sp(x)
     assert sp.realized_keep() == pytest.approx((x.float().abs() > 0.25).float().mean().item())
+    sites = [SparseLinear.from_linear(nn.Linear(16, n), 0.1) for n in (8, 4)]
+    fused = SparseConcat(sites)
+    fused.to(torch.bfloat16)  # the fused workspace stays fp32 too
+    assert fused.w_t.dtype == torch.bfloat16 and fused.ws_acc.dtype == torch.float32
 
 
 # ---- CUDA: the Triton kernel at the sites, compiled and captured by the engine -------------------

@@ -24,17 +24,17 @@ from torch import Tensor
 
 from sparsedecode.kernels.gather_gemv import cats_up
 from sparsedecode.kernels.sparse_gemv import _interpreting, keep_mask, workspace
-from sparsedecode.projection.sparse_linear import SparseLinear
-
-_FIXED_DTYPE = ("threshold", "ws_acc")  # follow .to(device) but never .to(dtype)
+from sparsedecode.projection.sparse_linear import FixedDtypeBuffers, SparseLinear
 
 
-class CatsMLP(nn.Module):
+class CatsMLP(FixedDtypeBuffers):
     """A SwiGLU MLP whose one-token path drops channels with |SiLU(gate)| <= threshold.
 
     up_proj is kept as an nn.Linear whose weight is made row-major (N, K) once where the
     row-gather kernel runs (a CPU model stores it column-major for faster CPU GEMV).
     """
+
+    FIXED_DTYPE = ("threshold", "ws_acc")
 
     def __init__(self, mlp: nn.Module, threshold: float, site: str = "", track: bool = False):
         super().__init__()
@@ -76,14 +76,6 @@ class CatsMLP(nn.Module):
         kept, total = self.kept.tolist()
         return kept / total if total else float("nan")
 
-    def _apply(self, fn, recurse=True):
-        # model.to(dtype) must not turn the float32 threshold or workspace into bf16.
-        fixed = {name: self._buffers.pop(name) for name in _FIXED_DTYPE}
-        super()._apply(fn, recurse)
-        dev = self.kept.device
-        for name, buf in fixed.items():
-            self._buffers[name] = buf.to(dev)
-        return self
 
 
 def cats_(model, thresholds: dict[str, float], track: bool = False) -> list[CatsMLP]:

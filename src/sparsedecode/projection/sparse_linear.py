@@ -38,7 +38,22 @@ from sparsedecode.projection.thresholds import site_key as threshold_key
 
 SITE_KEYS = {module: short for short, module in MODULE_OF.items()}  # 'gate_proj' -> 'gate'
 FF_SITES = ("gate_proj", "up_proj", "down_proj")
-_FIXED_DTYPE = ("threshold", "kept", "ws_acc")  # follow .to(device) but never .to(dtype)
+
+
+class FixedDtypeBuffers(nn.Module):
+    """A module whose buffers named in FIXED_DTYPE follow .to(device) but never .to(dtype):
+    model.to(bf16) must not turn float32 thresholds, float64 counts or an fp32 workspace
+    into bf16. They land on the device of the module's (first) parameter."""
+
+    FIXED_DTYPE: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        fixed = {name: self._buffers.pop(name) for name in self.FIXED_DTYPE}
+        super()._apply(fn, recurse)
+        dev = next(self.parameters()).device
+        for name, buf in fixed.items():
+            self._buffers[name] = buf.to(dev)
+        return self
 
 
 def site_key(layer: int, site: str) -> str:
@@ -48,12 +63,14 @@ def site_key(layer: int, site: str) -> str:
     return threshold_key(layer, SITE_KEYS[site])
 
 
-class SparseLinear(nn.Module):
+class SparseLinear(FixedDtypeBuffers):
     """A projection whose one-token calls read only the weight rows of kept input channels.
 
     Holds w_t (in, out), the weight transposed (the only copy), the bias as given, and
     `threshold`, a 0-d float32 buffer (update it in place and a captured graph follows).
     """
+
+    FIXED_DTYPE = ("threshold", "kept", "ws_acc")
 
     def __init__(self, w_t: Tensor, bias: Tensor | None, threshold: float, site: str = "",
                  track: bool = False, column_major: bool = False):
@@ -133,22 +150,12 @@ class SparseLinear(nn.Module):
     def reset_keep(self) -> None:
         self.kept.zero_()
 
-    def _apply(self, fn, recurse=True):
-        # model.to(dtype) must not turn the float32 threshold, the float64 counts or the fp32
-        # workspace into bf16: these follow the device only.
-        fixed = {name: self._buffers.pop(name) for name in _FIXED_DTYPE}
-        super()._apply(fn, recurse)
-        dev = self.w_t.device
-        for name, buf in fixed.items():
-            self._buffers[name] = buf.to(dev)
-        return self
-
     def extra_repr(self) -> str:
         return (f"site={self.site!r}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, threshold={self.threshold.item():.4g}, track={self.track}")
 
 
-class SparseConcat(nn.Module):
+class SparseConcat(FixedDtypeBuffers):
     """One input-sparse launch for the sites that read the same input: q|k|v or gate|up.
 
     Each site keeps its own threshold, but the decode step pays one kernel launch (and its
@@ -160,6 +167,8 @@ class SparseConcat(nn.Module):
     threshold per (layer, projection)). The sites are held in a plain list: they remain
     registered where they were. Build it after the model is on its device.
     """
+
+    FIXED_DTYPE = ("ws_acc",)
 
     def __init__(self, sites: list[SparseLinear]):
         super().__init__()
@@ -300,6 +309,6 @@ def realized_projection_keep(model) -> float:
 
 
 __all__ = [
-    "FUSED", "SITE_KEYS", "SparseConcat", "SparseLinear", "densify_", "unfuse_", "realized_projection_keep", "site_key", "sparse_modules",
+    "FUSED", "FixedDtypeBuffers", "SITE_KEYS", "SparseConcat", "SparseLinear", "densify_", "unfuse_", "realized_projection_keep", "site_key", "sparse_modules",
     "sparsify_",
 ]
