@@ -20,7 +20,7 @@ its last step; the bound uses the realized keeps), and the one-time selection co
     PYTHONPATH=src python3 benchmarks/kv_decode_h200.py --out DIR [--contexts 32K,128K] \\
         [--sel 0.3] [--window 0.3] [--both 0.5/0.3]
 
-Writes one record per (context, mode) into DIR and all of them as a list in DIR/kv_decode_records.json.
+Writes one record per (context, mode) into DIR as soon as it is measured, and at the end all of them as a list in DIR/kv_decode_records.json.
 """
 
 from __future__ import annotations
@@ -102,11 +102,17 @@ def main() -> None:
         print(f"{mode:>14} n={n}: {rec['step_ms_median']:.3f} ms/step", flush=True)
         return rec
 
+    def save(rec: dict) -> dict:
+        """Stamp and write one record as soon as it is measured: an interrupted run keeps what it timed."""
+        rec = stamp(rec)
+        write_record(a.out / f"kv_decode_{rec['mode'].replace('/', '-')}_{rec['context']}_{run_id}.json", rec)
+        return rec
+
     for n in contexts:
         fill(n)
         clear_kv(eng)
         dense = timed(n, "dense", {})
-        records.append(dense)
+        records.append(save(dense))
         plan = [("sel", None, k) for k in keeps(a.sel)] + [("window", None, k) for k in keeps(a.window)]
         plan += [("both", p, k) for p, k in both]
         for kind, pkeep, kkeep in plan:
@@ -139,14 +145,11 @@ def main() -> None:
             print(f"  {mode}: budget {sel.budget}, select {sel.select_s * 1e3:.0f} ms, speedup "
                   f"{rec['speedup']:.3f}x, bound {bound:.3f}x, {100 * rec['fraction_of_bound']:.1f}% of bound",
                   flush=True)
-            records.append(rec)
+            records.append(save(rec))
             clear_kv(eng)
             if pkeep is not None:
                 densify_(eng.model)
-    stamped = [stamp(r) for r in records]
-    for r in stamped:
-        write_record(a.out / f"kv_decode_{r['mode'].replace('/', '-')}_{r['context']}_{run_id}.json", r)
-    (a.out / "kv_decode_records.json").write_text(json.dumps(stamped, indent=1))
+    (a.out / "kv_decode_records.json").write_text(json.dumps(records, indent=1))
 
 
 def _cpu_steps(step, warmup: int, repeats: int, steps: int) -> list[float]:
