@@ -57,6 +57,21 @@ def test_kv_select_table():
     from sparsedecode.report.speed_tables import kv_select_table
 
     rec = {"kind": "kv_select_bench", "method": "snapkv", "keep": 0.3, "context": 32768, "budget": 9766,
-           "select_s_median": 0.155, "target_s": 0.1, "env": {"git_commit": "83120796f5"}}
-    assert kv_select_table([rec]).splitlines()[2] == "| snapkv | 0.3 | 32768 | 9766 | 155.0 | 100 | 8312079 |"
+           "select_s_median": 0.155, "first_s": 0.5277, "target_s": 0.1, "env": {"git_commit": "83120796f5"}}
+    assert kv_select_table([rec]).splitlines()[2] == "| snapkv | 0.3 | 32768 | 9766 | 155.0 | 527.7 | 100 | 8312079 |"
     assert kv_select_table([{"kind": "other"}]) == ""
+
+
+def test_kv_decode_table_puts_each_mode_beside_dense_and_its_bound():
+    from sparsedecode.report.speed_tables import kv_decode_table
+
+    dense = {"kind": "kv_decode_bench", "mode": "dense", "context": 131007, "step_ms_median": 9.0}
+    sel = {"kind": "kv_decode_bench", "mode": "sel0.3", "context": 131007, "kv_budget": 39238,
+           "step_ms_median": 6.0, "paired_dense_ms": 9.0, "speedup": 1.5, "bound": 1.6,
+           "fraction_of_bound": 0.9375, "select_s": 0.3621, "env": {"git_commit": "df5df6be4c"}}
+    small = {**sel, "context": 32768, "mode": "window0.3", "select_s": 0.0004}
+    lines = kv_decode_table([dense, sel, small]).splitlines()
+    assert len(lines) == 4  # header, rule, two sparse rows: dense is the paired column, not a row
+    assert lines[2].startswith("| 32768 | window0.3 |")
+    assert lines[3] == "| 131007 | sel0.3 | 39238 | 6.000 | 9.000 | 1.500× | 1.600× | 93.8% | 362 | df5df6b |"
+    assert kv_decode_table([dense]) == ""

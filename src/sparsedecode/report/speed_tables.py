@@ -89,12 +89,26 @@ def attention_table(records: list[dict]) -> str:
 
 def kv_select_table(records: list[dict]) -> str:
     """'kv_select_bench' records: the KV branch's one-time cost against its target."""
-    rows = ["| method | keep | context | budget | select ms (median) | target ms | run |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| method | keep | context | budget | select ms (median) | first call ms | target ms | run |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in records if r["kind"] == "kv_select_bench"),
                     key=lambda r: (r["method"], r["context"], -r["keep"])):
         rows.append(f"| {r['method']} | {r['keep']:g} | {r['context']} | {r['budget']} "
-                    f"| {r['select_s_median'] * 1e3:.1f} | {r['target_s'] * 1e3:.0f} | {_commit(r)} |")
+                    f"| {r['select_s_median'] * 1e3:.1f} | {r['first_s'] * 1e3:.1f} | {r['target_s'] * 1e3:.0f} "
+                    f"| {_commit(r)} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def kv_decode_table(records: list[dict]) -> str:
+    """'kv_decode_bench' records: each KV mode's step beside the paired dense step and its byte
+    bound (the selection's bound counts the entries read at its last generated token)."""
+    rows = ["| context | mode | budget | step ms | dense ms | speedup | byte bound | % of bound | select ms | run |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    cells = [r for r in records if r["kind"] == "kv_decode_bench" and r["mode"] != "dense"]
+    for r in sorted(cells, key=lambda r: r["context"]):
+        rows.append(f"| {r['context']} | {r['mode']} | {r['kv_budget']} | {r['step_ms_median']:.3f} "
+                    f"| {r['paired_dense_ms']:.3f} | {r['speedup']:.3f}× | {r['bound']:.3f}× "
+                    f"| {100 * r['fraction_of_bound']:.1f}% | {r['select_s'] * 1e3:.0f} | {_commit(r)} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
@@ -128,9 +142,9 @@ def speed_tables(paths) -> str:
     """Every table the given record files fill, separated by blank lines."""
     recs = load_records(paths)
     tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, kv_select_table,
-                                passkey_table)]
+                                kv_decode_table, passkey_table)]
     return "\n\n".join(t for t in tables if t)
 
 
-__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "kv_select_table", "load_records", "passkey_table",
-           "speed_tables"]
+__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "kv_decode_table", "kv_select_table",
+           "load_records", "passkey_table", "speed_tables"]
