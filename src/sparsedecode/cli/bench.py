@@ -1,0 +1,171 @@
+"""`sparsedecode bench cell` and `sparsedecode campaign run|status` (ByteCross App. A 'Timing', §4.2).
+
+    sparsedecode bench cell --model llama-3.1-8b --init random --context 32K --mode sel0.3 \\
+        [--attention split_k] [--repeats 5 --steps 50 --warmup 5] [--fill prefill|random] \\
+        [--compile-mode ''] [--device cuda] [--dtype bfloat16] [--text-file F] --out cell.json [--json]
+    sparsedecode campaign run examples/campaigns/h200_sweep.toml --out runs/h200 [--executor local|ray]
+    sparsedecode campaign status runs/h200 [--json]
+
+A cell runs in the current process; a campaign launches each cell as a fresh
+process of `bench cell`. torch is imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sparsedecode.cli import app
+from sparsedecode.cli.common import JsonOpt, emit_json
+from sparsedecode.errors import InputError
+
+bench_app = typer.Typer(help="Timing: one cell of the App. A protocol in this process.",
+                        no_args_is_help=True)
+campaign_app = typer.Typer(help="Timing campaigns: every cell of a grid in blocks, fresh processes, "
+                           "resumable.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+app.add_typer(campaign_app, name="campaign")
+
+
+@bench_app.command("cell")
+def cell(
+    model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, config.json, hub id or .gguf file.")],
+    context: Annotated[str, typer.Option("--context", help="Context n in tokens (e.g. 32K; K = 1024).")],
+    mode: Annotated[str, typer.Option("--mode", help="dense, proj0.5, sel0.3, window0.3 or both0.5/0.3.")] = "dense",
+    init: Annotated[str, typer.Option("--init", help="pretrained or random (weights from the config).")] = "pretrained",
+    attention: Annotated[str, typer.Option("--attention", help="split_k, sdpa_masked or sdpa_fused.")] = "split_k",
+    warmup: Annotated[int, typer.Option("--warmup", help="Warm-up decode steps.")] = 5,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed repeats.")] = 5,
+    steps: Annotated[int, typer.Option("--steps", help="Decode steps per repeat.")] = 50,
+    fill: Annotated[str, typer.Option("--fill", help="prefill (dense prefill of the stream) or random (seeded K/V).")] = "prefill",
+    compile_mode: Annotated[str, typer.Option("--compile-mode", help="torch.compile mode on CUDA ('' = default).")] = "",
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    text_file: Annotated[str | None, typer.Option("--text-file", help="Token stream and calibration text: a file, or a folder with wiki.test.raw / wiki.valid.raw.")] = None,
+    calib_tokens: Annotated[str, typer.Option("--calib-tokens", help="Projection calibration tokens.")] = "2048",
+    obs: Annotated[int, typer.Option("--obs", help="Observation window of the selection (tokens).")] = 64,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of random weights, ids and fills.")] = 0,
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
+    campaign: Annotated[str, typer.Option("--campaign", hidden=True)] = "",
+    block: Annotated[int, typer.Option("--block", hidden=True)] = 0,
+    group: Annotated[str, typer.Option("--group", hidden=True)] = "",
+    cell_id: Annotated[str, typer.Option("--cell-id", hidden=True)] = "",
+    order: Annotated[int, typer.Option("--order", hidden=True)] = 0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Time one mode at one context and write its record (ByteCross App. A protocol)."""
+    from sparsedecode.records import write_record
+
+    if out is not None and Path(out).exists():
+        raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
+    fields = _failure_fields(model=model, init=init, context=context, mode=mode, campaign=campaign,
+                             block=block, group=group, cell=cell_id, order=order,
+                             attention=attention, fill=fill)
+    try:
+        from sparsedecode.account.units import parse_tokens
+        from sparsedecode.timing.cell import CellSpec, run_cell
+
+        spec = CellSpec(model=model, init=init, dtype=dtype, device=device, context=parse_tokens(context),
+                        mode=mode, attention=attention, warmup=warmup, repeats=repeats, steps=steps,
+                        fill=fill, compile_mode=compile_mode, text=text_file,
+                        calib_tokens=parse_tokens(calib_tokens, "--calib-tokens"), obs=obs, seed=seed,
+                        campaign=campaign, block=block, group=group, cell=cell_id, order=order)
+        log = None if json_out else (lambda line: print(line, file=sys.stderr, flush=True))
+        rec = run_cell(spec, log=log)
+    except Exception as e:  # a campaign keeps the failure beside the cells that worked
+        if out is not None:
+            from sparsedecode.timing.cell import failed_record
+
+            write_record(out, failed_record(fields, e))
+        raise
+    if out is not None:
+        write_record(out, rec)
+    if json_out:
+        emit_json(rec)
+    else:
+        typer.echo(f"{rec['model_name']} {rec['mode_spec']} n={rec['context']} ({rec['label']}, "
+                   f"{rec['attention']}): {rec['ms_per_token']:.3f} ms/token, "
+                   f"{rec['tokens_per_sec']:.1f} tok/s, {rec['achieved_gbps']:.3g} GB/s, "
+                   f"byte bound {rec['byte_bound']:.3f}x")
+
+
+def _failure_fields(*, model: str, init: str, context: str, mode: str, **given) -> dict:
+    """What a failed record can say without the cell having run: the bookkeeping, the model
+    name a finished record would carry, and the context and mode as given (parsed if they parse)."""
+    from sparsedecode.account.units import parse_tokens
+    from sparsedecode.timing.cell import model_window, parse_mode
+
+    out = dict(given)
+    for key, fn in (("model_name", lambda: model_window(model, init)[0]),
+                    ("context", lambda: parse_tokens(context)), ("mode_spec", lambda: parse_mode(mode).spec),
+                    ("mode", lambda: parse_mode(mode).kind)):
+        try:
+            out[key] = fn()
+        except Exception:  # the failure itself may be this field; keep what was given
+            out[key] = {"model_name": model, "context": context, "mode_spec": mode}.get(key)
+    out["cell"] = out.get("cell") or _cell_id(mode)
+    return out
+
+
+def _cell_id(mode: str) -> str:
+    from sparsedecode.timing.cell import parse_mode
+
+    try:
+        return parse_mode(mode).cell
+    except Exception:
+        return ""
+
+
+@campaign_app.command("run")
+def campaign_run(
+    spec: Annotated[str, typer.Argument(help="Campaign spec (TOML).")],
+    out: Annotated[str, typer.Option("--out", "-o", help="Campaign folder: spec.toml, cells/, failed/, logs/.")],
+    executor: Annotated[str, typer.Option("--executor", help="local (one process after another) or ray.")] = "local",
+    max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run every pending cell of a campaign; finished cells are skipped, failed ones retried."""
+    from sparsedecode.timing.campaign import run_campaign
+
+    summary = run_campaign(spec, out, executor=executor, max_cells=max_cells, progress=not json_out,
+                           echo=(lambda line: None) if json_out else None)
+    if json_out:
+        emit_json(summary.to_dict())
+    else:
+        typer.echo(summary.line())
+    if summary.interrupted:
+        raise typer.Exit(130)
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+@campaign_app.command("status")
+def campaign_status(
+    folder: Annotated[str, typer.Argument(help="Campaign folder (holds spec.toml).")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Done, failed and pending cells per group, and the pending cells in run order."""
+    from sparsedecode.timing.campaign import status
+
+    st = status(folder)
+    if json_out:
+        emit_json(st)
+        return
+    typer.echo(f"campaign {st['name']} in {folder}: {st['total']} cells")
+    typer.echo(f"{'group':<24} {'done':>6} {'failed':>6} {'pending':>7}")
+    for group, c in st["groups"].items():
+        typer.echo(f"{group:<24} {c['done']:>6} {c['failed']:>6} {c['pending']:>7}")
+    if st["failed"]:
+        typer.echo("failed (retried on the next run):")
+        for c in st["failed"]:
+            typer.echo(f"  {c['path']}: {c['error']}")
+    if st["pending"]:
+        typer.echo("pending:")
+        for c in st["pending"]:
+            typer.echo(f"  {c['group']} {c['cell']} n={c['context']} b{c['block']}")
+
+
+__all__ = ["bench_app", "campaign_app"]

@@ -1,0 +1,49 @@
+"""`sparsedecode report DIR`: tables and figures of a timing campaign from its records (ByteCross §4.2-4.4).
+
+    sparsedecode report runs/h200_sweep
+    sparsedecode report ../shared/data/bytecross-records/sweep_a100 --out /tmp/a100
+    sparsedecode report runs/cpu_smoke --no-figures --json
+
+DIR holds the timing harness's records (cells/{group}/*.json, kind 'timing_cell')
+or one campaign folder of the ByteCross paper's records. The markdown report and
+the PNG figures go to DIR/report unless --out says otherwise. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from sparsedecode.cli import app
+from sparsedecode.cli.common import JsonOpt, emit_json, parse_float
+
+
+@app.command("report")
+def report(
+    folder: Annotated[str, typer.Argument(help="Campaign folder of timing records.")],
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Folder for report.md and figures (default DIR/report).")
+    ] = None,
+    peak_gbps: Annotated[
+        str | None,
+        typer.Option("--peak-gbps", help="Peak memory bandwidth in GB/s (default: nominal for the GPU)."),
+    ] = None,
+    no_figures: Annotated[bool, typer.Option("--no-figures", help="Write tables only.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Paired speedups with intervals, byte bounds, kernel costs, crossings, failed cells, figures."""
+    from sparsedecode.report.timing_report import write_report
+
+    peak = parse_float(peak_gbps, "--peak-gbps", positive=True) if peak_gbps is not None else None
+    rep, md = write_report(folder, out, peak, figures=not no_figures)
+    if json_out:
+        emit_json(rep)
+    else:
+        typer.echo(md)
+        typer.echo(f"wrote {rep['report_md']}")
+    for name, what in rep.get("figures", {}).items():
+        msg = f"wrote {what['path']}" if "path" in what else f"skipped {name}: {what['skipped']}"
+        # With --json, stdout carries the JSON object alone.
+        print(msg, file=sys.stderr if json_out else sys.stdout)

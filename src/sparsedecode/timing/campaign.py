@@ -1,0 +1,591 @@
+"""Timing campaigns: every cell of a grid in blocks, each cell a fresh process
+(ByteCross App. A 'Timing', §4.2, App. E).
+
+A campaign is a small TOML file: the model and protocol at the top, and one or
+more [[grid]] tables, each a group of contexts x modes under one attention
+path. Every grid holds a 'dense' mode, since a speedup is the paired ratio to
+the dense cell of the same group, block and context (App. A).
+
+`plan(spec)` lists every cell of every grid in each block. Within a block the
+(grid, context) sweep runs ascending in even blocks and descending in odd ones
+(the alternating sweep direction of App. E), and the modes of one context run
+in an order shuffled by a seeded RNG per (group, context, block), rotated by
+one when it repeats the previous block's order (the varied order of App. A;
+with two modes this is App. E's rotation). The plan is deterministic given the
+seed. Each cell's record goes to DIR/cells/{group}/{cell}_{context}_b{block}.json.
+
+Executors: `local` runs the pending cells one after another, each as a fresh
+`python -m sparsedecode bench cell ... --out PATH` process; `ray` runs each as
+a Ray task holding one GPU (none on CPU) that launches the same process. Ray
+spreads the cells of one block over the GPUs it has, so the paired ratios then
+also carry GPU-to-GPU variation: on a multi-GPU host prefer identical GPUs, or
+the local executor, which keeps a block on one GPU as App. A does.
+
+Resume: a cell whose record says 'ok' is skipped; a 'failed' record is moved to
+DIR/failed/ (kept, never deleted) and its cell runs again; a cell that fails
+gets a 'failed' record and the campaign goes on. Ctrl-C stops the running cell
+without a record, so it runs again on resume. DIR/spec.toml keeps a copy of the
+spec, and a different spec is refused in an existing DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from sparsedecode.account.units import parse_tokens
+from sparsedecode.errors import InputError
+from sparsedecode.timing.cell import ATTENTION, FILLS, CellSpec, model_window, parse_mode
+
+EXECUTORS = ("local", "ray")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+SPEC_FILE = "spec.toml"
+_SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+# key -> (types, default); a key without a default is required.
+_TOP: dict[str, tuple[tuple[type, ...], object]] = {
+    "name": ((str,), None),
+    "model": ((str,), None),
+    "init": ((str,), "pretrained"),
+    "dtype": ((str,), "auto"),
+    "device": ((str,), "auto"),
+    "blocks": ((int,), None),
+    "repeats": ((int,), 5),
+    "steps": ((int,), 50),
+    "warmup": ((int,), 5),
+    "fill": ((str,), "prefill"),
+    "compile_mode": ((str,), ""),
+    "seed": ((int,), 0),
+    "text": ((str,), ""),
+    "calib_tokens": ((int, str), 2048),
+    "obs": ((int,), 64),
+}
+_GRID: dict[str, tuple[tuple[type, ...], object]] = {
+    "group": ((str,), None),
+    "contexts": ((list,), None),
+    "modes": ((list,), None),
+    "attention": ((str,), "split_k"),
+}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One [[grid]] table: a group of contexts x modes under one attention path."""
+
+    group: str
+    contexts: tuple[int, ...]
+    modes: tuple[str, ...]
+    attention: str = "split_k"
+
+
+@dataclass(frozen=True)
+class CampaignSpec:
+    """A validated campaign spec (the TOML's top-level keys and its grids)."""
+
+    name: str
+    model: str
+    blocks: int
+    grids: tuple[Grid, ...]
+    init: str = "pretrained"
+    dtype: str = "auto"
+    device: str = "auto"
+    repeats: int = 5
+    steps: int = 50
+    warmup: int = 5
+    fill: str = "prefill"
+    compile_mode: str = ""
+    seed: int = 0
+    text: str = ""
+    calib_tokens: int = 2048
+    obs: int = 64
+
+    @property
+    def generated(self) -> int:
+        return self.warmup + self.repeats * self.steps
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- the spec --------------------------------------------------------------------
+def _toml():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise InputError(
+                "reading a campaign spec on Python 3.10 needs the 'tomli' package: pip install tomli "
+                "(Python 3.11+ has tomllib built in)"
+            ) from None
+    return tomllib
+
+
+def load_spec(path: str | os.PathLike) -> CampaignSpec:
+    """Read and validate a campaign TOML; every error names the file and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read campaign spec {path}: {e}") from None
+    return parse_spec(text, where=str(path))
+
+
+def parse_spec(text: str, where: str = "campaign spec") -> CampaignSpec:
+    """A `CampaignSpec` from TOML text (see the module doc), validated up front: unknown
+    keys, wrong types, empty lists, bad modes, grids without 'dense', duplicate groups,
+    cells, contexts over the model window."""
+    toml = _toml()
+    try:
+        raw = toml.loads(text)
+    except toml.TOMLDecodeError as e:
+        raise InputError(f"{where} is not valid TOML: {e}") from None
+    top = _fields(raw, _TOP | {"grid": ((list,), None)}, where)
+    grids_raw = top.pop("grid")
+    if not grids_raw:
+        raise InputError(f"{where}: 'grid' is empty: add at least one [[grid]] table")
+    top["calib_tokens"] = parse_tokens(top["calib_tokens"], f"{where}: calib_tokens")
+    for name, choices in (("init", ("pretrained", "random")), ("fill", FILLS)):
+        if top[name] not in choices:
+            raise InputError(f"{where}: {name} '{top[name]}' is not one of {', '.join(choices)}")
+    if top["dtype"] not in DTYPES:
+        raise InputError(f"{where}: dtype '{top['dtype']}' is not one of {', '.join(DTYPES)}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", top["device"]):
+        raise InputError(f"{where}: device '{top['device']}' is not auto, cpu, cuda or cuda:N")
+    for name, low in (("blocks", 1), ("repeats", 1), ("steps", 1), ("warmup", 0), ("seed", 0), ("obs", 1)):
+        if top[name] < low:
+            raise InputError(f"{where}: {name} must be >= {low}, got {top[name]}")
+    if not _safe(top["name"]):
+        raise InputError(f"{where}: name '{top['name']}' may hold only letters, digits, '_', '.' and '-'")
+    grids, groups = [], set()
+    for i, g in enumerate(grids_raw, 1):
+        gwhere = f"{where}: [[grid]] {i}"
+        if not isinstance(g, dict):
+            raise InputError(f"{gwhere} is not a table: write [[grid]] with group, contexts, modes")
+        grid = _grid(_fields(g, _GRID, gwhere), gwhere)
+        if grid.group in groups:
+            raise InputError(f"{gwhere}: group '{grid.group}' is used twice; each grid needs its own group")
+        groups.add(grid.group)
+        grids.append(grid)
+    spec = CampaignSpec(**top, grids=tuple(grids))
+    name, window = model_window(spec.model, spec.init)
+    for g in spec.grids:
+        too_long = [n for n in g.contexts if window and n + spec.generated > window]
+        if too_long:
+            raise InputError(
+                f"{where}: grid '{g.group}' contexts: context {max(too_long)} + {spec.generated} "
+                f"generated tokens exceeds the {window}-token window of {name}; use at most "
+                f"{window - spec.generated}"
+            )
+    return spec
+
+
+def _fields(raw: dict, schema: dict, where: str) -> dict:
+    unknown = sorted(set(raw) - set(schema))
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"known keys: {', '.join(schema)}")
+    out = {}
+    for key, (types, default) in schema.items():
+        if key not in raw:
+            if default is None:
+                raise InputError(f"{where}: missing key '{key}'")
+            out[key] = default
+            continue
+        v = raw[key]
+        if isinstance(v, bool) or not isinstance(v, types):
+            want = " or ".join({int: "an integer", str: "a string", list: "a list"}[t] for t in types)
+            raise InputError(f"{where}: '{key}' must be {want}, got {v!r}")
+        out[key] = v
+    return out
+
+
+def _grid(g: dict, where: str) -> Grid:
+    if not _safe(g["group"]):
+        raise InputError(f"{where}: group '{g['group']}' may hold only letters, digits, '_', '.' and '-' "
+                         "(it names a folder)")
+    where = f"{where} ('{g['group']}')"
+    for key in ("contexts", "modes"):
+        if not g[key]:
+            raise InputError(f"{where}: '{key}' is empty: list at least one")
+    contexts = []
+    for c in g["contexts"]:
+        if isinstance(c, bool) or not isinstance(c, int | str):
+            raise InputError(f"{where}: contexts entry {c!r} is not a token count such as 2048 or '2K'")
+        contexts.append(parse_tokens(c, f"{where}: contexts entry"))
+    if len(set(contexts)) != len(contexts):
+        raise InputError(f"{where}: contexts lists a context twice: {contexts}")
+    modes, cells = [], {}
+    for m in g["modes"]:
+        if not isinstance(m, str):
+            raise InputError(f"{where}: modes entry {m!r} is not a mode string such as 'sel0.3'")
+        try:
+            mode = parse_mode(m)
+        except InputError as e:
+            raise InputError(f"{where}: modes: {e}") from None
+        if mode.cell in cells:
+            raise InputError(f"{where}: modes '{cells[mode.cell]}' and '{m}' are the same cell ({mode.cell})")
+        cells[mode.cell] = m
+        modes.append(mode.spec)
+    if "dense" not in modes:
+        raise InputError(f"{where}: modes lacks 'dense'; speedups pair each cell with the dense cell "
+                         "of the same group, block and context, so add 'dense'")
+    if g["attention"] not in ATTENTION:
+        raise InputError(f"{where}: attention '{g['attention']}' is not one of {', '.join(ATTENTION)}")
+    return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"])
+
+
+def _safe(name: str) -> bool:
+    return bool(name) and set(name) <= _SAFE and name not in (".", "..")
+
+
+# -- the plan ----------------------------------------------------------------------
+def mode_orders(seed: int, group: str, context: int, modes, blocks: int) -> list[list[str]]:
+    """The mode order of one (group, context) in each block: a shuffle seeded by
+    (seed, group, context, block), rotated by one when it repeats the previous block's."""
+    out: list[list[str]] = []
+    for b in range(blocks):
+        order = list(modes)
+        random.Random(f"{seed}:{group}:{context}:{b}").shuffle(order)  # str seeds are stable
+        if out and len(order) > 1 and order == out[-1]:
+            order = order[1:] + order[:1]
+        out.append(order)
+    return out
+
+
+def plan(spec: CampaignSpec) -> list[CellSpec]:
+    """Every cell of every grid in each block, in run order (see the module doc)."""
+    sweep = [(g, n) for g in spec.grids for n in sorted(g.contexts)]
+    orders = {(g.group, n): mode_orders(spec.seed, g.group, n, g.modes, spec.blocks) for g, n in sweep}
+    cells: list[CellSpec] = []
+    for block in range(spec.blocks):
+        for g, n in (sweep if block % 2 == 0 else sweep[::-1]):
+            for mode in orders[(g.group, n)][block]:
+                cells.append(CellSpec(
+                    model=spec.model, init=spec.init, dtype=spec.dtype, device=spec.device, context=n,
+                    mode=mode, attention=g.attention, warmup=spec.warmup, repeats=spec.repeats,
+                    steps=spec.steps, fill=spec.fill, compile_mode=spec.compile_mode,
+                    text=spec.text or None, calib_tokens=spec.calib_tokens, obs=spec.obs, seed=spec.seed,
+                    campaign=spec.name, block=block, group=g.group, order=len(cells)))
+    return cells
+
+
+def check_cells(cells: list[CellSpec]) -> None:
+    """Every cell fits the model window and its KV budget holds the sinks and the
+    observation window (imports torch for the selector's rule); one error per problem kind."""
+    from sparsedecode.timing.cell import check_fits
+
+    seen = set()
+    for c in cells:
+        key = (c.group, c.context, c.mode)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            check_fits(c)
+        except InputError as e:
+            raise InputError(f"grid '{c.group}', context {c.context}, mode {c.mode}: {e}") from None
+
+
+def record_path(folder: str | os.PathLike, cell: CellSpec) -> Path:
+    """DIR/cells/{group}/{cell}_{context}_b{block}.json"""
+    return Path(folder) / "cells" / cell.group / f"{cell.cell}_{cell.context}_b{cell.block}.json"
+
+
+def cell_argv(cell: CellSpec, out: Path, python: str | None = None) -> list[str]:
+    """The command that runs `cell` in a fresh process and writes its record at `out`."""
+    argv = [python or sys.executable, "-m", "sparsedecode", "bench", "cell",
+            "--model", str(cell.model), "--init", cell.init, "--context", str(cell.context),
+            "--mode", cell.mode, "--attention", cell.attention, "--warmup", str(cell.warmup),
+            "--repeats", str(cell.repeats), "--steps", str(cell.steps), "--fill", cell.fill,
+            "--compile-mode", cell.compile_mode, "--device", cell.device, "--dtype", cell.dtype,
+            "--calib-tokens", str(cell.calib_tokens), "--obs", str(cell.obs), "--seed", str(cell.seed),
+            "--campaign", cell.campaign, "--block", str(cell.block), "--group", cell.group,
+            "--cell-id", cell.cell, "--order", str(cell.order)]
+    if cell.text:
+        argv += ["--text-file", cell.text]
+    return argv + ["--out", str(out)]
+
+
+# -- the folder --------------------------------------------------------------------
+def prepare(folder: str | os.PathLike, spec_path: str | os.PathLike,
+            spec: CampaignSpec | None = None) -> CampaignSpec:
+    """Bind the spec at `spec_path` (validated, or `spec` if already read) to `folder`: write
+    DIR/spec.toml at the first run, refuse a different spec (compared after parsing) in an
+    existing folder."""
+    spec_path, folder = Path(spec_path), Path(folder)
+    spec = spec or load_spec(spec_path)
+    saved = folder / SPEC_FILE
+    if saved.is_file():
+        old = load_spec(saved)
+        if old != spec:
+            diff = [f.name for f in fields(CampaignSpec) if getattr(old, f.name) != getattr(spec, f.name)]
+            raise InputError(
+                f"{folder} holds another campaign ({saved}; differs in {', '.join(diff)}): "
+                f"run {spec_path} into a new --out folder, or run {saved} to resume this one"
+            )
+        return spec
+    if (folder / "cells").is_dir() and any((folder / "cells").rglob("*.json")):
+        raise InputError(f"{folder} holds cell records but no {SPEC_FILE}: use a new --out folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_text(saved, spec_path.read_text(encoding="utf-8"))
+    return spec
+
+
+def _write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def retire(folder: Path, path: Path) -> Path:
+    """Move a failed (or unreadable) record to DIR/failed/{group}/, under a new name."""
+    dest_dir = folder / "failed" / path.parent.name
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    k = 1
+    while (dest := dest_dir / f"{path.stem}.{k}.json").exists():
+        k += 1
+    os.rename(path, dest)
+    return dest
+
+
+# -- running ----------------------------------------------------------------------
+@dataclass
+class Summary:
+    """What a `run_campaign` call did: cells ok, failed, skipped (already ok), retried
+    (failed records moved away), left pending (stopped early) and whether Ctrl-C stopped it."""
+
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    retried: int = 0
+    pending: int = 0
+    interrupted: bool = False
+    failures: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        out = f"ok {self.ok}, failed {self.failed}, skipped {self.skipped}"
+        if self.pending:
+            out += f", pending {self.pending}"
+        if self.interrupted:
+            out += " (interrupted: run the same command again to resume)"
+        return out
+
+
+def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, executor: str = "local", *,
+                 python: str | None = None, max_cells: int | None = None, progress: bool = True,
+                 echo: Callable[[str], None] | None = None) -> Summary:
+    """Run the pending cells of the campaign `spec_path` into `folder` (see the module doc).
+    `python`: the interpreter of the cell processes; `max_cells`: stop after this many."""
+    if executor not in EXECUTORS:
+        raise InputError(f"executor '{executor}' is not one of {', '.join(EXECUTORS)}")
+    if max_cells is not None and max_cells < 0:
+        raise InputError(f"--max-cells must be >= 0, got {max_cells}")
+    folder = Path(folder)
+    spec = load_spec(spec_path)
+    cells = plan(spec)
+    check_cells(cells)  # before the folder is bound to the spec: a fixed spec can still use it
+    prepare(folder, spec_path, spec)
+    summary = Summary()
+    todo = []
+    for c in cells:
+        path = record_path(folder, c)
+        if path.exists():
+            rec = _read(path)
+            if rec is not None and rec.get("status") == "ok":
+                summary.skipped += 1
+                continue
+            retire(folder, path)
+            summary.retried += 1
+        todo.append(c)
+    if max_cells is not None and max_cells < len(todo):
+        summary.pending = len(todo) - max_cells
+        todo = todo[:max_cells]
+    run = _run_local if executor == "local" else _run_ray
+    run(spec, folder, todo, summary, python=python, progress=progress, echo=echo)
+    return summary
+
+
+def _launch(argv: list[str], log: Path) -> int:
+    """Run one cell process, its output appended to `log`; its exit code. On Ctrl-C the
+    child (which got the signal too) is given a moment to stop, then killed."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as f:
+        f.write(f"$ {' '.join(argv)}\n".encode())
+        f.flush()
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait()
+        except BaseException:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)  # no-op for a child that already stopped
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            raise
+
+
+def _log_path(folder: Path, cell: CellSpec) -> Path:
+    return folder / "logs" / cell.group / f"{cell.cell}_{cell.context}_b{cell.block}.log"
+
+
+def _settle(folder: Path, cell: CellSpec, rc: int, start: int) -> dict:
+    """The record of a finished cell process; when it died without one (killed, out of
+    memory), a 'failed' record with its exit code and the end of its log."""
+    from sparsedecode.records import stamp, write_record
+
+    path = record_path(folder, cell)
+    rec = _read(path) if path.exists() else None
+    if rec is not None:
+        return rec
+    log = _log_path(folder, cell)
+    tail = log.read_bytes()[start:].decode(errors="replace").rstrip().splitlines()[-20:] if log.exists() else []
+    rec = stamp({"kind": "timing_cell", "status": "failed", "campaign": cell.campaign, "block": cell.block,
+                 "group": cell.group, "cell": cell.cell, "order": cell.order, "context": cell.context,
+                 "mode_spec": cell.mode, "mode": cell.parsed.kind, "attention": cell.attention,
+                 "model_name": model_window(cell.model, cell.init)[0],
+                 "error": f"the cell process exited with code {rc} without writing a record",
+                 "traceback": "\n".join(tail)}, with_torch=False)
+    write_record(path, rec)
+    return rec
+
+
+def _tally(summary: Summary, cell: CellSpec, rec: dict, echo) -> None:
+    where = f"{cell.group} {cell.cell} n={cell.context} b{cell.block}"
+    if rec.get("status") == "ok":
+        summary.ok += 1
+        echo(f"{where}: {rec['ms_per_token']:.3f} ms/token, {rec['tokens_per_sec']:.1f} tok/s, "
+             f"bound {rec['byte_bound']:.3f}x")
+    else:
+        error = _first_line(rec.get("error"))
+        summary.failed += 1
+        summary.failures.append(f"{where}: {error}")
+        echo(f"{where}: FAILED: {error}")
+
+
+def _first_line(error) -> str:
+    """The first line of an error message (torch.compile errors run to pages)."""
+    lines = str(error or "no error message").strip().splitlines()
+    return lines[0][:300] if lines else "no error message"
+
+
+def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, python, progress, echo):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(todo), unit="cell", desc=spec.name, disable=not progress)
+    echo = echo or bar.write
+    done = 0
+    try:
+        for cell in todo:
+            bar.set_postfix_str(f"{cell.group} {cell.cell} n={cell.context} b{cell.block}")
+            log = _log_path(folder, cell)
+            start = log.stat().st_size if log.exists() else 0
+            rc = _launch(cell_argv(cell, record_path(folder, cell), python), log)
+            _tally(summary, cell, _settle(folder, cell, rc, start), echo)
+            done += 1
+            bar.update()
+    except KeyboardInterrupt:  # the running cell has no record: it runs again on resume
+        summary.interrupted = True
+        summary.pending += len(todo) - done
+    finally:
+        bar.close()
+
+
+def _ray_cell(argv: list[str], log: str) -> int:
+    return _launch(argv, Path(log))
+
+
+def _run_ray(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, python, progress, echo):
+    try:
+        import ray
+    except ModuleNotFoundError:
+        raise InputError("the ray executor needs Ray: pip install 'ray[default]', or use --executor local") from None
+    from tqdm.auto import tqdm
+
+    if not ray.is_initialized():
+        ray.init()
+    gpus = 0 if spec.device == "cpu" else 1
+    if spec.device == "auto" and not ray.cluster_resources().get("GPU"):
+        gpus = 0
+    task = ray.remote(num_gpus=gpus)(_ray_cell)
+    bar = tqdm(total=len(todo), unit="cell", desc=spec.name, disable=not progress)
+    echo = echo or bar.write
+    starts = {}
+    refs = {}
+    for cell in todo:
+        log = _log_path(folder, cell)
+        starts[cell.order] = log.stat().st_size if log.exists() else 0
+        refs[task.remote(cell_argv(cell, record_path(folder, cell), python), str(log))] = cell
+    try:
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1)
+            cell = refs.pop(done[0])
+            rc = ray.get(done[0])
+            _tally(summary, cell, _settle(folder, cell, rc, starts[cell.order]), echo)
+            bar.update()
+    except KeyboardInterrupt:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        summary.interrupted = True
+        summary.pending += len(refs)
+    finally:
+        bar.close()
+
+
+# -- status --------------------------------------------------------------------------
+def status(folder: str | os.PathLike) -> dict:
+    """Done, failed and pending cells per group of the campaign in `folder`, and the
+    pending and failed cells in run order."""
+    folder = Path(folder)
+    saved = folder / SPEC_FILE
+    if not saved.is_file():
+        raise InputError(f"{folder} is not a campaign folder (no {SPEC_FILE}); "
+                         "start one with `sparsedecode campaign run SPEC --out DIR`")
+    spec = load_spec(saved)
+    groups = {g.group: {"done": 0, "failed": 0, "pending": 0} for g in spec.grids}
+    pending, failed = [], []
+    cells = plan(spec)
+    for c in cells:
+        path = record_path(folder, c)
+        rec = _read(path) if path.exists() else None
+        what = {"group": c.group, "cell": c.cell, "context": c.context, "block": c.block,
+                "mode": c.mode, "order": c.order, "path": str(path)}
+        if rec is not None and rec.get("status") == "ok":
+            groups[c.group]["done"] += 1
+        elif path.exists():
+            groups[c.group]["failed"] += 1
+            failed.append({**what, "error": _first_line((rec or {}).get("error", "unreadable record"))})
+        else:
+            groups[c.group]["pending"] += 1
+            pending.append(what)
+    return {"name": spec.name, "folder": str(folder), "total": len(cells), "groups": groups,
+            "pending": pending, "failed": failed}
+
+
+__all__ = ["CampaignSpec", "EXECUTORS", "Grid", "Summary", "cell_argv", "check_cells", "load_spec",
+           "mode_orders", "parse_spec", "plan", "prepare", "record_path", "retire", "run_campaign",
+           "status"]

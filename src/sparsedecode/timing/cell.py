@@ -1,0 +1,483 @@
+"""One timing cell: a fresh process times one mode at one context (ByteCross App. A 'Timing', §4.2).
+
+The protocol of App. A, for one (model, context n, mode, attention path):
+
+1. load the engine with a static cache of n + generated tokens, where
+   generated = warmup + repeats x steps (every timed step decodes a new token);
+2. fill the cache: `prefill` runs a dense prefill of the first n tokens of the
+   test stream in chunks of 512 (the paper's protocol); `random` fills keys and
+   values with seeded normal values and prefills only the last `obs` positions
+   for real, which the selection's observation window needs (a 128K prefill is
+   most of a cell's time, and the bytes a step reads do not depend on values);
+3. configure the mode: the projection branch calibrates uniform TEAL thresholds
+   on the model's own activations (WikiText-2 validation ids when the model has
+   a tokenizer, seeded random ids otherwise) and measures the keep they realize
+   with one tracked eager decode step; the KV branch selects once
+   (`Engine.select_kv`, SnapKV or the sink + recent window) for the generated
+   tokens;
+4. capture the decode step (the first replay compiles and captures on CUDA;
+   sdpa_fused, which reads its slice bounds on the host, runs eagerly),
+   run the warm-up steps, then R repeats of S steps decoding on from token n of
+   the same stream, each repeat timed with CUDA events (perf_counter on CPU).
+
+The record holds the per-repeat step times and the paper's ms_per_token
+(1000 / mean of the per-repeat throughputs), the realized keeps and KV budget,
+the bytes a step reads at those keeps (`account.traffic`), the byte bound of
+the mode (`account.crossover.bounds`), achieved GB/s and the one-time costs.
+
+Choices the paper leaves open, written down here: the token stream wraps around
+when it is shorter than n + generated; random-weight models decode seeded random
+ids (token ids do not change the bytes a step reads); the KV read fraction is
+(budget + generated) / n, what the selection reads at its last generated token.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sparsedecode.account.units import check_keep
+from sparsedecode.errors import InputError
+
+ATTENTION = ("split_k", "sdpa_masked", "sdpa_fused")
+FILLS = ("prefill", "random")
+INITS = ("pretrained", "random")
+PREFILL_CHUNK = 512
+KV_METHODS = {"sel": "snapkv", "window": "window", "both": "snapkv"}
+
+_KEEP = r"(\d*\.?\d+)"
+_MODE = re.compile(rf"^(?:(dense)|(proj|sel|window){_KEEP}|both{_KEEP}/{_KEEP})$")
+
+
+# -- modes --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mode:
+    """A parsed mode string: kind ('dense'|'proj'|'sel'|'window'|'both') and keeps
+    (1.0 where the branch is off)."""
+
+    kind: str
+    proj_keep: float = 1.0
+    kv_keep: float = 1.0
+
+    @property
+    def proj_method(self) -> str | None:
+        return "teal" if self.kind in ("proj", "both") else None
+
+    @property
+    def kv_method(self) -> str | None:
+        return KV_METHODS.get(self.kind)
+
+    @property
+    def spec(self) -> str:
+        """The canonical mode string, e.g. 'both0.5/0.3'."""
+        if self.kind == "dense":
+            return "dense"
+        if self.kind == "both":
+            return f"both{self.proj_keep:g}/{self.kv_keep:g}"
+        return f"{self.kind}{self.proj_keep if self.kind == 'proj' else self.kv_keep:g}"
+
+    @property
+    def cell(self) -> str:
+        """The paper's cell id: dense, proj50, sel30, window30, p50_s30 (keep x 100)."""
+        if self.kind == "dense":
+            return "dense"
+        if self.kind == "both":
+            return f"p{_pct(self.proj_keep)}_s{_pct(self.kv_keep)}"
+        return f"{self.kind}{_pct(self.proj_keep if self.kind == 'proj' else self.kv_keep)}"
+
+
+def _pct(keep: float) -> str:
+    return f"{round(keep * 100, 6):g}"
+
+
+def parse_mode(text: str) -> Mode:
+    """'dense', 'proj0.5', 'sel0.3', 'window0.3' or 'both0.5/0.3' -> Mode."""
+    m = _MODE.match(str(text).strip())
+    if not m:
+        raise InputError(
+            f"mode '{text}' is not one of dense, proj<keep>, sel<keep>, window<keep>, "
+            "both<proj keep>/<kv keep>: write e.g. dense, proj0.5, sel0.3, window0.3, both0.5/0.3"
+        )
+    dense, kind, keep, pk, kk = m.groups()
+    if dense:
+        return Mode("dense")
+
+    def keep_of(v: str, what: str) -> float:
+        k = check_keep(v, f"mode '{text}': {what}")
+        if k == 1.0:
+            raise InputError(f"mode '{text}': {what} 1 turns the branch off; use 'dense' or a keep below 1")
+        return k
+
+    if kind == "proj":
+        return Mode("proj", proj_keep=keep_of(keep, "projection keep"))
+    if kind:
+        return Mode(kind, kv_keep=keep_of(keep, "KV keep"))
+    return Mode("both", proj_keep=keep_of(pk, "projection keep"), kv_keep=keep_of(kk, "KV keep"))
+
+
+# -- the cell's configuration ---------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class CellSpec:
+    """One timing cell (App. A 'Timing'). model: a name, path or config ref that
+    `sparsedecode.load` takes; context: n tokens; mode: a mode string (`parse_mode`);
+    attention: the decode attention path; fill: 'prefill' or 'random'; compile_mode:
+    '' for torch.compile's default (CUDA only; CPU runs eagerly); text: a folder or
+    file for the token stream and the calibration text; calib_tokens: projection
+    calibration tokens; obs: the selection's observation window. campaign, block,
+    group, cell (default: the mode's cell id) and order are campaign bookkeeping."""
+
+    model: str
+    init: str = "pretrained"
+    dtype: str = "auto"
+    device: str = "auto"
+    context: int
+    mode: str = "dense"
+    attention: str = "split_k"
+    warmup: int = 5
+    repeats: int = 5
+    steps: int = 50
+    fill: str = "prefill"
+    compile_mode: str = ""
+    text: str | None = None
+    calib_tokens: int = 2048
+    obs: int = 64
+    seed: int = 0
+    campaign: str = ""
+    block: int = 0
+    group: str = ""
+    cell: str = ""
+    order: int = 0
+
+    def __post_init__(self):
+        mode = parse_mode(self.mode)
+        object.__setattr__(self, "mode", mode.spec)
+        if not self.cell:
+            object.__setattr__(self, "cell", mode.cell)
+        for name, choices in (("init", INITS), ("fill", FILLS), ("attention", ATTENTION)):
+            if getattr(self, name) not in choices:
+                raise InputError(f"{name} '{getattr(self, name)}' is not one of {', '.join(choices)}")
+        for name, low in (("context", 1), ("warmup", 0), ("repeats", 1), ("steps", 1),
+                          ("calib_tokens", 1), ("obs", 1), ("seed", 0), ("block", 0), ("order", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InputError(f"{name} must be an integer >= {low}, got {v!r}")
+
+    @property
+    def parsed(self) -> Mode:
+        return parse_mode(self.mode)
+
+    @property
+    def generated(self) -> int:
+        """Tokens the cell decodes: warm-up plus timed steps."""
+        return self.warmup + self.repeats * self.steps
+
+
+def model_window(model, init: str = "pretrained") -> tuple[str, int | None]:
+    """(name, max_position_embeddings) of a model reference without loading it;
+    None when only a load can tell (a hub id not in the known table)."""
+    from sparsedecode.account.dims import load_config
+    from sparsedecode.account.known import KNOWN_MODELS, known_model
+
+    if isinstance(model, dict):
+        return str(model.get("_name_or_path") or model.get("model_type")), model.get("max_position_embeddings")
+    ref = str(model)
+    path = Path(ref).expanduser()
+    if ref.endswith(".gguf") and path.is_file():
+        from sparsedecode.models.gguf import read_header
+
+        header = read_header(path)
+        arch = header.get("general.architecture")
+        return path.stem, header.get(f"{arch}.context_length")
+    if path.is_dir() or path.name == "config.json":
+        cfg, name = load_config(path)
+        return name, cfg.get("max_position_embeddings")
+    if ref.lower() in KNOWN_MODELS or any(ref.lower() == m.hub_id.lower() for m in KNOWN_MODELS.values()):
+        km = known_model(ref)
+        return km.name, km.config.get("max_position_embeddings")
+    return ref, None
+
+
+def check_fits(spec: CellSpec) -> None:
+    """InputError unless context + generated fits the model window and the KV budget holds
+    the sinks and the observation window (the selector's own rule). Imports torch only for
+    the KV modes."""
+    name, window = model_window(spec.model, spec.init)
+    n, g = spec.context, spec.generated
+    if window and n + g > window:
+        raise InputError(
+            f"context {n} + {g} generated tokens exceeds the {window}-token window of {name}; "
+            f"use at most {window - g}"
+        )
+    mode = spec.parsed
+    if mode.kv_method:
+        from sparsedecode.kv.select import get_selector
+
+        get_selector(mode.kv_method, window=spec.obs).budget(n, mode.kv_keep, g)
+
+
+# -- the byte account of a timed step --------------------------------------------
+def timed_step_bytes(dims, n: int, proj_keep: float, kv_read: float, weight_bytes: float,
+                     kv_bytes: float) -> float:
+    """Bytes one timed step reads (§3.1, Eq. 1-4): `step_bytes` at context n with the
+    projection bytes (MLP + attention projections) scaled by the realized projection keep
+    and the KV bytes by the read fraction; LM head, embedding row and norms stay dense."""
+    from sparsedecode.account.traffic import step_bytes
+
+    b = step_bytes(dims, n, weight_bytes, kv_bytes)
+    return b.other + (b.mlp + b.attn) * proj_keep + b.kv * kv_read
+
+
+# -- running a cell ----------------------------------------------------------------
+def run_cell(spec: CellSpec, log=None) -> dict:
+    """Run one cell in this process and return its 'timing_cell' record (stamped).
+    `log` (a callable taking a line) hears the stages."""
+    import torch
+
+    import sparsedecode
+    from sparsedecode.account.crossover import bounds
+    from sparsedecode.engine.device import resolve_device
+    from sparsedecode.records import stamp
+
+    say = log or (lambda line: None)
+    mode = spec.parsed
+    check_fits(spec)
+    n, generated = spec.context, spec.generated
+    dev = resolve_device(spec.device)
+    cuda = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+
+    # sdpa_fused slices the cache with bounds read on the host, which neither a CUDA graph nor
+    # torch.compile(fullgraph=True) can hold: it runs eagerly, and the record says so.
+    compile_ = (spec.compile_mode or True) if cuda and spec.attention != "sdpa_fused" else False
+    t = time.perf_counter()
+    eng = sparsedecode.load(spec.model, device=dev, dtype=spec.dtype, init=spec.init, max_len=n + generated,
+                            attention=spec.attention, compile=compile_, seed=spec.seed, quiet=True)
+    sync()
+    one_time = {"load_s": time.perf_counter() - t, "prefill_s": 0.0, "calibrate_s": 0.0,
+                "select_s": 0.0, "capture_s": 0.0}
+    say(f"loaded {eng!r} in {one_time['load_s']:.1f} s")
+    ids, stream = _stream(eng, spec)
+
+    thresholds, calibration = None, None
+    if mode.proj_method:  # before the fill: calibration runs its own passes over the cache
+        t = time.perf_counter()
+        thresholds, calibration = _calibrate(eng, spec, mode.proj_keep)
+        sync()
+        one_time["calibrate_s"] = time.perf_counter() - t
+        say(f"calibrated teal {mode.proj_keep:g} on {calibration['ids']} in {one_time['calibrate_s']:.1f} s")
+
+    t = time.perf_counter()
+    _fill(eng, spec, ids)
+    sync()
+    one_time["prefill_s"] = time.perf_counter() - t
+    say(f"filled {n} tokens ({spec.fill}) in {one_time['prefill_s']:.1f} s")
+
+    if thresholds is not None:
+        eng.sparsify(thresholds)
+    budget = n
+    if mode.kv_method:
+        sel = eng.select_kv(mode.kv_method, mode.kv_keep, generated, window=spec.obs)
+        budget = sel.budget
+        one_time["select_s"] = sel.select_s
+    realized = _tracked_keep(eng, thresholds, n, ids[n]) if thresholds is not None else 1.0
+
+    eng.pos = n
+    eng._pos.fill_(n)
+    eng._tok.fill_(ids[n])
+    t = time.perf_counter()
+    eng.decode_replay()  # the first call compiles and captures; it rewrites slot n, as step 1 does
+    sync()
+    one_time["capture_s"] = time.perf_counter() - t
+    step_ms = _time_steps(eng, ids[n:], spec, cuda)
+
+    tps = [1e3 / ms for ms in step_ms]
+    med = statistics.median(step_ms)
+    size = eng.dtype.itemsize
+    kv_read = min((budget + generated) / n, 1.0)
+    nbytes = timed_step_bytes(eng.dims, n, realized, kv_read, size, size)
+    b = bounds(eng.dims, n, realized, kv_read, weight_bytes=size, kv_bytes=size)
+    bound = {"dense": 1.0, "proj": b.projection, "sel": b.kv, "window": b.kv, "both": b.both}[mode.kind]
+    gpu = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    rec = {
+        "kind": "timing_cell",
+        "status": "ok",
+        **_bookkeeping(spec),
+        "model": {"name": eng.name, "dims": eng.dims.to_dict(), "init": spec.init},
+        "model_name": eng.name,
+        "dtype": str(eng.dtype).removeprefix("torch."),
+        "device": dev.type,
+        "gpu": gpu,
+        "label": gpu.removeprefix("NVIDIA ") if cuda else "CPU",
+        "mode": mode.kind,
+        "mode_spec": mode.spec,
+        "projection_keep": mode.proj_keep,
+        "kv_keep": mode.kv_keep,
+        "proj_method": mode.proj_method,
+        "kv_method": mode.kv_method,
+        "attention": spec.attention,
+        "compile_mode": spec.compile_mode,
+        "compiled": eng.compile,
+        "runtime": "CUDA graph" if eng.cuda_graph else ("compiled" if eng.compile else "eager"),
+        "context": n,
+        "generated": generated,
+        "fill": spec.fill,
+        "stream": stream,
+        "protocol": f"{spec.warmup} warm-up steps, {spec.repeats} repeats x {spec.steps} steps, "
+                    + ("CUDA events" if cuda else "perf_counter"),
+        "step_ms_runs": step_ms,
+        "tokens_per_sec_runs": tps,
+        "tokens_per_sec": statistics.fmean(tps),
+        "ms_per_token": 1e3 / statistics.fmean(tps),
+        "step_ms_median": med,
+        "realized_projection_keep": realized,
+        "kv_budget": budget,
+        "kv_read_fraction": kv_read,
+        "bytes_per_step": nbytes,
+        "byte_bound": bound,
+        "achieved_gbps": nbytes / (med * 1e-3) / 1e9,
+        "peak_memory_bytes": _peak_memory(dev),
+        "one_time": one_time,
+        "calibration": calibration,
+        "spec": asdict(spec),
+    }
+    return stamp(rec)
+
+
+def failed_record(fields: dict, exc: BaseException, lines: int = 20) -> dict:
+    """A 'timing_cell' record with status 'failed': the cell's fields as given, the error
+    and the last `lines` lines of its traceback."""
+    from sparsedecode.records import stamp
+
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip().splitlines()
+    return stamp({"kind": "timing_cell", "status": "failed", **fields,
+                  "error": f"{type(exc).__name__}: {exc}", "traceback": "\n".join(tb[-lines:])})
+
+
+def _bookkeeping(spec: CellSpec) -> dict:
+    return {"campaign": spec.campaign, "block": spec.block, "group": spec.group, "cell": spec.cell,
+            "order": spec.order}
+
+
+def _stream(eng, spec: CellSpec) -> tuple[list[int], str]:
+    """n + generated token ids of the stream (WikiText-2 test, or the text option, when the
+    model has a tokenizer; seeded random ids otherwise), wrapped around when short."""
+    import torch
+
+    need = spec.context + spec.generated
+    if eng.tokenizer is not None:
+        from sparsedecode.quality.data import wikitext_ids, wikitext_path
+
+        ids = wikitext_ids(eng.tokenizer, "test", spec.text)
+        what = wikitext_path("test", spec.text).name
+    else:
+        gen = torch.Generator().manual_seed(spec.seed)
+        ids = torch.randint(0, eng.dims.vocab, (need,), generator=gen).tolist()
+        what = f"random ids (seed {spec.seed})"
+    if len(ids) < need:
+        ids = (ids * math.ceil(need / len(ids)))[:need]
+        what += " (wrapped)"
+    return list(ids[:need]), what
+
+
+def _calibrate(eng, spec: CellSpec, keep: float):
+    """Uniform TEAL thresholds at `keep` on the model's own activations: WikiText-2
+    validation (cached per model, `cached_teal`) with a tokenizer, seeded random ids without."""
+    import torch
+
+    from sparsedecode.projection.calibrate import cached_teal, get_calibrator
+
+    if eng.tokenizer is not None:
+        th = cached_teal(eng, keep, tokens=spec.calib_tokens, text_file=spec.text, progress=False)
+        what = "wikitext-2 validation" if spec.text is None else "text option (valid split)"
+    else:
+        gen = torch.Generator().manual_seed(spec.seed)
+        ids = torch.randint(0, eng.dims.vocab, (spec.calib_tokens,), generator=gen)
+        th = get_calibrator("teal", keep=keep).calibrate(eng, ids, text=f"random ids (seed {spec.seed})")
+        what = f"random ids (seed {spec.seed})"
+    return th, {"method": "teal", "keep": keep, "ids": what, "text": th.calibration.get("text"),
+                "tokens": spec.calib_tokens}
+
+
+def _fill(eng, spec: CellSpec, ids: list[int]) -> None:
+    """Cache positions [0, n): a dense prefill in chunks of 512, or seeded normal keys and
+    values with the last `obs` positions prefilled for real (the observation window)."""
+    import torch
+
+    n = spec.context
+    if spec.fill == "prefill":
+        eng.prefill(ids[:n], chunk=PREFILL_CHUNK)
+        return
+    gen = torch.Generator(eng.device).manual_seed(spec.seed)
+    with torch.no_grad():
+        for layer in eng.model.layers:
+            layer.self_attn.cache.k.normal_(generator=gen)
+            layer.self_attn.cache.v.normal_(generator=gen)
+    w = min(spec.obs, n)
+    eng.prefill(ids[n - w:n], chunk=PREFILL_CHUNK, start=n - w)
+
+
+def _tracked_keep(eng, thresholds, n: int, token: int) -> float:
+    """Projection keep realized by one eager decode step at position n (App. A 'Timed reads'),
+    counted by the sparse modules; tracking is off again for the timed steps."""
+    import torch
+
+    from sparsedecode.projection.sparse_linear import realized_projection_keep, sparsify_
+
+    ff_only = not set(thresholds.sites) - {"gate", "up", "down"}
+    sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=True)
+    with torch.inference_mode():
+        eng._pos.fill_(n)
+        eng._tok.fill_(token)
+        eng.model(eng._tok, eng._pos, None)  # rewrites slot n, which the first timed step rewrites
+    keep = realized_projection_keep(eng.model)
+    sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=False)
+    eng._graph = None
+    return keep
+
+
+def _time_steps(eng, toks: list[int], spec: CellSpec, cuda: bool) -> list[float]:
+    """Mean ms per step of each of `repeats` blocks of `steps` decode steps, after `warmup`
+    steps, feeding toks (the stream from position n) one per step. On CUDA each step is a
+    graph replay plus two fills of the static token and position buffers; no host sync."""
+    import torch
+
+    it = iter(toks)
+    for _ in range(spec.warmup):
+        eng.decode_step(next(it))
+    if cuda:
+        torch.cuda.synchronize(eng.device)
+    out = []
+    for _ in range(spec.repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(spec.steps):
+                eng.decode_step(next(it))
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / spec.steps)
+        else:
+            t = time.perf_counter()
+            for _ in range(spec.steps):
+                eng.decode_step(next(it))
+            out.append((time.perf_counter() - t) * 1e3 / spec.steps)
+    return out
+
+
+def _peak_memory(dev) -> int:
+    import torch
+
+    if dev.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(dev))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+__all__ = ["ATTENTION", "FILLS", "CellSpec", "Mode", "check_fits", "failed_record", "model_window",
+           "parse_mode", "run_cell", "timed_step_bytes"]

@@ -1,0 +1,337 @@
+"""Timing campaigns (ByteCross App. A 'Timing', App. E): spec validation, the plan (every
+cell in every block, alternating sweep direction, varied order), resume after an interrupt,
+failed cells kept and retried, and the local executor end to end on a tiny model."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sparsedecode.cli import app
+from sparsedecode.errors import InputError
+from sparsedecode.records import write_record
+from sparsedecode.timing import campaign
+from sparsedecode.timing.campaign import load_spec, parse_spec, plan, record_path, run_campaign
+
+TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=2, vocab_size=100, max_position_embeddings=512,
+            rope_theta=10000.0, eos_token_id=None)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "campaigns"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def toml(model: str, top: str = "", grids: str | None = None) -> str:
+    """A tiny campaign: 2 contexts x 2 modes x 2 blocks; `top` lines ('key = value') override."""
+    keys = {"name": '"tiny"', "model": f'"{model}"', "init": '"random"', "dtype": '"float32"',
+            "device": '"cpu"', "blocks": "2", "repeats": "2", "steps": "3", "warmup": "2",
+            "fill": '"prefill"', "obs": "16"}
+    for line in top.splitlines():
+        key, _, value = line.partition("=")
+        keys[key.strip()] = value.strip()
+    grids = grids if grids is not None else (
+        '[[grid]]\ngroup = "sweep"\ncontexts = [64, 128]\nmodes = ["dense", "sel0.5"]\n')
+    return "".join(f"{k} = {v}\n" for k, v in keys.items()) + "\n" + grids
+
+
+def write_spec(folder: Path, text: str) -> Path:
+    path = folder / "spec_in.toml"
+    path.write_text(text)
+    return path
+
+
+# -- validation -------------------------------------------------------------------
+GRID3 = ('[[grid]]\ngroup = "a"\ncontexts = ["128", 64, "96"]\nmodes = ["dense", "sel0.5", "window0.5"]\n'
+         '[[grid]]\ngroup = "b"\ncontexts = [128, 256]\nmodes = ["both0.5/0.5", "dense"]\n'
+         'attention = "sdpa_masked"\n')
+
+
+@pytest.mark.parametrize("top,grids,match", [
+    ("blokcs = 2", None, "unknown key.*'blokcs'"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense"]\nmode = "x"\n', "grid.*unknown key.*'mode'"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = []\nmodes = ["dense"]\n', "'contexts' is empty"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = []\n', "'modes' is empty"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense", "sel2"]\n', "modes: mode 'sel2'"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["sel0.5"]\n', r"\[\[grid\]\] 1 \('g'\): modes lacks 'dense'"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [505]\nmodes = ["dense"]\n', "grid 'g' contexts.*use at most 504"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = ["2x"]\nmodes = ["dense"]\n', "is not a token count"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64, 64]\nmodes = ["dense"]\n', "context twice"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense", "sel0.5", "sel0.50"]\n', "same cell"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense"]\nattention = "flash"\n', "attention 'flash'"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense"]\n' * 2, "group 'g' is used twice"),
+    ("", '[[grid]]\ngroup = "a/b"\ncontexts = [64]\nmodes = ["dense"]\n', "group 'a/b' may hold only"),
+    ("", "", "missing key 'grid'"),
+    ('blocks = "2"', None, "'blocks' must be an integer"),
+    ("blocks = 0", None, "blocks must be >= 1"),
+    ('device = "tpu"', None, "device 'tpu'"),
+    ('fill = "zeros"', None, "fill 'zeros'"),
+    ('dtype = "int8"', None, "dtype 'int8'"),
+])
+def test_spec_errors_name_the_field(tiny, top, grids, match):
+    with pytest.raises(InputError, match=match):
+        parse_spec(toml(tiny, top, grids), where="t.toml")
+
+
+def test_missing_model_and_bad_toml_are_clear(tiny):
+    with pytest.raises(InputError, match="missing key 'model'"):
+        parse_spec(toml(tiny).replace(f'model = "{tiny}"\n', ""))
+    with pytest.raises(InputError, match="not valid TOML"):
+        parse_spec("name = ")
+
+
+def test_example_specs_validate():
+    smoke, h200 = load_spec(EXAMPLES / "cpu_smoke.toml"), load_spec(EXAMPLES / "h200_sweep.toml")
+    assert (smoke.model, smoke.device, smoke.blocks, len(plan(smoke))) == ("smollm2-135m", "cpu", 2, 12)
+    assert [g.group for g in h200.grids] == ["sweep", "window_split_k", "window_sdpa_masked", "window_sdpa_fused"]
+    assert h200.grids[0].contexts == (2048, 8192, 32768, 65536, 130817)
+    assert len(plan(h200)) == 2 * (5 * 4 + 3 * 2 * 2)
+    campaign.check_cells(plan(smoke) + plan(h200))  # every KV budget holds sinks + window
+
+
+# -- the plan ------------------------------------------------------------------------
+def test_plan_has_every_cell_of_every_grid_in_every_block(tiny):
+    spec = parse_spec(toml(tiny, "blocks = 3", GRID3))
+    cells = plan(spec)
+    want = {(b, "a", n, m) for b in range(3) for n in (64, 96, 128) for m in ("dense", "sel0.5", "window0.5")}
+    want |= {(b, "b", n, m) for b in range(3) for n in (128, 256) for m in ("both0.5/0.5", "dense")}
+    got = [(c.block, c.group, c.context, c.mode) for c in cells]
+    assert sorted(got) == sorted(want) and len(got) == len(want)
+    assert [c.order for c in cells] == list(range(len(cells)))
+    assert {c.attention for c in cells if c.group == "b"} == {"sdpa_masked"}
+    assert all(c.campaign == "tiny" and c.repeats == 2 and c.obs == 16 for c in cells)
+    assert record_path("D", cells[0]) == Path("D/cells") / cells[0].group / (
+        f"{cells[0].cell}_{cells[0].context}_b0.json")
+
+
+def test_plan_alternates_sweep_direction_between_blocks(tiny):
+    cells = plan(parse_spec(toml(tiny, "blocks = 4", GRID3)))
+    for b in range(4):
+        sweep = list(dict.fromkeys((c.group, c.context) for c in cells if c.block == b))
+        forward = [("a", 64), ("a", 96), ("a", 128), ("b", 128), ("b", 256)]
+        assert sweep == (forward if b % 2 == 0 else forward[::-1]), (b, sweep)
+        blocks = [c.block for c in cells]
+        assert blocks == sorted(blocks)  # a block runs whole before the next
+
+
+def test_plan_is_deterministic_and_varies_the_mode_order(tiny):
+    text = toml(tiny, "blocks = 5", GRID3)
+    cells = plan(parse_spec(text))
+    assert cells == plan(parse_spec(text))
+
+    def orders(cs):
+        out = {}
+        for c in cs:
+            out.setdefault((c.group, c.context, c.block), []).append(c.mode)
+        return out
+
+    o = orders(cells)
+    for (g, n, b), modes in o.items():
+        if b:
+            assert modes != o[(g, n, b - 1)], f"{g} {n}: blocks {b - 1} and {b} run the same order"
+    assert len({tuple(m) for (g, _, _), m in o.items() if g == "a"}) > 2  # shuffled, not only rotated
+    other = orders(plan(parse_spec(toml(tiny, "blocks = 5\nseed = 1", GRID3))))
+    assert other != o  # the order follows the seed
+
+
+# -- the executor, with a stand-in for the cell process ----------------------------------
+class FakeCells:
+    """Stands in for `_launch`: writes the record a cell process would, or fails, or stops."""
+
+    def __init__(self, fail=(), crash=(), interrupt_at=None):
+        self.fail, self.crash, self.interrupt_at, self.calls = set(fail), set(crash), interrupt_at, []
+
+    def __call__(self, argv, log):
+        out = Path(argv[argv.index("--out") + 1])
+        self.calls.append(out.name)
+        if self.interrupt_at == len(self.calls):
+            raise KeyboardInterrupt
+        if out.name in self.crash:
+            return 3
+        val = lambda k: argv[argv.index(k) + 1]  # noqa: E731
+        rec = {"kind": "timing_cell", "group": val("--group"), "cell": val("--cell-id"),
+               "block": int(val("--block")), "context": int(val("--context"))}
+        if out.name in self.fail:
+            write_record(out, {**rec, "status": "failed", "error": "InputError: boom"})
+            return 2
+        write_record(out, {**rec, "status": "ok", "ms_per_token": 1.0, "tokens_per_sec": 1e3,
+                           "byte_bound": 1.0})
+        return 0
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in (folder / "cells").rglob("*.json")}
+
+
+def test_interrupted_campaign_resumes_without_redoing_finished_cells(tiny, tmp_path, monkeypatch):
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
+    fake = FakeCells(interrupt_at=3)
+    monkeypatch.setattr(campaign, "_launch", fake)
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert s.interrupted and (s.ok, s.failed, s.pending) == (2, 0, 6)
+    done = snapshot(out)
+    assert sorted(Path(k).name for k in done) == sorted(names[:2])  # the interrupted cell left no record
+    assert (out / "spec.toml").read_text() == spec_path.read_text()
+
+    fake = FakeCells()
+    monkeypatch.setattr(campaign, "_launch", fake)
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert (s.ok, s.failed, s.skipped, s.interrupted) == (6, 0, 2, False)
+    assert fake.calls == names[2:]  # only the rest ran, in plan order
+    after = snapshot(out)
+    assert {k: after[k] for k in done} == done  # finished records untouched (mtime and bytes)
+    assert len(after) == 8
+
+
+def test_failed_cells_are_recorded_the_campaign_goes_on_and_they_are_retried(tiny, tmp_path, monkeypatch):
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
+    fake = FakeCells(fail={names[1]}, crash={names[4]})
+    monkeypatch.setattr(campaign, "_launch", fake)
+    lines = []
+    s = run_campaign(spec_path, out, progress=False, echo=lines.append)
+    assert (s.ok, s.failed, s.skipped) == (6, 2, 0) and fake.calls == names  # went on after both
+    assert sum("FAILED" in line for line in lines) == 2 and len(lines) == 8
+    crashed = json.loads(next((out / "cells").rglob(names[4])).read_text())
+    assert crashed["status"] == "failed" and "exited with code 3" in crashed["error"]
+    st = campaign.status(out)
+    assert st["groups"]["sweep"] == {"done": 6, "failed": 2, "pending": 0}
+
+    fake = FakeCells()
+    monkeypatch.setattr(campaign, "_launch", fake)
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert (s.ok, s.failed, s.skipped, s.retried) == (2, 0, 6, 2)
+    assert sorted(fake.calls) == sorted([names[1], names[4]])
+    kept = sorted(p.name for p in (out / "failed").rglob("*.json"))
+    assert kept == sorted([f"{Path(names[1]).stem}.1.json", f"{Path(names[4]).stem}.1.json"])
+    assert all(json.loads(p.read_text())["status"] == "failed" for p in (out / "failed").rglob("*.json"))
+    assert campaign.status(out)["groups"]["sweep"] == {"done": 8, "failed": 0, "pending": 0}
+
+
+def test_a_different_spec_is_refused_in_an_existing_folder(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(campaign, "_launch", FakeCells())
+    out = tmp_path / "run"
+    run_campaign(write_spec(tmp_path, toml(tiny)), out, progress=False, max_cells=1, echo=lambda line: None)
+    other = tmp_path / "other.toml"
+    other.write_text(toml(tiny, "blocks = 3"))
+    with pytest.raises(InputError, match="holds another campaign.*differs in blocks"):
+        run_campaign(other, out, progress=False)
+    same = tmp_path / "same.toml"  # the same campaign, reformatted: accepted
+    same.write_text("# a comment\n" + toml(tiny))
+    s = run_campaign(same, out, progress=False, max_cells=0, echo=lambda line: None)
+    assert (s.skipped, s.pending) == (1, 7)
+    with pytest.raises(InputError, match="executor 'slurm'"):
+        run_campaign(same, out, executor="slurm")
+
+
+def test_a_spec_failing_the_cell_checks_does_not_bind_the_folder(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(campaign, "_launch", FakeCells())
+    out = tmp_path / "run"
+    bad = write_spec(tmp_path, toml(tiny, grids='[[grid]]\ngroup = "sweep"\ncontexts = [64]\n'
+                                             'modes = ["dense", "sel0.3"]\n'))
+    with pytest.raises(InputError, match="grid 'sweep', context 64, mode sel0.3: snapkv budget"):
+        run_campaign(bad, out, progress=False)
+    assert not (out / "spec.toml").exists()
+    s = run_campaign(write_spec(tmp_path, toml(tiny)), out, progress=False, echo=lambda line: None)
+    assert s.ok == 8
+
+
+def test_campaign_cli_exit_codes_and_status(tiny, tmp_path, monkeypatch):
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
+    monkeypatch.setattr(campaign, "_launch", FakeCells(fail={names[0]}))
+    res = CliRunner().invoke(app, ["campaign", "run", str(spec_path), "--out", str(out), "--max-cells", "3", "--json"])
+    assert res.exit_code == 1, res.output  # a failed cell makes the run fail
+    assert json.loads(res.stdout)["failed"] == 1
+    res = CliRunner().invoke(app, ["campaign", "status", str(out), "--json"])
+    assert res.exit_code == 0
+    st = json.loads(res.stdout)
+    assert st["groups"]["sweep"] == {"done": 2, "failed": 1, "pending": 5}
+    assert [Path(p["path"]).name for p in st["pending"]] == names[3:]
+    res = CliRunner().invoke(app, ["campaign", "status", str(out)])
+    assert "sweep" in res.stdout and "pending:" in res.stdout and res.exit_code == 0
+    res = CliRunner().invoke(app, ["campaign", "status", str(tmp_path)])
+    assert res.exit_code != 0 and "not a campaign folder" in str(res.exception)
+
+
+def test_ray_executor_without_ray_says_how_to_get_it(tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(InputError, match="needs Ray"):
+        run_campaign(write_spec(tmp_path, toml(tiny)), tmp_path / "run", executor="ray", progress=False)
+
+
+# -- end to end: real cell processes ------------------------------------------------------
+@pytest.fixture(scope="module")
+def e2e(tiny, tmp_path_factory):
+    """The tiny campaign through the local executor in three runs: stopped after 3 cells;
+    then with one cell crashing (no record) and one failing inside `bench cell`; then again."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    spec_path = write_spec(tmp, toml(tiny))
+    out = tmp / "run"
+    cells = plan(load_spec(spec_path))
+    quiet = dict(progress=False, echo=lambda line: None)
+    runs = {"first": run_campaign(spec_path, out, max_cells=3, **quiet)}
+    snaps = {"first": snapshot(out)}
+    crash, broken = record_path(out, cells[3]).name, record_path(out, cells[5]).name
+    wrapper = tmp / "python"
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in\n  *{crash}*) echo "simulated crash" >&2; exit 3 ;;\n'
+                       f'  *{broken}*) exec "{sys.executable}" "$@" --steps 0 ;;\nesac\n'
+                       f'exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    runs["second"] = run_campaign(spec_path, out, python=str(wrapper), **quiet)
+    snaps["second"] = snapshot(out)
+    runs["third"] = run_campaign(spec_path, out, **quiet)
+    snaps["third"] = snapshot(out)
+    return dict(out=out, cells=cells, runs=runs, snaps=snaps, crash=crash, broken=broken)
+
+
+def test_e2e_every_cell_ends_with_an_ok_record_paired_with_dense(e2e):
+    out, cells = e2e["out"], e2e["cells"]
+    assert len(e2e["snaps"]["third"]) == len(cells) == 8
+    for c in cells:
+        rec = json.loads(record_path(out, c).read_text())
+        assert rec["status"] == "ok", rec.get("error")
+        assert (rec["group"], rec["cell"], rec["block"], rec["context"], rec["order"], rec["campaign"]) == (
+            c.group, c.cell, c.block, c.context, c.order, "tiny")
+        assert rec["ms_per_token"] > 0 and rec["byte_bound"] >= 1.0 and rec["generated"] == 8
+    for b, n in itertools.product(range(2), (64, 128)):  # each sparse cell has its dense partner
+        assert record_path(out, next(c for c in cells if (c.block, c.context, c.mode) == (b, n, "dense"))).exists()
+    assert (out / "logs" / "sweep").is_dir()
+
+
+def test_e2e_resume_leaves_finished_records_untouched(e2e):
+    first, second, third = (e2e["snaps"][k] for k in ("first", "second", "third"))
+    assert len(first) == 3 and e2e["runs"]["first"].pending == 5
+    assert {k: second[k] for k in first} == first
+    ok2 = {k: v for k, v in second.items() if json.loads(v[1])["status"] == "ok"}
+    assert len(ok2) == 6 and {k: third[k] for k in ok2} == ok2
+    r2, r3 = e2e["runs"]["second"], e2e["runs"]["third"]
+    assert (r2.ok, r2.failed, r2.skipped) == (3, 2, 3)  # the campaign went on past both failures
+    assert (r3.ok, r3.failed, r3.skipped, r3.retried) == (2, 0, 6, 2)
+
+
+def test_e2e_failures_are_recorded_then_kept_in_failed(e2e):
+    out = e2e["out"]
+    kept = {p.name.split(".")[0]: json.loads(p.read_text()) for p in (out / "failed").rglob("*.json")}
+    crash, broken = Path(e2e["crash"]).stem, Path(e2e["broken"]).stem
+    assert set(kept) == {crash, broken}
+    assert "exited with code 3" in kept[crash]["error"] and "simulated crash" in kept[crash]["traceback"]
+    assert "steps must be" in kept[broken]["error"]  # written by `bench cell` itself
+    c = e2e["cells"][5]
+    assert (kept[broken]["cell"], kept[broken]["block"], kept[broken]["context"]) == (c.cell, c.block, c.context)
+    assert "Traceback" in kept[broken]["traceback"]
