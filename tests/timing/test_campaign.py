@@ -92,11 +92,14 @@ def test_missing_model_and_bad_toml_are_clear(tiny):
 
 def test_example_specs_validate():
     smoke, h200 = load_spec(EXAMPLES / "cpu_smoke.toml"), load_spec(EXAMPLES / "h200_sweep.toml")
+    attn = load_spec(EXAMPLES / "h200_attention.toml")
     assert (smoke.model, smoke.device, smoke.blocks, len(plan(smoke))) == ("smollm2-135m", "cpu", 2, 12)
-    assert [g.group for g in h200.grids] == ["sweep", "window_split_k", "window_sdpa_masked", "window_sdpa_fused"]
+    assert [g.group for g in h200.grids] == ["sweep"]
     assert h200.grids[0].contexts == (2048, 8192, 32768, 65536, 130817)
-    assert len(plan(h200)) == 2 * (5 * 4 + 3 * 2 * 2)
-    campaign.check_cells(plan(smoke) + plan(h200))  # every KV budget holds sinks + window
+    assert len(plan(h200)) == 2 * 5 * 4
+    assert [g.group for g in attn.grids] == ["window_split_k", "window_sdpa_masked", "window_sdpa_fused"]
+    assert len(plan(attn)) == 2 * 3 * 2 * 2
+    campaign.check_cells(plan(smoke) + plan(h200) + plan(attn))  # every KV budget holds sinks + window
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -150,10 +153,12 @@ class FakeCells:
 
     def __init__(self, fail=(), crash=(), interrupt_at=None):
         self.fail, self.crash, self.interrupt_at, self.calls = set(fail), set(crash), interrupt_at, []
+        self.gpu = {}  # record name -> CUDA_VISIBLE_DEVICES it ran under
 
-    def __call__(self, argv, log):
+    def __call__(self, argv, log, env=None, running=None):
         out = Path(argv[argv.index("--out") + 1])
         self.calls.append(out.name)
+        self.gpu[out.name] = (env or {}).get("CUDA_VISIBLE_DEVICES")
         if self.interrupt_at == len(self.calls):
             raise KeyboardInterrupt
         if out.name in self.crash:
@@ -194,6 +199,38 @@ def test_interrupted_campaign_resumes_without_redoing_finished_cells(tiny, tmp_p
     after = snapshot(out)
     assert {k: after[k] for k in done} == done  # finished records untouched (mtime and bytes)
     assert len(after) == 8
+
+
+def test_gpu_lanes_run_each_block_whole_on_one_gpu(tiny, tmp_path, monkeypatch):
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    fake = FakeCells()
+    monkeypatch.setattr(campaign, "_launch", fake)
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None, gpus=["3", "5"])
+    assert (s.ok, s.failed, s.pending) == (8, 0, 0)
+    cells = plan(load_spec(spec_path))
+    for c in cells:  # block b on gpus[b % 2], so a block's dense and sparse cells share a device
+        assert fake.gpu[record_path(out, c).name] == ["3", "5"][c.block % 2]
+    for b in (0, 1):  # each lane keeps its block's plan order
+        lane = [n for n in fake.calls if fake.gpu[n] == ["3", "5"][b]]
+        assert lane == [record_path(out, c).name for c in cells if c.block == b]
+
+
+@pytest.mark.parametrize("gpus", [[], ["0", "0"], ["a"]])
+def test_bad_gpu_lists_are_refused(tiny, tmp_path, gpus):
+    with pytest.raises(InputError, match="--gpus"):
+        run_campaign(write_spec(tmp_path, toml(tiny)), tmp_path / "run", progress=False, gpus=gpus)
+
+
+def test_stop_after_leaves_the_rest_pending_for_a_resume(tiny, tmp_path, monkeypatch):
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    fake = FakeCells()
+    monkeypatch.setattr(campaign, "_launch", fake)
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None, stop_after=1e-9)
+    assert (s.ok, s.pending, fake.calls) == (0, 8, [])
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert (s.ok, s.skipped, s.pending) == (8, 0, 0)
 
 
 def test_failed_cells_are_recorded_the_campaign_goes_on_and_they_are_retried(tiny, tmp_path, monkeypatch):

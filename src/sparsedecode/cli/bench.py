@@ -125,13 +125,16 @@ def campaign_run(
     out: Annotated[str, typer.Option("--out", "-o", help="Campaign folder: spec.toml, cells/, failed/, logs/.")],
     executor: Annotated[str, typer.Option("--executor", help="local (one process after another) or ray.")] = "local",
     max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop.")] = None,
+    gpus: Annotated[str | None, typer.Option("--gpus", help="Local executor on several GPUs: ids like 0,1; block b runs whole on GPU b mod their count.")] = None,
+    stop_after: Annotated[float | None, typer.Option("--stop-after", help="Start no cell after this many seconds (the rest stays pending for a resume).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run every pending cell of a campaign; finished cells are skipped, failed ones retried."""
     from sparsedecode.timing.campaign import run_campaign
 
     summary = run_campaign(spec, out, executor=executor, max_cells=max_cells, progress=not json_out,
-                           echo=(lambda line: None) if json_out else None)
+                           echo=(lambda line: None) if json_out else None,
+                           gpus=gpus.split(",") if gpus is not None else None, stop_after=stop_after)
     if json_out:
         emit_json(summary.to_dict())
     else:

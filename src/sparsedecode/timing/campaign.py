@@ -21,6 +21,12 @@ spreads the cells of one block over the GPUs it has, so the paired ratios then
 also carry GPU-to-GPU variation: on a multi-GPU host prefer identical GPUs, or
 the local executor, which keeps a block on one GPU as App. A does.
 
+On a host with several GPUs, `gpus=["0", "1"]` runs one lane per GPU at once,
+block b on GPU b mod len(gpus) (CUDA_VISIBLE_DEVICES), each lane one cell
+after another: every block still runs whole on one GPU, so its dense and sparse
+cells stay paired on the same device. `stop_after` seconds: start no cell after
+that much wall time (a device lease that ends), leaving the rest pending.
+
 Resume: a cell whose record says 'ok' is skipped; a 'failed' record is moved to
 DIR/failed/ (kept, never deleted) and its cell runs again; a cell that fails
 gets a 'failed' record and the campaign goes on. Ctrl-C stops the running cell
@@ -38,6 +44,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -396,13 +404,23 @@ class Summary:
 
 def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, executor: str = "local", *,
                  python: str | None = None, max_cells: int | None = None, progress: bool = True,
-                 echo: Callable[[str], None] | None = None) -> Summary:
+                 echo: Callable[[str], None] | None = None, gpus: list[str] | None = None,
+                 stop_after: float | None = None) -> Summary:
     """Run the pending cells of the campaign `spec_path` into `folder` (see the module doc).
-    `python`: the interpreter of the cell processes; `max_cells`: stop after this many."""
+    `python`: the interpreter of the cell processes; `max_cells`: stop after this many;
+    `gpus`: run one lane of blocks per GPU id (local executor); `stop_after`: seconds after
+    which no new cell starts."""
     if executor not in EXECUTORS:
         raise InputError(f"executor '{executor}' is not one of {', '.join(EXECUTORS)}")
     if max_cells is not None and max_cells < 0:
         raise InputError(f"--max-cells must be >= 0, got {max_cells}")
+    if gpus is not None:
+        if executor != "local":
+            raise InputError("--gpus is for the local executor; Ray places cells on its own GPUs")
+        if not gpus or len(set(gpus)) != len(gpus) or not all(g.strip().isdigit() for g in gpus):
+            raise InputError(f"--gpus takes distinct GPU ids like 0,1; got {','.join(gpus)!r}")
+    if stop_after is not None and stop_after <= 0:
+        raise InputError(f"--stop-after must be > 0 seconds, got {stop_after}")
     folder = Path(folder)
     spec = load_spec(spec_path)
     cells = plan(spec)
@@ -423,30 +441,44 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
     if max_cells is not None and max_cells < len(todo):
         summary.pending = len(todo) - max_cells
         todo = todo[:max_cells]
-    run = _run_local if executor == "local" else _run_ray
-    run(spec, folder, todo, summary, python=python, progress=progress, echo=echo)
+    stop_at = None if stop_after is None else time.monotonic() + stop_after
+    if executor == "local":
+        _run_local(spec, folder, todo, summary, python=python, progress=progress, echo=echo, gpus=gpus,
+                   stop_at=stop_at)
+    else:
+        _run_ray(spec, folder, todo, summary, python=python, progress=progress, echo=echo)
     return summary
 
 
-def _launch(argv: list[str], log: Path) -> int:
+def _launch(argv: list[str], log: Path, env: dict | None = None, running: set | None = None) -> int:
     """Run one cell process, its output appended to `log`; its exit code. On Ctrl-C the
-    child (which got the signal too) is given a moment to stop, then killed."""
+    child (which got the signal too) is given a moment to stop, then killed. `running`
+    holds the live processes of every lane, so that the main thread can stop them."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(argv)}\n".encode())
         f.flush()
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+        if running is not None:
+            running.add(proc)
         try:
             return proc.wait()
         except BaseException:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)  # no-op for a child that already stopped
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            _stop(proc)
             raise
+        finally:
+            if running is not None:
+                running.discard(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # no-op for a child that already stopped
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _log_path(folder: Path, cell: CellSpec) -> Path:
@@ -493,26 +525,56 @@ def _first_line(error) -> str:
     return lines[0][:300] if lines else "no error message"
 
 
-def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, python, progress, echo):
+def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, python, progress, echo,
+               gpus: list[str] | None = None, stop_at: float | None = None):
     from tqdm.auto import tqdm
 
+    lanes = [(None, todo)] if not gpus else [
+        (g, [c for c in todo if c.block % len(gpus) == i]) for i, g in enumerate(gpus)]
     bar = tqdm(total=len(todo), unit="cell", desc=spec.name, disable=not progress)
     echo = echo or bar.write
-    done = 0
-    try:
-        for cell in todo:
-            bar.set_postfix_str(f"{cell.group} {cell.cell} n={cell.context} b{cell.block}")
+    lock, halt, running = threading.Lock(), threading.Event(), set()
+    finished = [0]
+
+    def lane(gpu: str | None, cells: list[CellSpec]) -> None:
+        env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+        for cell in cells:
+            if halt.is_set() or (stop_at is not None and time.monotonic() > stop_at):
+                return
+            with lock:
+                bar.set_postfix_str(f"{cell.group} {cell.cell} n={cell.context} b{cell.block}"
+                                    + (f" gpu{gpu}" if gpu is not None else ""))
             log = _log_path(folder, cell)
             start = log.stat().st_size if log.exists() else 0
-            rc = _launch(cell_argv(cell, record_path(folder, cell), python), log)
-            _tally(summary, cell, _settle(folder, cell, rc, start), echo)
-            done += 1
-            bar.update()
-    except KeyboardInterrupt:  # the running cell has no record: it runs again on resume
+            rc = _launch(cell_argv(cell, record_path(folder, cell), python), log, env, running)
+            if halt.is_set():  # stopped by Ctrl-C: whatever it wrote stays, a missing record reruns
+                return
+            with lock:
+                _tally(summary, cell, _settle(folder, cell, rc, start), echo)
+                finished[0] += 1
+                bar.update()
+
+    threads = [threading.Thread(target=lane, args=lane_args, daemon=True) for lane_args in lanes]
+    try:
+        if len(threads) == 1:
+            lane(*lanes[0])
+        else:
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                for t in threads:
+                    t.join(0.2)
+    except KeyboardInterrupt:  # the running cells have no record: they run again on resume
         summary.interrupted = True
-        summary.pending += len(todo) - done
+        halt.set()
+        for proc in list(running):
+            _stop(proc)
+        for t in threads:
+            if t.is_alive():
+                t.join()
     finally:
         bar.close()
+    summary.pending += len(todo) - finished[0]
 
 
 def _ray_cell(argv: list[str], log: str) -> int:
