@@ -17,6 +17,7 @@ timed (ByteCross App. A: bytes per step do not depend on the values).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class Checkpoint:
     kind: str  # "gguf", "hf" or "random"
     source: Path | None = None  # the .gguf file or the HF folder
     tensors: dict | None = field(default=None, repr=False)  # pre-read state dict (GGUF)
+    converted: Path | None = None  # GGUF: the cached dequantized copy (weights + tokenizer)
 
 
 def resolve(ref, init: str = "pretrained", quiet: bool = False) -> Checkpoint:
@@ -96,8 +98,51 @@ def _gguf_checkpoint(path: Path, name: str, init: str) -> Checkpoint:
             f"init='random' needs a config, not a GGUF file ({gguf_model_type(read_header(path), path)} "
             f"model at {path}); pass a known name or a config.json instead"
         )
+    folder = converted_folder(path)
+    if (folder / WEIGHTS).is_file():
+        from safetensors.torch import load_file
+
+        config = json.loads((folder / "config.json").read_text())
+        return Checkpoint(name, config, "gguf", path, load_file(folder / WEIGHTS), folder)
     config, tensors = load_gguf(path)
-    return Checkpoint(name, config, "gguf", path, tensors)
+    _save_converted(folder, config, tensors)
+    return Checkpoint(name, config, "gguf", path, tensors, folder)
+
+
+WEIGHTS = "model.safetensors"
+
+
+def converted_folder(path: Path) -> Path:
+    """Where the dequantized copy of a GGUF file is cached: dequantizing through transformers
+    takes about 20 s for the embedded SmolLM2 and its tokenizer 7 s more, paid by every fresh
+    process (a timing cell, a CLI call) without it. Keyed by file name, size and mtime."""
+    from sparsedecode.models.embedded import cache_dir
+
+    st = path.stat()
+    return cache_dir() / "converted" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _save_converted(folder: Path, config: dict, tensors: dict) -> None:
+    """Write config.json, then the weights by an atomic rename (their presence marks a
+    complete copy). A cache that cannot be written is reported, and loading goes on."""
+    import sys
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        fd, tmp = tempfile.mkstemp(prefix=".weights.", dir=folder)
+        os.close(fd)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+            os.replace(tmp, folder / WEIGHTS)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"note: could not cache the dequantized GGUF under {folder} ({e}); the next load "
+              "dequantizes again", file=sys.stderr)
 
 
 def _hub_checkpoint(repo_id: str, name: str) -> Checkpoint:
@@ -190,10 +235,34 @@ def load_tokenizer(ckpt: Checkpoint):
     from transformers import AutoTokenizer
 
     if ckpt.kind == "gguf":
-        return AutoTokenizer.from_pretrained(str(ckpt.source.parent), gguf_file=ckpt.source.name)
+        cached = ckpt.converted / "tokenizer" if ckpt.converted is not None else None
+        if cached is not None and (cached / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cached))
+        tok = AutoTokenizer.from_pretrained(str(ckpt.source.parent), gguf_file=ckpt.source.name)
+        if cached is not None:
+            _save_tokenizer(tok, cached)
+        return tok
     if ckpt.source is not None and any(ckpt.source.glob("tokenizer*")):
         return AutoTokenizer.from_pretrained(str(ckpt.source))
     return None
+
+
+def _save_tokenizer(tok, folder: Path) -> None:
+    """Save a GGUF's tokenizer next to its converted weights (a temp folder renamed into
+    place, so a half-written one is never read)."""
+    import shutil
+    import sys
+    import tempfile
+
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=folder.parent))
+        tok.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        print(f"note: could not cache the GGUF tokenizer under {folder} ({e})", file=sys.stderr)
 
 
 def extra_eos_ids(ckpt: Checkpoint) -> tuple[int, ...]:
