@@ -12,7 +12,7 @@ The protocol of App. A, for one (model, context n, mode, attention path):
 3. configure the mode: the projection branch calibrates uniform TEAL thresholds
    on the model's own activations (WikiText-2 validation ids when the model has
    a tokenizer, seeded random ids otherwise) and measures the keep they realize
-   with one tracked eager decode step; the KV branch selects once
+   with 8 tracked eager decode steps; the KV branch selects once
    (`Engine.select_kv`, SnapKV or the sink + recent window) for the generated
    tokens;
 4. capture the decode step (the first replay compiles and captures on CUDA;
@@ -284,7 +284,8 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         sel = eng.select_kv(mode.kv_method, mode.kv_keep, generated, window=spec.obs)
         budget = sel.budget
         one_time["select_s"] = sel.select_s
-    realized = _tracked_keep(eng, thresholds, n, ids[n]) if thresholds is not None else 1.0
+    realized = (_tracked_keep(eng, thresholds, n, ids[n : n + min(KEEP_STEPS, generated)])
+                if thresholds is not None else 1.0)
 
     eng.pos = n
     eng._pos.fill_(n)
@@ -421,9 +422,14 @@ def _fill(eng, spec: CellSpec, ids: list[int]) -> None:
     eng.prefill(ids[n - w:n], chunk=PREFILL_CHUNK, start=n - w)
 
 
-def _tracked_keep(eng, thresholds, n: int, token: int) -> float:
-    """Projection keep realized by one eager decode step at position n (App. A 'Timed reads'),
-    counted by the sparse modules; tracking is off again for the timed steps."""
+KEEP_STEPS = 8  # eager tracked steps that measure the realized projection keep
+
+
+def _tracked_keep(eng, thresholds, n: int, tokens) -> float:
+    """Projection keep realized by eager decode steps at positions n, n+1, ... feeding
+    `tokens` (App. A 'Timed reads'), pooled over the steps by the sparse modules' counters
+    (one token alone is noisy); tracking is off again for the timed steps, which rewrite
+    the same cache slots."""
     import torch
 
     from sparsedecode.projection.sparse_linear import realized_projection_keep, sparsify_
@@ -431,9 +437,10 @@ def _tracked_keep(eng, thresholds, n: int, token: int) -> float:
     ff_only = not set(thresholds.sites) - {"gate", "up", "down"}
     sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=True)
     with torch.inference_mode():
-        eng._pos.fill_(n)
-        eng._tok.fill_(token)
-        eng.model(eng._tok, eng._pos, None)  # rewrites slot n, which the first timed step rewrites
+        for i, token in enumerate(tokens):
+            eng._pos.fill_(n + i)
+            eng._tok.fill_(int(token))
+            eng.model(eng._tok, eng._pos, None)  # slot n + i: the timed steps rewrite it
     keep = realized_projection_keep(eng.model)
     sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=False)
     eng._graph = None
