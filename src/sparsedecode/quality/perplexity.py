@@ -1,17 +1,37 @@
-"""Chunked WikiText-2 perplexity under a projection configuration (ByteCross App. A,
-'Quality protocols'; issue 7 defines the protocol).
+"""WikiText-2 perplexity protocols under an engine configuration (ByteCross App. A,
+'Quality protocols'; App. G and H; issue 7 defines them).
 
-Consecutive chunks of 2,048 tokens from token 0 of the stream: the first 1,024
-positions of each chunk run dense (they fill the cache), the last 1,024
-positions run under the configuration, and their next-token losses are scored
-(the last target of a chunk is the first token of the next). Losses are pooled
-over all scored targets. On CPU the projection branch runs as its masked
-reference: the same arithmetic as the sparse GEMV, every weight still read.
+chunked: consecutive chunks of 2,048 tokens from token 0 of the stream (128 in the
+paper). The first 1,024 positions of each chunk run dense (they fill the cache),
+the last 1,024 positions run under the configuration, and their next-token
+losses are scored (the last target of a chunk is the first token of the next).
+The scored half is a prefill, so only the projection branch applies: on every
+device it runs as its masked reference (`projection.calibrate.masks`), the same
+arithmetic as the sparse GEMV, every weight still read. A KV selection has no
+meaning here (a prefill reads the whole cache) and is refused: score it with
+the decode protocol.
+
+decode: decode-position perplexity. k windows of L tokens (8 in the paper) whose
+starts are evenly spaced over [0, N - L - 1] of the N-token stream, so the runs
+are deterministic (App. H: eight 32K windows whose starts span 0 to 256,305).
+Each window is prefilled densely except its last 512 tokens; those 512 are fed
+one at a time through the engine's real decode step under the configuration,
+teacher-forced, and each step scores the next token. The targets are the last
+511 tokens of the window and the token after it, as the chunked protocol scores
+the next chunk's first token; the cache ends holding all L. The KV selection
+runs once after the prefill with room for the 512 steps, as `generate` does
+(App. A 'Scored selection'); the projection branch runs in the decode step.
+
+A keep ratio of 1 disables its branch (App. H, Table 16). Both protocols return
+the summed NLL and the target count of every window (`WindowNLL`), so
+`quality.bootstrap` can resample windows, paired between dense and a
+configuration.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,15 +40,69 @@ from sparsedecode.errors import InputError
 
 CHUNK = 2048
 DENSE = 1024
+SCORED = 512  # decode protocol: targets scored one step at a time per window
+PREFILL_CHUNK = 512
+PROTOCOLS = ("chunked", "decode")
 
 
+@dataclass
+class WindowNLL:
+    """Per window (or chunk) of a protocol: summed next-token NLL in nats, scored
+    targets, and the window's first token in the stream."""
+
+    protocol: str
+    nll: list[float]
+    targets: list[int]
+    starts: list[int]
+
+    @property
+    def ppl(self) -> float:
+        """Aggregate perplexity: exp of the NLL pooled over every scored target."""
+        return math.exp(sum(self.nll) / sum(self.targets))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ppl": self.ppl}
+
+
+def check_config(protocol: str, config=None) -> None:
+    """Refuse an unknown protocol, and a KV configuration under the chunked protocol."""
+    if protocol not in PROTOCOLS:
+        raise InputError(f"unknown perplexity protocol '{protocol}': use {' or '.join(PROTOCOLS)}")
+    if protocol == "chunked" and config is not None and config.kv is not None:
+        raise InputError(
+            f"the chunked protocol scores a prefill, which reads the whole cache, so the KV "
+            f"configuration ({config.kv.method} keep {config.kv.keep:g}) has no meaning there; "
+            "score KV selections with the decode protocol (--protocol decode)"
+        )
+
+
+def resolve_projection(engine, projection):
+    """The `Thresholds` a configuration's projection names (an object or a file), checked
+    against the engine's dims; None when dense or when its keep is 1 (the branch is off)."""
+    from sparsedecode.projection.thresholds import Thresholds
+
+    if projection is None:
+        return None
+    th = projection if isinstance(projection, Thresholds) else Thresholds.load(projection)
+    th.validate(engine.dims)
+    return None if th.keep >= 1.0 else th
+
+
+# -- chunked ------------------------------------------------------------------
 @torch.inference_mode()
 def chunked_nll(engine, ids, chunks: int = 128, table: dict | None = None,
-                progress: bool = False) -> list[float]:
+                progress: bool = False, *, config=None) -> list[float]:
     """Summed next-token NLL (nats) of each chunk's scored targets; `table` maps threshold
-    keys to thresholds (input sites and CATS `act`), None is dense."""
+    keys to thresholds (input sites and CATS `act`), or `config` (an
+    `engine.config.SparsityConfig` without a KV branch) names them; neither is dense."""
     from sparsedecode.projection.calibrate import masks
 
+    if config is not None:
+        if table is not None:
+            raise InputError("give a threshold table or a configuration, not both")
+        check_config("chunked", config)
+        th = resolve_projection(engine, config.projection)
+        table = None if th is None else th.values
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # (N,)
     need = chunks * CHUNK + 1
     if chunks < 1 or ids.numel() < need:
@@ -59,3 +133,107 @@ def chunked_nll(engine, ids, chunks: int = 128, table: dict | None = None,
 def pooled_ppl(nll_per_chunk: list[float], targets_per_chunk: int = CHUNK - DENSE) -> float:
     """exp of the mean NLL over every scored target."""
     return math.exp(sum(nll_per_chunk) / (targets_per_chunk * len(nll_per_chunk)))
+
+
+# -- decode-position ----------------------------------------------------------
+def decode_starts(n_tokens: int, windows: int, length: int) -> list[int]:
+    """First tokens of `windows` windows of `length` tokens, evenly spaced over
+    [0, n_tokens - length - 1] (each window also needs the token after it)."""
+    if windows < 1:
+        raise InputError(f"the decode protocol needs at least one window, got {windows}")
+    span = n_tokens - length - 1
+    if span < 0:
+        raise InputError(
+            f"decode-position windows of {length:,} tokens need {length + 1:,} tokens of text (the "
+            f"window and the token after it), the text has {n_tokens:,}; use a shorter --length "
+            "or a longer text"
+        )
+    if windows == 1:
+        return [0]
+    return [i * span // (windows - 1) for i in range(windows)]
+
+
+def check_decode_length(engine, length: int, scored: int = SCORED) -> None:
+    """Refuse a window the engine cannot hold or that leaves nothing to prefill."""
+    if scored < 1 or length <= scored:
+        raise InputError(
+            f"decode-position windows of {length:,} tokens cannot score their last {scored:,}: "
+            f"the length must exceed the scored tokens (at least one token is prefilled); "
+            f"use --length > {scored}"
+        )
+    window = engine.args.max_position
+    if length > window:
+        raise InputError(
+            f"decode-position windows of {length:,} tokens exceed the model window of {window:,} "
+            f"tokens; use --length {window} or less"
+        )
+    if length > engine.max_len:
+        raise InputError(
+            f"decode-position windows of {length:,} tokens need a cache of {length:,} tokens, the "
+            f"engine holds {engine.max_len:,}; load with max_len >= {length} (`eval ppl` sizes it "
+            f"from --length) or use --length {engine.max_len} or less"
+        )
+
+
+def _prefill_chunk(n: int, chunk: int = PREFILL_CHUNK) -> int:
+    """A prefill chunk that leaves no one-token tail: a one-token call takes the decode path
+    of the projections (sparse under a configuration), and the prefill must stay dense."""
+    while n > chunk and n % chunk == 1:
+        chunk -= 1
+    return chunk
+
+
+def decode_nll(engine, ids, windows: int = 8, length: int | None = None, config=None, *,
+               scored: int = SCORED, progress: bool = False) -> WindowNLL:
+    """Decode-position NLL of `windows` windows of `length` tokens (default: the engine's
+    cache) under `config` (an `engine.config.SparsityConfig`; None is dense); see the
+    module doc. The engine is left configured with `config`."""
+    from sparsedecode.engine.config import SparsityConfig
+
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # (N,)
+    length = engine.max_len if length is None else length
+    check_decode_length(engine, length, scored)
+    starts = decode_starts(ids.numel(), windows, length)
+    config = config or SparsityConfig()
+    engine.configure(SparsityConfig(projection=resolve_projection(engine, config.projection),
+                                    kv=config.kv))
+    kv = config.kv
+    n = length - scored  # dense prefill
+    chunk = _prefill_chunk(n)
+    it = starts
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(starts, desc="windows", unit="window", leave=False)
+    out = []
+    for s in it:
+        w = ids[s : s + length + 1].to(engine.device)  # (L+1,): the window and the next token
+        engine.reset()
+        engine.prefill(w[:n], chunk=chunk)  # from position 0: a previous selection is void
+        if kv is not None:
+            engine.select_kv(kv.method, kv.keep, max_new=scored, **kv.params)
+        # not inference_mode: a selection's buffers must stay ordinary tensors (kv.apply)
+        with torch.no_grad():
+            total = torch.zeros((), dtype=torch.float64, device=engine.device)
+            for t in range(n, length):
+                logits = engine.decode_step(w[t : t + 1])  # (V,): predicts w[t + 1]
+                total += F.cross_entropy(logits[None].double(), w[t + 1 : t + 2], reduction="sum")
+        out.append(float(total))  # one host sync per window
+    engine.reset()
+    return WindowNLL("decode", out, [scored] * len(starts), starts)
+
+
+def evaluate(engine, ids, protocol: str, config=None, *, chunks: int = 128, windows: int = 8,
+             length: int | None = None, scored: int = SCORED, progress: bool = False) -> WindowNLL:
+    """Per-window NLL of `protocol` ('chunked' or 'decode') under `config` (None is dense)."""
+    check_config(protocol, config)
+    if protocol == "chunked":
+        nll = chunked_nll(engine, ids, chunks, progress=progress, config=config)
+        return WindowNLL("chunked", nll, [CHUNK - DENSE] * chunks, [k * CHUNK for k in range(chunks)])
+    return decode_nll(engine, ids, windows, length, config, scored=scored, progress=progress)
+
+
+__all__ = [
+    "CHUNK", "DENSE", "PROTOCOLS", "SCORED", "WindowNLL", "check_config", "check_decode_length",
+    "chunked_nll", "decode_nll", "decode_starts", "evaluate", "pooled_ppl", "resolve_projection",
+]

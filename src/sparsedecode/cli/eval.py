@@ -1,0 +1,195 @@
+"""`sparsedecode eval ppl`: perplexity of a configuration beside dense on the same windows,
+with paired bootstrap intervals (ByteCross App. A 'Quality protocols', App. H; issue 7).
+
+    sparsedecode eval ppl --model smollm2-135m --protocol chunked --chunks 16 --proj-keep 0.5
+    sparsedecode eval ppl -m smollm2-135m --protocol decode --windows 8 --length 4096 \\
+        --kv snapkv --kv-keep 0.3 --out runs/ppl/sel0.3.json
+    sparsedecode eval ppl -m llama-3.1-8b --protocol decode --length 32768 --thresholds t.st \\
+        --kv snapkv --kv-keep 0.2 --device cuda --json
+
+Dense runs first, then the configuration, over the same chunks or windows of the
+text's token stream (WikiText-2 test by default). The record (kind 'ppl_eval')
+holds the per-window NLLs of both, so any table or interval can be rebuilt from
+it. torch is imported inside the command.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sparsedecode.cli import app
+from sparsedecode.cli.common import JsonOpt, emit_json
+from sparsedecode.errors import InputError
+
+eval_app = typer.Typer(help="Quality: perplexity protocols with paired bootstrap intervals.",
+                       no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+
+@eval_app.command("ppl")
+def ppl(
+    model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")] = "smollm2-135m",
+    protocol: Annotated[str, typer.Option("--protocol", help="chunked (2,048-token chunks, last 1,024 scored) or decode (last --scored tokens of each window through the decode step).")] = "chunked",
+    chunks: Annotated[int, typer.Option("--chunks", help="chunked: chunks of 2,048 tokens from token 0 (ByteCross: 128).")] = 128,
+    windows: Annotated[int, typer.Option("--windows", help="decode: evenly spaced windows (ByteCross: 8).")] = 8,
+    length: Annotated[int, typer.Option("--length", help="decode: window length in tokens, at most the model window (ByteCross: 32768).")] = 4096,
+    scored: Annotated[int, typer.Option("--scored", help="decode: tokens per window scored one step at a time (ByteCross: 512).")] = 512,
+    thresholds: Annotated[str | None, typer.Option("--thresholds", help="Projection thresholds file (sparsedecode calibrate).")] = None,
+    proj_keep: Annotated[str | None, typer.Option("--proj-keep", help="Projection keep: uniform TEAL thresholds calibrated on WikiText-2 validation once and cached; 1 is dense.")] = None,
+    kv: Annotated[str | None, typer.Option("--kv", help="decode: KV branch after the prefill, snapkv or window.")] = None,
+    kv_keep: Annotated[str | None, typer.Option("--kv-keep", help="decode: fraction of the prefilled KV entries a step reads, in (0, 1]; needs --kv.")] = None,
+    obs: Annotated[int, typer.Option("--obs", help="decode: observation window of the KV selection (tokens).")] = 64,
+    text_file: Annotated[str | None, typer.Option("--text-file", help="Token stream: a text file, or a folder with wiki.test.raw (default: WikiText-2 beside the checkout).")] = None,
+    resamples: Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples of the windows.")] = 20000,
+    seed: Annotated[int, typer.Option("--seed", help="Bootstrap seed.")] = 0,
+    level: Annotated[float, typer.Option("--level", help="Interval level.")] = 0.95,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'ppl_eval'; never overwritten).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Aggregate perplexity of dense and of a configuration on the same windows, and ΔPPL with
+    its paired bootstrap interval."""
+    from sparsedecode.account.units import check_keep
+    from sparsedecode.engine.config import KVConfig, SparsityConfig
+    from sparsedecode.quality.data import wikitext_path
+    from sparsedecode.quality.perplexity import CHUNK, check_config
+
+    # Everything the user can get wrong fails here, before a model loads.
+    if out is not None and Path(out).exists():
+        raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
+    if thresholds is not None and proj_keep is not None:
+        raise InputError("give --thresholds FILE or --proj-keep K, not both")
+    if (kv is None) != (kv_keep is None):
+        raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.3)")
+    kv_config = None
+    if kv is not None:
+        from sparsedecode.kv.select import get_selector
+
+        get_selector(kv, window=obs)  # an unknown method or a bad window fails now
+        kv_config = KVConfig(kv, check_keep(kv_keep, "--kv-keep"), {"window": obs})
+    check_config(protocol, SparsityConfig(kv=kv_config))
+    keep = None if proj_keep is None else check_keep(proj_keep, "--proj-keep")
+    for value, what in ((chunks, "--chunks"), (windows, "--windows"), (resamples, "--resamples")):
+        if value < 1:
+            raise InputError(f"{what} must be at least 1, got {value}")
+    if not 0.0 < level < 1.0:
+        raise InputError(f"--level must lie in (0, 1), got {level}")
+    if protocol == "decode" and length <= scored:
+        raise InputError(f"--length {length} must exceed --scored {scored} (at least one token is prefilled)")
+    path = wikitext_path("test", text_file)
+    need = CHUNK if protocol == "chunked" else length
+
+    t0 = time.perf_counter()
+    eng = _load(model, need, protocol, device=device, dtype=dtype, quiet=json_out)
+    rec = _run(eng, path, protocol, thresholds, keep, kv_config, text_file, chunks=chunks,
+               windows=windows, length=length, scored=scored, resamples=resamples, seed=seed,
+               level=level, progress=not json_out)
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    if out is not None:
+        from sparsedecode.records import stamp, write_record
+
+        rec = stamp(rec)
+        write_record(out, rec)
+    if json_out:
+        emit_json(rec)
+        return
+    _show(rec, out)
+
+
+def _load(model: str, need: int, protocol: str, **kw):
+    """The engine with a cache of `need` tokens; a model whose window is shorter gets the
+    protocol's fix in the error."""
+    import sparsedecode
+
+    try:
+        return sparsedecode.load(model, max_len=need, **kw)
+    except InputError as e:
+        if "exceeds the model window" not in str(e) and "sliding-window" not in str(e):
+            raise
+        fix = ("use a shorter --length" if protocol == "decode"
+               else "its chunks of 2,048 tokens do not fit; use --protocol decode with a shorter --length")
+        raise InputError(f"the {protocol} protocol needs a cache of {need:,} tokens, more than "
+                         f"'{model}' attends: {str(e).split(';')[0]}; {fix}") from None
+
+
+def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks, windows, length,
+         scored, resamples, seed, level, progress) -> dict:
+    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.quality.bootstrap import paired_bootstrap
+    from sparsedecode.quality.data import text_ids
+    from sparsedecode.quality.perplexity import CHUNK, DENSE, evaluate, resolve_projection
+
+    ids = text_ids(eng.tokenizer, path)
+    projection = thresholds
+    if keep is not None and keep < 1.0:
+        from sparsedecode.projection.calibrate import cached_teal
+
+        # calibrate on validation text: a folder's wiki.valid.raw, never the evaluated file
+        folder = text_file if text_file is not None and Path(text_file).expanduser().is_dir() else None
+        projection = cached_teal(eng, keep, text_file=folder, progress=progress)
+    th = resolve_projection(eng, projection)
+    config = SparsityConfig(projection=th, kv=kv_config)
+    args = dict(chunks=chunks, windows=windows, length=length, scored=scored)
+    if progress:
+        typer.echo(f"dense: {eng.name}, {protocol} protocol, {path.name} ({len(ids):,} tokens)", err=True)
+    dense = evaluate(eng, ids, protocol, SparsityConfig(), progress=progress, **args)
+    same = config.mode == "dense"  # every branch off: the dense run is the configuration's
+    if progress and not same:
+        typer.echo(f"configuration: {config.mode}", err=True)
+    configured = dense if same else evaluate(eng, ids, protocol, config, progress=progress, **args)
+    bs = paired_bootstrap(dense.nll, configured.nll, dense.targets, resamples, seed, level)
+
+    cpu = eng.device.type == "cpu"
+    proj = None if th is None else {**th.header(), "source": str(thresholds) if thresholds else "cached_teal",
+                                    "runtime": "masked reference" if cpu or protocol == "chunked" else "sparse GEMV"}
+    kvd = None if kv_config is None else {"method": kv_config.method, "keep": kv_config.keep,
+                                          "params": dict(kv_config.params)}
+    shape = ({"chunks": chunks, "chunk": CHUNK, "dense_prefix": DENSE, "scored": CHUNK - DENSE}
+             if protocol == "chunked" else
+             {"windows": windows, "length": length, "scored": scored, "prefill": length - scored})
+    return {
+        "kind": "ppl_eval", "protocol": protocol, "protocol_params": shape,
+        "model": {"name": eng.name, "source": str(eng.source_path), "init": eng.init,
+                  "dims": eng.dims.to_dict()},
+        "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."),
+        "attention": eng.attention, "max_len": eng.max_len,
+        "text": {"file": str(path), "tokens": len(ids)},
+        "config": {"mode": config.mode, "projection": proj, "kv": kvd, "same_as_dense": same},
+        "dense": dense.to_dict(), "configured": configured.to_dict(),
+        "bootstrap": bs.to_dict(),
+    }
+
+
+def _show(rec: dict, out: str | None) -> None:
+    b = rec["bootstrap"]
+    pct = f"{b['level']:.0%}"
+    p = rec["protocol_params"]
+    unit = "chunks" if rec["protocol"] == "chunked" else "windows"
+    what = (f"{p['chunks']} chunks of {p['chunk']:,} tokens, last {p['scored']:,} scored"
+            if unit == "chunks" else
+            f"{p['windows']} windows of {p['length']:,} tokens, last {p['scored']:,} scored in decode steps")
+    targets = sum(rec["dense"]["targets"])
+    typer.echo(f"{rec['model']['name']}, {rec['protocol']} protocol: {what} ({targets:,} targets)")
+
+    def line(label: str, iv: dict, sign: str = "") -> str:
+        return f"{label:<14} {iv['point']:{sign}.4f}  {pct} [{iv['low']:{sign}.4f}, {iv['high']:{sign}.4f}]"
+
+    cfg = rec["config"]
+    parts = [cfg["mode"]]
+    if cfg["projection"]:
+        parts.append(f"projection {cfg['projection']['method']} keep {cfg['projection']['keep']:g}")
+    if cfg["kv"]:
+        parts.append(f"kv {cfg['kv']['method']} keep {cfg['kv']['keep']:g}")
+    label = ", ".join(parts)
+    typer.echo(line("dense PPL", b["dense"]))
+    typer.echo(line("config PPL", b["config"]) + f"  ({label})")
+    typer.echo(line("ΔPPL", b["delta"], "+"))
+    typer.echo(f"paired bootstrap: {b['resamples']:,} resamples of the {b['windows']} {unit}, seed {b['seed']}; "
+               f"{rec['seconds']:.0f} s")
+    if out is not None:
+        typer.echo(f"wrote {out}")
