@@ -24,7 +24,7 @@ from pathlib import Path
 
 from sparsedecode.account import ModelDims, known_model
 from sparsedecode.errors import InputError
-from sparsedecode.timing.paper import PaperCell, load_campaign
+from sparsedecode.timing.paper import PaperCell, check_runs, load_campaign
 
 KIND = "timing_cell"
 _NUM = (int, float)
@@ -176,11 +176,7 @@ def _typed(obj: dict, name: str, types: tuple[type, ...], path: Path, required: 
 
 def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtras]:
     v = {name: _typed(obj, name, types, path, True) for name, types in _REQUIRED.items()}
-    runs = v["tokens_per_sec_runs"]
-    if not runs or not all(isinstance(r, _NUM) and not isinstance(r, bool) and r > 0 for r in runs):
-        raise InputError(
-            f"{path}: field 'tokens_per_sec_runs' must be a non-empty list of positive numbers"
-        )
+    runs = check_runs(v["tokens_per_sec_runs"], path)
     for name in ("ms_per_token", "context"):
         if v[name] <= 0:
             raise InputError(f"{path}: field '{name}' must be positive, got {v[name]!r}")

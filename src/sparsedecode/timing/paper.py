@@ -87,6 +87,17 @@ def _optional(obj: dict, name: str, types: tuple[type, ...], path: Path):
     return value
 
 
+def check_runs(runs: list, path: Path) -> list:
+    """`runs` (a record's tokens_per_sec_runs) when it is a non-empty list of positive numbers."""
+    if not runs or not all(
+        isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in runs
+    ):
+        raise InputError(
+            f"{path}: field 'tokens_per_sec_runs' must be a non-empty list of positive numbers"
+        )
+    return runs
+
+
 def read_cell(path: str | Path, campaign: str | None = None) -> PaperCell:
     """Parse one timing record; InputError names the file and the bad field."""
     path = Path(path)
@@ -99,13 +110,7 @@ def read_cell(path: str | Path, campaign: str | None = None) -> PaperCell:
     if not isinstance(obj, dict):
         raise InputError(f"{path}: timing record is a {type(obj).__name__}, expected a JSON object")
     v = {name: _field(obj, name, types, path) for name, types in _REQUIRED.items()}
-    runs = v["tokens_per_sec_runs"]
-    if not runs or not all(
-        isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in runs
-    ):
-        raise InputError(
-            f"{path}: field 'tokens_per_sec_runs' must be a non-empty list of positive numbers"
-        )
+    runs = check_runs(v["tokens_per_sec_runs"], path)
     if v["ms_per_token"] <= 0 or v["context"] <= 0:
         raise InputError(f"{path}: fields 'ms_per_token' and 'context' must be positive")
     return PaperCell(
