@@ -35,3 +35,20 @@ def test_captured_decode_matches_forward(attention, dtype):
     err = (got - want).abs().max().item() / want.abs().max().item()
     assert err <= tol, f"{attention} {dtype}: max rel err {err:.2e}"
     assert eng._graph is not None  # the step really ran as a graph replay
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_fused_step_matches_forward_without_a_graph(dtype):
+    """sdpa_fused slices on the host: compiled with a dynamic length, never captured."""
+    eng = sparsedecode.load(dict(CFG), init="random", device="cuda", dtype=dtype,
+                            max_len=1100, attention="sdpa_fused")
+    assert eng.compile and not eng.cuda_graph
+    ids = torch.randint(0, 300, (1040,), generator=torch.Generator().manual_seed(0))
+    want = eng.forward_logits(ids).float()[1000:]  # (40, V)
+    eng.reset()
+    eng.prefill(ids[:1000])
+    got = torch.stack([eng.decode_step(int(t)).clone() for t in ids[1000:]])  # (40, V)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    assert err <= tol, f"sdpa_fused {dtype}: max rel err {err:.2e}"
+    assert eng._graph is None

@@ -200,12 +200,14 @@ def test_figures_are_pngs(crossing, tmp_path):
             for group, att, window_ms in (("attn_masked", "sdpa_masked", 2.0),
                                           ("attn_splitk", "split_k", 8.0)):
                 _write(crossing, group, "dense", n, b, 10.0 + (5.0 if att == "sdpa_masked" else 0.0),
-                       attention=att)
-                _write(crossing, group, "window30", n, b, window_ms, attention=att, byte_bound=1.4)
+                       attention=att, runtime="CUDA graph")
+                _write(crossing, group, "window30", n, b, window_ms, attention=att, byte_bound=1.4,
+                       runtime="CUDA graph")
     rep, md = write_report(crossing, tmp_path / "out")
     assert rep["attention_paths"] == [{"cells": ["dense", "window30"], "groups": [
-        {"group": "attn_masked", "attention": "sdpa_masked"},
-        {"group": "attn_splitk", "attention": "split_k"}]}]
+        {"group": "attn_masked", "attention": "sdpa_masked", "runtime": ["CUDA graph"]},
+        {"group": "attn_splitk", "attention": "split_k", "runtime": ["CUDA graph"]}]}]
+    assert "`attn_masked` (sdpa_masked, CUDA graph)" in md
     for name in figures.FIGURES:
         path = Path(rep["figures"][name]["path"])
         data = path.read_bytes()

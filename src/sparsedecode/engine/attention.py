@@ -19,7 +19,8 @@ Backends:
   (gpt-fast style): capturable, but reads all T entries whatever the valid
   length. A masked-but-read baseline, labelled as such.
 - sdpa_fused: unmasked PyTorch SDPA over the valid slice [start, end): reads
-  only valid entries but needs the bounds on the host (see `_fused`).
+  only valid entries but needs the bounds on the host (see `_fused`); compiled
+  with the length as a dynamic size, never inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -63,32 +64,34 @@ def _masked(q, k_cache, v_cache, end, start=0, scale=None):
     return out.reshape(B, Hq, D)  # (B, Hq, D)
 
 
-def _host_bounds(x, B: int) -> list[int]:
+def _host_bounds(x, B: int) -> list:
+    """Per-row bounds on the host: a tensor is read with `.tolist()` (a device sync); an int,
+    or the SymInt torch.compile traces for one, is kept as is (int() would specialize it)."""
     if isinstance(x, Tensor):
         vals = x.reshape(-1).tolist()
         return vals * B if len(vals) == 1 else vals
-    return [int(x)] * B
+    return [x] * B
 
 
 def _fused(q, k_cache, v_cache, end, start=0, scale=None):
     """Unmasked SDPA over the valid slice [start, end) of each row.
 
-    Slicing needs the bounds as host ints: tensor bounds are read with `.tolist()`,
-    a device sync, so this backend cannot be captured in a CUDA graph with a
-    tensor `end` (the shape of the slice changes every step). Rows with different
-    bounds are attended one at a time. Needs end > start.
+    Slicing needs the bounds on the host. Python-int bounds (the engine passes the
+    valid length as `host_len`) compile with torch.compile as a dynamic size, one graph
+    for every length; tensor bounds are read with `.tolist()`, a device sync. Either
+    way the slice changes shape every step, so no CUDA graph can hold this backend.
+    Rows with different bounds are attended one at a time. Needs 0 <= start < end <= T.
     """
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
     starts, ends = _host_bounds(start, B), _host_bounds(end, B)
     qg = q.view(B, Hkv, G, D)  # (B, Hkv, G, D)
-    if len(set(starts)) == 1 and len(set(ends)) == 1:
-        s, e = max(starts[0], 0), min(ends[0], T)
+    if B == 1 or (len(set(starts)) == 1 and len(set(ends)) == 1):
+        s, e = starts[0], ends[0]
         out = F.scaled_dot_product_attention(qg, k_cache[:, :, s:e], v_cache[:, :, s:e], scale=scale)
         return out.reshape(B, Hq, D)
     rows = [
         F.scaled_dot_product_attention(
-            qg[b : b + 1], k_cache[b : b + 1, :, max(s, 0) : min(e, T)],
-            v_cache[b : b + 1, :, max(s, 0) : min(e, T)], scale=scale,
+            qg[b : b + 1], k_cache[b : b + 1, :, s:e], v_cache[b : b + 1, :, s:e], scale=scale,
         )
         for b, (s, e) in enumerate(zip(starts, ends, strict=True))
     ]

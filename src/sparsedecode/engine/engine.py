@@ -8,7 +8,9 @@ torch.compile and then captured in a CUDA graph. Its inputs are two static
 device tensors, the token id and the position, updated in place before each
 replay, so nothing inside the step waits on the host; the host only reads
 the sampled token afterwards, to stream it and to stop at EOS. On CPU the
-same step runs eagerly.
+same step runs eagerly. The sdpa_fused path slices the cache on the host: its
+step also takes the valid length as a Python int, compiled as a dynamic size
+(one graph for every length), and runs without a CUDA graph, whose shapes are fixed.
 """
 
 from __future__ import annotations
@@ -72,11 +74,15 @@ class Engine:
         # "max-autotune-no-cudagraphs" (we capture the graph ourselves either way).
         self.compile_mode = compile if isinstance(compile, str) else None
         self.compile = (use_cuda if compile is None else bool(compile)) and compile is not False
-        self.cuda_graph = use_cuda and attention != "sdpa_fused"  # sdpa_fused slices on the host
+        self.host_len = attention == "sdpa_fused"  # the step slices on the host: pass the length
+        self.cuda_graph = use_cuda and not self.host_len
         self._step_fn = self._decode_forward
         if self.compile:
+            # dynamic=None: the host length is specialized on the first call and traced as a
+            # dynamic size from the second on; every tensor shape stays static.
             self._step_fn = torch.compile(
-                self._decode_forward, fullgraph=True, dynamic=False, mode=self.compile_mode
+                self._decode_forward, fullgraph=True, dynamic=None if self.host_len else False,
+                mode=self.compile_mode,
             )
         self._graph = None
         self._graph_out = None
@@ -86,8 +92,8 @@ class Engine:
         self.last_prefill: tuple[torch.Tensor | None, int] = (None, 0)  # (ids (L,), start)
 
     # -- the model calls ----------------------------------------------------
-    def _decode_forward(self) -> torch.Tensor:
-        return self.model(self._tok, self._pos, None)[0, -1].float()  # (V,)
+    def _decode_forward(self, host_len: int | None = None) -> torch.Tensor:
+        return self.model(self._tok, self._pos, None, host_len)[0, -1].float()  # (V,)
 
     def _check_len(self, n: int, what: str) -> None:
         window = self.args.max_position
@@ -163,7 +169,7 @@ class Engine:
     def decode_replay(self) -> torch.Tensor:
         """Run the decode step on the current static token and position (the timed unit)."""
         if not self.cuda_graph:
-            return self._step_fn()
+            return self._step_fn(self.pos + 1) if self.host_len else self._step_fn()
         if self._graph is None:
             self._capture()
         self._graph.replay()

@@ -138,7 +138,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSel
                     k, v = selector.gather(cache.k, cache.v, idx, check=False)  # (B, Hkv, budget, D)
                     k_buf[:, :, :budget].copy_(k)
                     v_buf[:, :, :budget].copy_(v)
-                    cache.read_compact(k_buf, v_buf, engine._kv_offset)
+                    cache.read_compact(k_buf, v_buf, engine._kv_offset, host_offset=n - budget)
             engine._kv_offset.fill_(n - budget)  # (1,): slot = position - offset
     sync()
     sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params))

@@ -40,8 +40,8 @@ split-K attention) runs the same policy on each:
 - sdpa_masked: one SDPA over all T allocated entries with the window as mask
   (gpt-fast style): capturable, but reads the whole cache.
 - sdpa_fused: unmasked SDPA over a torch.cat copy of each row's two slices:
-  needs the bounds on the host (a sync, not capturable) and copies the window,
-  a baseline labelled as such. Neither SDPA path returns an LSE.
+  needs the bounds on the host (the engine's `host_len`, or a sync on a tensor;
+  never in a CUDA graph) and copies the window, a baseline labelled as such. Neither SDPA path returns an LSE.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def window_bounds(end, sinks: int, recent: int):
     _check_sizes(sinks, recent)
     if isinstance(end, Tensor):
         return end.clamp_max(sinks), (end - recent).clamp_min(sinks)
-    end = int(end)
+    # no int(end): a SymInt from torch.compile stays symbolic (int() would specialize it)
     return min(sinks, end), max(sinks, end - recent)
 
 
@@ -114,8 +114,7 @@ def _gathered(q, k_cache, v_cache, end, sinks, recent, scale):
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
     qg = q.view(B, Hkv, G, D)  # (B, Hkv, G, D)
     rows = []
-    for b, e in enumerate(_host_bounds(end, B)):  # .tolist(): a device sync
-        e = min(e, T)
+    for b, e in enumerate(_host_bounds(end, B)):  # a tensor: .tolist(), a device sync
         sink_end, recent_start = window_bounds(e, sinks, recent)
         k = torch.cat([k_cache[b : b + 1, :, :sink_end], k_cache[b : b + 1, :, recent_start:e]], 2)
         v = torch.cat([v_cache[b : b + 1, :, :sink_end], v_cache[b : b + 1, :, recent_start:e]], 2)

@@ -10,7 +10,9 @@ tensor, and two paths through each attention layer:
 - decode (`start is None`): one token per sequence at the position held in a
   device tensor; attention reads cache entries [0, pos+1) through the named
   backend of `engine.attention`, so the step has no host sync and no Python
-  branch on tensor values and can be captured in a CUDA graph.
+  branch on tensor values and can be captured in a CUDA graph. A backend that
+  slices on the host (sdpa_fused) gets the valid length as `host_len`, a Python
+  int that torch.compile traces as a dynamic size.
 
 Module and parameter names follow Hugging Face's (`layers.N.self_attn.q_proj`
 ...), so a HF state dict loads after dropping its leading 'model.'. The seven
@@ -58,6 +60,7 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.compact = None  # (k, v, offset) of the selected entries, see read_compact
+        self.host_offset = 0  # the offset as a host int, for backends that slice on the host
         self.window = None  # (sinks, recent), see read_window
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -66,11 +69,14 @@ class KVCache(nn.Module):
         self.v.index_copy_(2, pos, v)
 
     def read_compact(self, k: torch.Tensor | None, v: torch.Tensor | None = None,
-                     offset: torch.Tensor | None = None) -> None:
+                     offset: torch.Tensor | None = None, host_offset: int = 0) -> None:
         """Decode reads this contiguous buffer of selected entries (B, Hkv, budget + new, D)
         instead of the cache; the token at position p goes to slot p - offset (ByteCross
-        App. A: entries gathered once, each step appends its own). None: read the cache."""
+        App. A: entries gathered once, each step appends its own). `offset` is a (1,) device
+        tensor updated in place by the caller, `host_offset` its value on the host. None:
+        read the cache."""
         self.compact = None if k is None else (k, v, offset)
+        self.host_offset = int(host_offset)
         self.window = None
 
     def read_window(self, sinks: int | None, recent: int = 0) -> None:
@@ -98,8 +104,8 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
         self.backend = "split_k"
 
-    def forward(self, x, cos, sin, pos, start: int | None):
-        """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start: see module doc."""
+    def forward(self, x, cos, sin, pos, start: int | None, host_len: int | None = None):
+        """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start, host_len: see module doc."""
         B, L, _ = x.shape
         if self.qkv is not None and B * L == 1:
             q, k, v = self.qkv(x)  # one launch for the three sites
@@ -117,26 +123,29 @@ class Attention(nn.Module):
         if self.observe is not None:  # queries of an observation window, for KV scoring
             self.observe.append(q)
         if start is None:
-            y = self._decode_attention(q[:, :, 0], k, v, pos)  # (B, Hq, D)
+            y = self._decode_attention(q[:, :, 0], k, v, pos, host_len)  # (B, Hq, D)
             y = y.reshape(B, 1, self.n_heads * self.head_dim)
         else:
             y = self._prefill_attention(q, start, L).transpose(1, 2)  # (B, L, Hq, D)
             y = y.reshape(B, L, self.n_heads * self.head_dim)
         return self.o_proj(y)
 
-    def _decode_attention(self, q, k, v, pos):
+    def _decode_attention(self, q, k, v, pos, host_len=None):
         """One query per sequence (B, Hq, D) over the cache, the compact buffer of selected
-        entries (the new k, v (B, Hkv, 1, D) appended at slot pos - offset) or the window."""
+        entries (the new k, v (B, Hkv, 1, D) appended at slot pos - offset) or the window.
+        The valid length is pos + 1 on the device, or `host_len` where it is given."""
         cache = self.cache
+        end = pos + 1 if host_len is None else host_len
         if cache.compact is not None:
             ck, cv, offset = cache.compact
             slot = pos - offset  # (1,)
             ck.index_copy_(2, slot, k)
             cv.index_copy_(2, slot, v)
-            return decode_attention(q, ck, cv, slot + 1, backend=self.backend)
+            end = slot + 1 if host_len is None else host_len - cache.host_offset
+            return decode_attention(q, ck, cv, end, backend=self.backend)
         if cache.window is not None:
-            return window_attention(q, cache.k, cache.v, pos + 1, *cache.window, backend=self.backend)
-        return decode_attention(q, cache.k, cache.v, pos + 1, backend=self.backend)
+            return window_attention(q, cache.k, cache.v, end, *cache.window, backend=self.backend)
+        return decode_attention(q, cache.k, cache.v, end, backend=self.backend)
 
     def _prefill_attention(self, q, start: int, L: int):
         """SDPA of a chunk's queries (B, Hq, L, D) over cache entries [0, start+L)."""
@@ -177,8 +186,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x, cos, sin, pos, start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start)
+    def forward(self, x, cos, sin, pos, start, host_len=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start, host_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -211,16 +220,18 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.max_len = max_len
 
-    def forward(self, idx: torch.Tensor, pos: torch.Tensor, start: int | None = None):
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor, start: int | None = None,
+                host_len: int | None = None):
         """Logits (B, L, vocab) in the model dtype for tokens idx (B, L) at positions pos (L,).
 
         `start` (host int) selects the prefill path and must equal pos[0]; None is
-        the decode path (L == 1, position only on the device).
+        the decode path (L == 1, position only on the device). `host_len`, decode only,
+        is the valid length pos + 1 as a host int, for backends that slice on the host.
         """
         x = self.embed_tokens(idx)  # (B, L, dim)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (L, D)
         for layer in self.layers:
-            x = layer(x, cos, sin, pos, start)
+            x = layer(x, cos, sin, pos, start, host_len)
         return self.lm_head(self.norm(x))  # (B, L, vocab)
 
     def column_major_(self) -> None:

@@ -341,10 +341,12 @@ def _group(cc: CampaignCells, group: str, peak: float | None) -> dict:
     keys = sorted({(c.context, c.mode != "dense", c.cell) for c in cells})
     rows = [_row(cc, group, cell, n, peak) for n, _, cell in keys]
     attention = sorted({a for c in cells if (a := cc.extra(c).attention)})
+    runtime = sorted({r for c in cells if (r := cc.extra(c).runtime)})
     sources = {s for r in rows for s in r["bytes_source"]}
     return {
         "name": group,
         "attention": attention[0] if len(attention) == 1 else (attention or None),
+        "runtime": runtime,
         "has_dense": any(c.mode == "dense" for c in cells),
         "rows": rows,
         "bytes_note": _bytes_note(cc, sources),
@@ -364,7 +366,8 @@ def _attention_clusters(groups: list[dict]) -> list[dict]:
     for sig, gs in by_sig.items():
         if len({g["attention"] for g in gs}) > 1:
             out.append({"cells": sorted({c for c, _ in sig}),
-                        "groups": [{"group": g["name"], "attention": g["attention"]} for g in gs]})
+                        "groups": [{"group": g["name"], "attention": g["attention"],
+                                    "runtime": g["runtime"]} for g in gs]})
     return out
 
 
@@ -420,7 +423,8 @@ def _interval(e: dict | None, fmt: str, scale: float = 1.0, unit: str = "") -> s
 
 
 def _group_md(g: dict) -> list[str]:
-    att = f" (attention {g['attention']})" if g["attention"] else ""
+    att = f" (attention {g['attention']}" + (f", {'/'.join(g['runtime'])}" if g.get("runtime") else "") + ")" \
+        if g["attention"] else ""
     out = [f"## Group `{g['name']}`{att}", "",
            "| context | cell | mode | blocks | ms/token | speedup [95%] | byte bound | % of bound "
            "| kernel cost ms | GB/s | % of peak |",
@@ -506,7 +510,8 @@ def render_markdown(rep: dict) -> str:
         out += ["## Attention paths (§4.4, Figure 5)", ""]
         for cl in rep["attention_paths"]:
             out.append(f"- cells {', '.join(cl['cells'])}: " + ", ".join(
-                f"`{x['group']}` ({x['attention']})" for x in cl["groups"]))
+                f"`{x['group']}` ({x['attention']}" + (f", {'/'.join(x['runtime'])}" if x["runtime"] else "")
+                + ")" for x in cl["groups"]))
         out.append("")
     out += ["## Failed cells", ""]
     if rep["failed"]:

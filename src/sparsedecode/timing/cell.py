@@ -16,7 +16,8 @@ The protocol of App. A, for one (model, context n, mode, attention path):
    (`Engine.select_kv`, SnapKV or the sink + recent window) for the generated
    tokens;
 4. capture the decode step (the first replay compiles and captures on CUDA;
-   sdpa_fused, which reads its slice bounds on the host, runs eagerly),
+   sdpa_fused, which slices the cache with host bounds, is compiled with the
+   length as a dynamic size and runs without a CUDA graph: `runtime: compiled`),
    run the warm-up steps, then R repeats of S steps decoding on from token n of
    the same stream, each repeat timed with CUDA events (perf_counter on CPU).
 
@@ -251,9 +252,9 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     cuda = dev.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
 
-    # sdpa_fused slices the cache with bounds read on the host, which neither a CUDA graph nor
-    # torch.compile(fullgraph=True) can hold: it runs eagerly, and the record says so.
-    compile_ = (spec.compile_mode or True) if cuda and spec.attention != "sdpa_fused" else False
+    # sdpa_fused slices the cache with host bounds: compiled with a dynamic length, but no CUDA
+    # graph can hold a slice whose shape changes every step (the record's runtime says so).
+    compile_ = (spec.compile_mode or True) if cuda else False
     t = time.perf_counter()
     eng = sparsedecode.load(spec.model, device=dev, dtype=spec.dtype, init=spec.init, max_len=n + generated,
                             attention=spec.attention, compile=compile_, seed=spec.seed, quiet=True)
@@ -292,6 +293,12 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     eng._tok.fill_(ids[n])
     t = time.perf_counter()
     eng.decode_replay()  # the first call compiles and captures; it rewrites slot n, as step 1 does
+    if eng.host_len and eng.compile:  # a second length compiles the dynamic-length graph
+        eng.pos = n + 1
+        eng._pos.fill_(n + 1)
+        eng.decode_replay()  # rewrites slot n + 1, as step 2 does before reading it
+        eng.pos = n
+        eng._pos.fill_(n)
     sync()
     one_time["capture_s"] = time.perf_counter() - t
     step_ms = _time_steps(eng, ids[n:], spec, cuda)

@@ -51,6 +51,7 @@ _EXTRAS: dict[str, tuple[type, ...]] = {
     "achieved_gbps": _NUM,
     "bytes_per_step": _NUM,
     "attention": (str,),
+    "runtime": (str,),
     "label": (str,),
     "one_time": (dict,),
     "realized_projection_keep": _NUM,
@@ -76,6 +77,7 @@ class CellExtras:
     achieved_gbps: float | None = None
     bytes_per_step: float | None = None
     attention: str | None = None
+    runtime: str | None = None  # "CUDA graph", "compiled" or "eager"
     label: str | None = None
     one_time: dict = field(default_factory=dict)
     realized_projection_keep: float | None = None
@@ -204,6 +206,7 @@ def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtra
         achieved_gbps=floats("achieved_gbps"),
         bytes_per_step=floats("bytes_per_step"),
         attention=x["attention"],
+        runtime=x["runtime"],
         label=x["label"],
         one_time=dict(x["one_time"] or {}),
         realized_projection_keep=floats("realized_projection_keep"),
