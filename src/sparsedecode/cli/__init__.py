@@ -28,6 +28,8 @@ from sparsedecode.cli import bench as _bench  # noqa: E402,F401
 from sparsedecode.cli import calibrate as _calibrate  # noqa: E402,F401
 from sparsedecode.cli import engine as _engine  # noqa: E402,F401
 from sparsedecode.cli import eval as _eval  # noqa: E402,F401
+from sparsedecode.cli import eval_grid as _eval_grid  # noqa: E402,F401
+from sparsedecode.cli import eval_retrieval as _eval_retrieval  # noqa: E402,F401
 from sparsedecode.cli import report as _report  # noqa: E402,F401
 
 
