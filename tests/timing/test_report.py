@@ -204,10 +204,16 @@ def test_figures_are_pngs(crossing, tmp_path):
                 _write(crossing, group, "window30", n, b, window_ms, attention=att, byte_bound=1.4,
                        runtime="CUDA graph")
     rep, md = write_report(crossing, tmp_path / "out")
-    assert rep["attention_paths"] == [{"cells": ["dense", "window30"], "groups": [
+    assert [{k: v for k, v in cl.items() if k != "against_dense"} for cl in rep["attention_paths"]] == [
+        {"cells": ["dense", "window30"], "groups": [
         {"group": "attn_masked", "attention": "sdpa_masked", "runtime": ["CUDA graph"]},
         {"group": "attn_splitk", "attention": "split_k", "runtime": ["CUDA graph"]}]}]
     assert "`attn_masked` (sdpa_masked, CUDA graph)" in md
+    # the split-K window (8 ms) priced against each path's dense cell: 15 ms masked, 10 ms split-K
+    got = {(a["context"], a["dense_attention"]): a["speedup"]["value"]
+           for a in rep["attention_paths"][0]["against_dense"]}
+    assert got == {(n, att): pytest.approx(v) for n in (4096, 8192)
+                   for att, v in (("sdpa_masked", 15 / 8), ("split_k", 10 / 8))}
     for name in figures.FIGURES:
         path = Path(rep["figures"][name]["path"])
         data = path.read_bytes()
