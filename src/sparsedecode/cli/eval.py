@@ -30,34 +30,50 @@ eval_app = typer.Typer(help="Quality: perplexity protocols with paired bootstrap
 app.add_typer(eval_app, name="eval")
 
 
+# Options every perplexity command shares (`eval ppl`, `eval grid`), declared once; each
+# command sets its defaults (the same ones, checked by tests/quality/test_grid.py).
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")]
+ProtocolOpt = Annotated[str, typer.Option("--protocol", help="chunked (2,048-token chunks, last 1,024 scored) or decode (last --scored tokens of each window through the decode step).")]
+ChunksOpt = Annotated[int, typer.Option("--chunks", help="chunked: chunks of 2,048 tokens from token 0 (ByteCross: 128).")]
+WindowsOpt = Annotated[int, typer.Option("--windows", help="decode: evenly spaced windows (ByteCross: 8).")]
+LengthOpt = Annotated[int, typer.Option("--length", help="decode: window length in tokens, at most the model window (ByteCross: 32768).")]
+ScoredOpt = Annotated[int, typer.Option("--scored", help="decode: tokens per window scored one step at a time (ByteCross: 512).")]
+ObsOpt = Annotated[int, typer.Option("--obs", help="decode: observation window of the KV selection (tokens).")]
+TextFileOpt = Annotated[str | None, typer.Option("--text-file", help="Token stream: a text file, or a folder with wiki.test.raw (default: WikiText-2 beside the checkout).")]
+ResamplesOpt = Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples of the windows.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Bootstrap seed.")]
+LevelOpt = Annotated[float, typer.Option("--level", help="Interval level.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
+
+
 @eval_app.command("ppl")
 def ppl(
-    model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")] = "smollm2-135m",
-    protocol: Annotated[str, typer.Option("--protocol", help="chunked (2,048-token chunks, last 1,024 scored) or decode (last --scored tokens of each window through the decode step).")] = "chunked",
-    chunks: Annotated[int, typer.Option("--chunks", help="chunked: chunks of 2,048 tokens from token 0 (ByteCross: 128).")] = 128,
-    windows: Annotated[int, typer.Option("--windows", help="decode: evenly spaced windows (ByteCross: 8).")] = 8,
-    length: Annotated[int, typer.Option("--length", help="decode: window length in tokens, at most the model window (ByteCross: 32768).")] = 4096,
-    scored: Annotated[int, typer.Option("--scored", help="decode: tokens per window scored one step at a time (ByteCross: 512).")] = 512,
+    model: ModelOpt = "smollm2-135m",
+    protocol: ProtocolOpt = "chunked",
+    chunks: ChunksOpt = 128,
+    windows: WindowsOpt = 8,
+    length: LengthOpt = 4096,
+    scored: ScoredOpt = 512,
     thresholds: Annotated[str | None, typer.Option("--thresholds", help="Projection thresholds file (sparsedecode calibrate).")] = None,
     proj_keep: Annotated[str | None, typer.Option("--proj-keep", help="Projection keep: uniform TEAL thresholds calibrated on WikiText-2 validation once and cached; 1 is dense.")] = None,
     kv: Annotated[str | None, typer.Option("--kv", help="decode: KV branch after the prefill, snapkv or window.")] = None,
     kv_keep: Annotated[str | None, typer.Option("--kv-keep", help="decode: fraction of the prefilled KV entries a step reads, in (0, 1]; needs --kv.")] = None,
-    obs: Annotated[int, typer.Option("--obs", help="decode: observation window of the KV selection (tokens).")] = 64,
-    text_file: Annotated[str | None, typer.Option("--text-file", help="Token stream: a text file, or a folder with wiki.test.raw (default: WikiText-2 beside the checkout).")] = None,
-    resamples: Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples of the windows.")] = 20000,
-    seed: Annotated[int, typer.Option("--seed", help="Bootstrap seed.")] = 0,
-    level: Annotated[float, typer.Option("--level", help="Interval level.")] = 0.95,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    obs: ObsOpt = 64,
+    text_file: TextFileOpt = None,
+    resamples: ResamplesOpt = 20000,
+    seed: SeedOpt = 0,
+    level: LevelOpt = 0.95,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'ppl_eval'; never overwritten).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Aggregate perplexity of dense and of a configuration on the same windows, and ΔPPL with
     its paired bootstrap interval."""
     from sparsedecode.account.units import check_keep
-    from sparsedecode.engine.config import KVConfig, SparsityConfig
     from sparsedecode.quality.data import wikitext_path
-    from sparsedecode.quality.perplexity import CHUNK, check_config
+    from sparsedecode.quality.perplexity import CHUNK
 
     # Everything the user can get wrong fails here, before a model loads.
     if out is not None and Path(out).exists():
@@ -66,21 +82,10 @@ def ppl(
         raise InputError("give --thresholds FILE or --proj-keep K, not both")
     if (kv is None) != (kv_keep is None):
         raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.3)")
-    kv_config = None
-    if kv is not None:
-        from sparsedecode.kv.select import get_selector
-
-        get_selector(kv, window=obs)  # an unknown method or a bad window fails now
-        kv_config = KVConfig(kv, check_keep(kv_keep, "--kv-keep"), {"window": obs})
-    check_config(protocol, SparsityConfig(kv=kv_config))
+    kv_config = None if kv is None else _kv_config(kv, check_keep(kv_keep, "--kv-keep"), obs)
+    _check_run(protocol, kv_config, chunks=chunks, windows=windows, length=length, scored=scored,
+               resamples=resamples, level=level)
     keep = None if proj_keep is None else check_keep(proj_keep, "--proj-keep")
-    for value, what in ((chunks, "--chunks"), (windows, "--windows"), (resamples, "--resamples")):
-        if value < 1:
-            raise InputError(f"{what} must be at least 1, got {value}")
-    if not 0.0 < level < 1.0:
-        raise InputError(f"--level must lie in (0, 1), got {level}")
-    if protocol == "decode" and length <= scored:
-        raise InputError(f"--length {length} must exceed --scored {scored} (at least one token is prefilled)")
     path = wikitext_path("test", text_file)
     need = CHUNK if protocol == "chunked" else length
 
@@ -101,6 +106,32 @@ def ppl(
     _show(rec, out)
 
 
+def _kv_config(method: str, keep: float, obs: int):
+    """The `KVConfig` of a KV method at `keep` with observation window `obs`; an unknown method
+    or a bad window fails now."""
+    from sparsedecode.engine.config import KVConfig
+    from sparsedecode.kv.select import get_selector
+
+    get_selector(method, window=obs)
+    return KVConfig(method, keep, {"window": obs})
+
+
+def _check_run(protocol: str, kv_config, *, chunks: int, windows: int, length: int, scored: int,
+               resamples: int, level: float) -> None:
+    """Refuse protocol and bootstrap options that cannot run, before a model loads."""
+    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.quality.perplexity import check_config
+
+    check_config(protocol, SparsityConfig(kv=kv_config))
+    for value, what in ((chunks, "--chunks"), (windows, "--windows"), (resamples, "--resamples")):
+        if value < 1:
+            raise InputError(f"{what} must be at least 1, got {value}")
+    if not 0.0 < level < 1.0:
+        raise InputError(f"--level must lie in (0, 1), got {level}")
+    if protocol == "decode" and length <= scored:
+        raise InputError(f"--length {length} must exceed --scored {scored} (at least one token is prefilled)")
+
+
 def _load(model: str, need: int, protocol: str, **kw):
     """The engine with a cache of `need` tokens; a model whose window is shorter gets the
     protocol's fix in the error."""
@@ -118,7 +149,9 @@ def _load(model: str, need: int, protocol: str, **kw):
 
 
 def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks, windows, length,
-         scored, resamples, seed, level, progress) -> dict:
+         scored, resamples, seed, level, progress, dense=None) -> dict:
+    """The 'ppl_eval' record of one configuration beside dense. `dense`, a `WindowNLL` of the
+    same text, protocol and windows, is reused instead of run again (`eval grid` shares one)."""
     from sparsedecode.engine.config import SparsityConfig
     from sparsedecode.quality.bootstrap import paired_bootstrap
     from sparsedecode.quality.data import text_ids
@@ -135,9 +168,10 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
     th = resolve_projection(eng, projection)
     config = SparsityConfig(projection=th, kv=kv_config)
     args = dict(chunks=chunks, windows=windows, length=length, scored=scored)
-    if progress:
-        typer.echo(f"dense: {eng.name}, {protocol} protocol, {path.name} ({len(ids):,} tokens)", err=True)
-    dense = evaluate(eng, ids, protocol, SparsityConfig(), progress=progress, **args)
+    if dense is None:
+        if progress:
+            typer.echo(f"dense: {eng.name}, {protocol} protocol, {path.name} ({len(ids):,} tokens)", err=True)
+        dense = evaluate(eng, ids, protocol, SparsityConfig(), progress=progress, **args)
     same = config.mode == "dense"  # every branch off: the dense run is the configuration's
     if progress and not same:
         typer.echo(f"configuration: {config.mode}", err=True)

@@ -1,5 +1,220 @@
-"""Placeholder: commands of `sparsedecode eval` (issue 7), filled in by their own change."""
+"""`sparsedecode eval passkey | multikey | two-turn`: retrieval placements decoded dense and
+under a configuration from the same dense prefill (ByteCross App. A 'Retrieval tests',
+App. G; issue 7 item 3; the protocol is in `quality.retrieval`).
+
+    sparsedecode eval passkey -m smollm2-135m --context 2048 --kv snapkv --kv-keep 0.3
+    sparsedecode eval multikey -m qwen2.5-coder-0.5b --context 4096 --kv window --kv-keep 0.3 \\
+        --out runs/retrieval/multikey_window0.3.json
+    sparsedecode eval two-turn -m qwen2.5-coder-0.5b --context 4096 --kv snapkv --kv-keep 0.2 \\
+        --variant rescored --json
+
+The record (kind 'retrieval_eval') holds every placement's dense and configured output and
+verdict, so admission (a configuration answers what dense answers) can be decided from it
+alone. The engine is loaded without torch.compile: each placement decodes 8 tokens per mode
+and switches the projection modules, which would recompile every time. torch is imported
+inside the commands.
+"""
 
 from __future__ import annotations
 
-from sparsedecode.cli.eval import eval_app  # noqa: F401  (commands register on it)
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sparsedecode.cli.common import JsonOpt, emit_json, parse_float
+from sparsedecode.cli.eval import DeviceOpt, DtypeOpt, ModelOpt, eval_app
+from sparsedecode.errors import InputError
+
+ThresholdsOpt = Annotated[str | None, typer.Option("--thresholds", help="Projection thresholds file (sparsedecode calibrate).")]
+ProjKeepOpt = Annotated[str | None, typer.Option("--proj-keep", help="Projection keep: uniform TEAL thresholds calibrated on WikiText-2 validation once and cached; 1 is dense.")]
+KvOpt = Annotated[str | None, typer.Option("--kv", help="KV branch after the prefill: snapkv or window.")]
+KvKeepOpt = Annotated[str | None, typer.Option("--kv-keep", help="Fraction of the prompt's KV entries a step reads, in (0, 1]; needs --kv.")]
+ObsOpt = Annotated[int, typer.Option("--obs", help="Observation window of the KV selection (tokens).")]
+ContextOpt = Annotated[int, typer.Option("--context", help="Prompt length in tokens, template and question included.")]
+DepthsOpt = Annotated[str, typer.Option("--depths", help="Relative depths of the queried needle, comma-separated, in [0, 1].")]
+TrialsOpt = Annotated[int, typer.Option("--trials", help="Placements per depth (ByteCross: 8).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the codes, archives and placements.")]
+NewOpt = Annotated[int, typer.Option("--new", help="Tokens decoded greedily per answer.")]
+TextOpt = Annotated[str | None, typer.Option("--text-file", help="Text hiding the codes: a file, or a folder with wiki.test.raw (default: WikiText-2 beside the checkout). passkey: replaces the repeated filler.")]
+OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'retrieval_eval'; never overwritten).")]
+VariantOpt = Annotated[str | None, typer.Option("--variant", help="kept (default): select once after the first question and append the rest; rescored: score the whole cache again after the second question. Needs --kv.")]
+
+MODEL = "smollm2-135m"
+DEPTHS = "0.05,0.25,0.5,0.75,0.95"
+
+
+@eval_app.command("passkey")
+def passkey(
+    model: ModelOpt = MODEL, thresholds: ThresholdsOpt = None, proj_keep: ProjKeepOpt = None,
+    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, context: ContextOpt = 2048,
+    depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
+    text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
+    out: OutOpt = None, json_out: JsonOpt = False,
+) -> None:
+    """A six-digit pass key in filler text at each depth: does the configuration answer
+    what dense decoding answers?"""
+    _command("passkey", **locals())
+
+
+@eval_app.command("multikey")
+def multikey(
+    model: ModelOpt = MODEL, thresholds: ThresholdsOpt = None, proj_keep: ProjKeepOpt = None,
+    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, context: ContextOpt = 2048,
+    depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
+    text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
+    out: OutOpt = None, json_out: JsonOpt = False,
+) -> None:
+    """Four archives' codes in WikiText-2 text, one asked for at each depth: correct,
+    distractor (another archive's code) or miss."""
+    _command("multikey", **locals())
+
+
+@eval_app.command("two-turn")
+def two_turn(
+    model: ModelOpt = MODEL, thresholds: ThresholdsOpt = None, proj_keep: ProjKeepOpt = None,
+    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, context: ContextOpt = 2048,
+    depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
+    text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
+    out: OutOpt = None, json_out: JsonOpt = False, variant: VariantOpt = None,
+) -> None:
+    """Multi-key with a second question (App. G): the first answer is given, the second
+    question asks for another archive at each depth."""
+    _command("two_turn", **locals())
+
+
+def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, context, depths, trials,
+             seed, new, text_file, device, dtype, out, json_out, variant=None) -> None:
+    from sparsedecode.account.units import check_keep
+    from sparsedecode.engine.config import KVConfig
+    from sparsedecode.quality.retrieval import check_counts, check_depths, check_variant
+
+    # Everything the user can get wrong fails here, before a model loads.
+    if out is not None and Path(out).exists():
+        raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
+    if thresholds is not None and proj_keep is not None:
+        raise InputError("give --thresholds FILE or --proj-keep K, not both")
+    if thresholds is not None and not Path(thresholds).expanduser().is_file():
+        raise InputError(f"no thresholds file at {thresholds}; make one with sparsedecode calibrate "
+                         "or use --proj-keep K")
+    if (kv is None) != (kv_keep is None):
+        raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.3)")
+    keep = None if proj_keep is None else check_keep(proj_keep, "--proj-keep")
+    depth_list = check_depths([parse_float(d, "depth") for d in depths.split(",") if d.strip()])
+    check_counts(context, trials, new)
+    check_variant(variant)
+    if variant is not None and kv is None:
+        raise InputError(f"--variant {variant} says how the KV selection meets the second turn: "
+                         "give --kv METHOD --kv-keep K too")
+    kv_config = None
+    if kv is not None:
+        from sparsedecode.kv.select import get_selector
+
+        kv_config = KVConfig(kv, check_keep(kv_keep, "--kv-keep"), {"window": obs})
+        # an unknown method, a bad window, or a budget without room for sinks + window fails now
+        # (two-turn kept: again once its prompts are built, at the end of the first question)
+        get_selector(kv, window=obs).budget(context, kv_config.keep, new)
+    _check_window(model, context + new)
+    path = None
+    if test != "passkey" or text_file is not None:
+        from sparsedecode.quality.data import wikitext_path
+
+        path = wikitext_path("test", text_file)
+
+    t0 = time.perf_counter()
+    eng = _load(model, context + new, device=device, dtype=dtype, quiet=json_out)
+    rec = _run(eng, test, path, thresholds, keep, kv_config, text_file, context=context,
+               depths=depth_list, trials=trials, seed=seed, new=new, variant=variant,
+               progress=not json_out)
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    if out is not None:
+        from sparsedecode.records import stamp, write_record
+
+        rec = stamp(rec)
+        write_record(out, rec)
+    if json_out:
+        emit_json({**rec, "correct": rec["configured"]["correct"], "total": rec["configured"]["total"]})
+        return
+    _show(rec, out)
+
+
+def _check_window(model: str, need: int) -> None:
+    """A known model's window, checked before it loads (others: by the loader)."""
+    from sparsedecode.account.known import KNOWN_MODELS
+
+    km = KNOWN_MODELS.get(str(model).lower())
+    window = None if km is None else km.config.get("max_position_embeddings")
+    if window is not None and need > window:
+        raise InputError(f"--context plus --new is {need:,} tokens, more than the {window:,} that "
+                         f"'{model}' attends: use a shorter --context")
+
+
+def _load(model: str, need: int, **kw):
+    import sparsedecode
+
+    try:
+        return sparsedecode.load(model, max_len=need, compile=False, **kw)
+    except InputError as e:
+        if "exceeds the model window" not in str(e) and "sliding-window" not in str(e):
+            raise
+        raise InputError(f"--context plus --new is {need:,} tokens, more than '{model}' attends: "
+                         f"{str(e).split(';')[0]}; use a shorter --context") from None
+
+
+def _run(eng, test, path, thresholds, keep, kv_config, text_file, **kw) -> dict:
+    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.quality.retrieval import evaluate_retrieval
+
+    projection = thresholds
+    if keep is not None and keep < 1.0:
+        from sparsedecode.projection.calibrate import cached_teal
+
+        # calibrate on validation text: a folder's wiki.valid.raw, never the evaluated file
+        folder = text_file if text_file is not None and Path(text_file).expanduser().is_dir() else None
+        projection = cached_teal(eng, keep, text_file=folder, progress=kw["progress"])
+    if kw["progress"]:
+        where = "filler" if path is None else f"{path.name}"
+        typer.echo(f"{test.replace('_', '-')}: {eng.name}, {kw['context']:,} tokens of {where}, "
+                   f"{len(kw['depths'])} depths x {kw['trials']} trials", err=True)
+    rec = evaluate_retrieval(eng, test, SparsityConfig(projection=projection, kv=kv_config),
+                             text_path=path, **kw)
+    if rec["config"]["projection"] is not None and thresholds is not None:
+        rec["config"]["projection"]["source"] = str(thresholds)
+    return rec
+
+
+def _label(cfg: dict) -> str:
+    parts = [cfg["mode"]]
+    if cfg["projection"]:
+        parts.append(f"projection {cfg['projection']['method']} keep {cfg['projection']['keep']:g}")
+    if cfg["kv"]:
+        parts.append(f"kv {cfg['kv']['method']} keep {cfg['kv']['keep']:g}")
+    if cfg["variant"]:
+        parts.append(cfg["variant"])
+    return ", ".join(parts)
+
+
+def _show(rec: dict, out: str | None) -> None:
+    test = rec["test"].replace("_", "-")
+    typer.echo(f"{rec['model']['name']}, {test}: {rec['context']:,}-token prompts"
+               f"{'' if rec['chat_template'] else ' (no chat template: plain text)'}, "
+               f"{rec['trials']} trials per depth, {rec['new']} new tokens")
+    typer.echo(f"configuration: {_label(rec['config'])}")
+    window = rec["config"]["kv"] is not None and rec["config"]["kv"]["method"] == "window"
+    typer.echo(f"{'depth':>6}  {'dense':>6}  {'config':>6}  {'distr.':>6}" + ("  in window" if window else ""))
+    for d in rec["depths"]:
+        rows = [p for p in rec["placements"] if p["depth"] == d]
+        dense = sum(p["dense"]["verdict"] == "correct" for p in rows)
+        conf = sum(p["configured"]["verdict"] == "correct" for p in rows)
+        distr = sum(p["configured"]["verdict"] == "distractor" for p in rows)
+        line = f"{d:>6g}  {dense:>3}/{len(rows):<2}  {conf:>3}/{len(rows):<2}  {distr:>6}"
+        if window:
+            line += f"  {sum(bool(p['configured']['in_window']) for p in rows):>3}/{len(rows)}"
+        typer.echo(line)
+    d, c = rec["dense"], rec["configured"]
+    typer.echo(f"{'all':>6}  {d['correct']:>3}/{d['total']:<2}  {c['correct']:>3}/{c['total']:<2}  "
+               f"{c['distractor']:>6}   matches dense: {'yes' if rec['matches_dense'] else 'no'}; "
+               f"{rec['seconds']:.0f} s")
+    if out is not None:
+        typer.echo(f"wrote {out}")

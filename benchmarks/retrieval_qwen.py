@@ -1,0 +1,72 @@
+"""Passkey and multi-key retrieval of qwen2.5-coder-0.5b on CPU at 4K tokens, dense beside
+snapkv 0.2 and window 0.3 (ByteCross App. A 'Retrieval tests'; the README's retrieval table).
+
+    PYTHONPATH=src python benchmarks/retrieval_qwen.py --out benchmarks/records/cpu/retrieval
+    PYTHONPATH=src python benchmarks/retrieval_qwen.py --out /tmp/smoke --model smollm2-135m \\
+        --context 512 --trials 1
+
+One 'retrieval_eval' record per test x configuration, `{test}_{config}.json` under --out,
+the same record `sparsedecode eval passkey|multikey ... --out FILE` writes (the command of
+each cell is printed); a record that exists is skipped, so an interrupted run resumes (a
+test's pending configurations run together: one dense prefill per placement serves them
+all). The model loads once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import sparsedecode
+from sparsedecode.engine.config import KVConfig, SparsityConfig
+from sparsedecode.quality.data import wikitext_path
+from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many
+from sparsedecode.records import stamp, write_record
+
+TESTS = ("passkey", "multikey")
+CONFIGS = {"dense": None, "snapkv0.2": ("snapkv", 0.2), "window0.3": ("window", 0.3)}
+OBS = 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder of the records")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--context", type=int, default=4096, help="prompt tokens")
+    ap.add_argument("--trials", type=int, default=2, help="placements per depth")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    a = ap.parse_args()
+    cells = [(t, c) for t in TESTS for c in CONFIGS if not (a.out / f"{t}_{c}.json").exists()]
+    if not cells:
+        print(f"every record is in {a.out}")
+        return
+    eng = sparsedecode.load(a.model, device=a.device, dtype=a.dtype, max_len=a.context + 8, compile=False)
+    for test in TESTS:
+        names = [c for t, c in cells if t == test]
+        if not names:
+            continue
+        configs = []
+        for name in names:
+            kv = CONFIGS[name]
+            flags = "" if kv is None else f" --kv {kv[0]} --kv-keep {kv[1]:g}"
+            print(f"sparsedecode eval {test} -m {a.model} --context {a.context} --trials {a.trials}{flags} "
+                  f"--device {a.device} --dtype {a.dtype} --out {a.out / f'{test}_{name}.json'}", flush=True)
+            configs.append(SparsityConfig(kv=None if kv is None else KVConfig(kv[0], kv[1], {"window": OBS})))
+        t0 = time.perf_counter()
+        recs = evaluate_retrieval_many(eng, test, configs, context=a.context, depths=DEPTHS, trials=a.trials,
+                                       text_path=wikitext_path("test") if test == "multikey" else None,
+                                       progress=True)
+        seconds = round(time.perf_counter() - t0, 2)
+        for name, rec in zip(names, recs, strict=True):
+            rec["seconds"] = seconds  # of the whole test: its configurations share the prefills
+            rec["configurations_together"] = names
+            write_record(a.out / f"{test}_{name}.json", stamp(rec))
+            d, c = rec["dense"], rec["configured"]
+            print(f"  {test}: dense {d['correct']}/{d['total']}, {name} {c['correct']}/{c['total']} "
+                  f"({c['distractor']} distractor), matches dense: {rec['matches_dense']}", flush=True)
+        print(f"  {seconds:.0f} s", flush=True)
+
+if __name__ == "__main__":
+    main()
