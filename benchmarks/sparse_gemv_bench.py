@@ -49,7 +49,10 @@ TARGET = 1.15
 # Next: 8-row tiles, fewer registers per program and so more programs (and loads) per SM.
 SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          (256, 32, "p12", 1, 1), (512, 16, "p16", 2, 1), (256, 8, "p32", 1, 1),
-         (256, 8, "p48", 1, 1), (256, 8, "p64", 1, 1), (512, 8, "p24", 1, 1)]
+         (256, 8, "p48", 1, 1), (256, 8, "p64", 1, 1), (512, 8, "p24", 1, 1),
+         # stages 3, compact: each program lists its split's kept rows, then loops over full tiles
+         (256, 16, "p24", 1, 3), (256, 16, "p12", 1, 3), (256, 16, "p48", 1, 3), (256, 32, "p12", 1, 3),
+         (256, 32, "p24", 1, 3), (256, 8, "p48", 1, 3), (512, 16, "p24", 2, 3)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -157,7 +160,8 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
     default = sg.default_config(K, N, dtype, dev)
     variants = [("default", default)]
     if args.sweep:
-        variants += [(sweep_label(*c), sweep_config(K, N, *c)) for c in SWEEP]
+        variants += [(sweep_label(*c), sweep_config(K, N, *c)) for c in SWEEP
+                     if args.sweep_stages is None or c[4] == args.sweep_stages]
     for keep in args.keeps:
         t_val = 0.0 if keep >= 1.0 else float(x.float().abs().quantile(1.0 - keep))
         thr = torch.tensor(t_val, device=dev)
@@ -206,6 +210,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="calls per copy and graph")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
+    ap.add_argument("--sweep-stages", type=int, choices=(1, 2, 3),
+                    help="sweep only the SWEEP configs of this loop variant (3: compact)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

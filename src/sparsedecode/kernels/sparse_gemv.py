@@ -56,9 +56,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_BYTES = 512  # bytes of one row segment per warp: 4 lines of 128 B, one 16-byte vector per lane
 BLOCK_K = 16  # rows per loop iteration: 8 KB of weight per one-warp program at full keep
 NUM_WARPS = 1
-# The loop variant: 1 plain, 2 the next x slice prefetched. A third, the kept rows of each
-# split ranked by a prefix sum and packed into full tiles, ran 1.5-2x slower on the H200
-# (records h200/sparse_gemv_20261129T203104Z) and was dropped.
+# The loop variant: 1 plain, 2 the next x slice prefetched, 3 compact: each program first
+# lists the kept rows of its split (ranks by a prefix sum, indices stored at their ranks in
+# an L2 scratch) and loops over full tiles of kept rows. An earlier packed loop that ranked
+# rows by a rank matrix ran 1.5-2x slower on the H200 (records
+# h200/sparse_gemv_20261129T203104Z) and was dropped.
 NUM_STAGES = 1
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
@@ -255,7 +257,7 @@ if triton is not None:
         rows_per_split, num_splits,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
         SEG_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-        PREFETCH: tl.constexpr,
+        Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr,
     ):
         # Program (n tile, k split); programs with adjacent n tiles of one split run side by
         # side, so together they stream whole kept rows of w_t.
@@ -273,6 +275,33 @@ if triton is not None:
         k_lo = pid_k * rows_per_split
         k_hi = tl.minimum(k_lo + rows_per_split, K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if COMPACT and not (NSEG > 1 and not SEG_ALIGNED):
+            # The kept rows of this split, listed first: their ranks by a prefix sum, each
+            # row index stored at its rank in the program's own scratch (L2), read back
+            # BLOCK_K at a time, so every weight load of the loop is a kept row and a tile
+            # has BLOCK_K rows in flight whatever the keep.
+            offs_r = k_lo + tl.arange(0, RPS)  # (RPS,)
+            in_r = offs_r < k_hi
+            xr = tl.load(X + offs_r, mask=in_r, other=0.0).to(tl.float32)
+            kept = ((tl.abs(xr) > t0) & in_r).to(tl.int32)
+            rank = tl.cumsum(kept, axis=0) - 1
+            n_kept = tl.sum(kept, axis=0)
+            base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * RPS
+            tl.store(base + rank, offs_r, mask=kept > 0)
+            tl.debug_barrier()  # the list is written before any lane reads it
+            for j0 in range(0, n_kept, BLOCK_K):
+                offs_j = j0 + tl.arange(0, BLOCK_K)
+                in_j = offs_j < n_kept
+                rows = tl.load(base + offs_j, mask=in_j, other=0)
+                x = tl.load(X + rows, mask=in_j, other=0.0).to(tl.float32)
+                if EVEN_N:
+                    row_mask = in_j[:, None]
+                else:
+                    row_mask = in_j[:, None] & mask_n[None, :]
+                w = tl.load(W + rows[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
+                acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
+            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+            return
         if PREFETCH:  # the x slice of the next iteration is in flight with this one's weights
             x_next = tl.load(X + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < k_hi,
                              other=0.0)
@@ -328,7 +357,11 @@ def _sparse_gemv_op(
             b1, b2, rows, splits)
     common = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
                   HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1)
-    _sparse_gemv_kernel[(n_tiles, splits)](*args, SEG_ALIGNED=aligned, PREFETCH=stages >= 2, **common)
+    compact = stages == 3
+    # compact: each program's list of kept rows (written before it is read; no zeroing)
+    scratch = torch.empty(n_tiles * splits * _pow2(rows), device=x.device, dtype=torch.int32) if compact else ws_acc
+    _sparse_gemv_kernel[(n_tiles, splits)](*args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2,
+                                           COMPACT=compact, RPS=_pow2(rows), **common)
     return y
 
 
@@ -357,7 +390,8 @@ def sparse_gemv(
 
     `ws` is a persistent workspace from `workspace(N, device)` (without it each call zeroes
     a fresh one); `config` (BLOCK_N, BLOCK_K, splits, num_warps, stages) overrides
-    `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead).
+    `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead; stages 3
+    lists each split's kept rows first and loops over full tiles of them).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -392,6 +426,8 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
+        if stages not in (1, 2, 3):
+            raise InputError(f"stages is 1 (plain), 2 (x prefetch) or 3 (compact kept-row list); got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
