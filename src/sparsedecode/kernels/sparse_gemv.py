@@ -58,8 +58,10 @@ BLOCK_K = 16  # rows per loop iteration: 8 KB of weight per one-warp program at 
 NUM_WARPS = 1
 # The loop variant: 1 plain, 2 the next x slice prefetched, 3 compact: each program first
 # lists the kept rows of its split (ranks by a prefix sum, indices stored at their ranks in
-# an L2 scratch) and loops over full tiles of kept rows. An earlier packed loop that ranked
-# rows by a rank matrix ran 1.5-2x slower on the H200 (records
+# an L2 scratch) and loops over full tiles of kept rows. On the H200 it did not beat the
+# plain loop on gate_up or down at keeps 0.5 and 0.3, winning only on the fused gate|up at
+# keep 0.3 (records h200/sparse_gemv_20261130T071253Z); the plain loop stays the default. An
+# earlier packed loop that ranked rows by a rank matrix ran 1.5-2x slower (records
 # h200/sparse_gemv_20261129T203104Z) and was dropped.
 NUM_STAGES = 1
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
