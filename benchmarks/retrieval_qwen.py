@@ -5,7 +5,8 @@ snapkv 0.2 and window 0.3 (ByteCross App. A 'Retrieval tests'; the README's retr
     PYTHONPATH=src python benchmarks/retrieval_qwen.py --out /tmp/smoke --model smollm2-135m \\
         --context 512 --trials 1
 
-One 'retrieval_eval' record per test x configuration, `{test}_{config}.json` under --out,
+Prints the README's table, rebuilt from the records, at the end (alone when every record
+exists). One 'retrieval_eval' record per test x configuration, `{test}_{config}.json` under --out,
 the same record `sparsedecode eval passkey|multikey ... --out FILE` writes (the command of
 each cell is printed); a record that exists is skipped, so an interrupted run resumes (a
 test's pending configurations run together: one dense prefill per placement serves them
@@ -23,6 +24,7 @@ from sparsedecode.engine.config import KVConfig, SparsityConfig
 from sparsedecode.quality.data import wikitext_path
 from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many
 from sparsedecode.records import stamp, write_record
+from sparsedecode.report.retrieval_table import load_retrieval_records, retrieval_table
 
 TESTS = ("passkey", "multikey")
 CONFIGS = {"dense": None, "snapkv0.2": ("snapkv", 0.2), "window0.3": ("window", 0.3)}
@@ -39,9 +41,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     a = ap.parse_args()
     cells = [(t, c) for t in TESTS for c in CONFIGS if not (a.out / f"{t}_{c}.json").exists()]
-    if not cells:
-        print(f"every record is in {a.out}")
-        return
+    if cells:
+        run(a, cells)
+    print(retrieval_table(load_retrieval_records(a.out)))
+
+
+def run(a, cells) -> None:
     eng = sparsedecode.load(a.model, device=a.device, dtype=a.dtype, max_len=a.context + 8, compile=False)
     for test in TESTS:
         names = [c for t, c in cells if t == test]

@@ -1,0 +1,61 @@
+"""The retrieval table is rebuilt from records alone, with known counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparsedecode.errors import InputError
+from sparsedecode.report.retrieval_table import label, load_retrieval_records, retrieval_table
+
+
+def _rec(test, kv, dense_v, conf_v, in_window=None):
+    """A retrieval_eval record: two depths x two trials, verdicts as given (row-major)."""
+    places = []
+    for i, (d, c) in enumerate(zip(dense_v, conf_v, strict=True)):
+        places.append({"depth": (0.1, 0.9)[i // 2], "trial": i % 2, "expected": "123456",
+                       "needle_span": [10, 20], "dense": {"output": f"out{i}", "verdict": d},
+                       "configured": {"output": "x", "verdict": c,
+                                      "in_window": None if in_window is None else in_window[i]}})
+    count = lambda vs, v: sum(x == v for x in vs)  # noqa: E731
+    return {
+        "kind": "retrieval_eval", "test": test, "depths": [0.1, 0.9], "trials": 2,
+        "config": {"mode": "dense" if kv is None else "sel", "projection": None,
+                   "kv": None if kv is None else {"method": kv[0], "keep": kv[1], "params": {}},
+                   "variant": None},
+        "placements": places,
+        "dense": {"correct": count(dense_v, "correct"), "total": 4, "distractor": count(dense_v, "distractor"),
+                  "miss": count(dense_v, "miss")},
+        "configured": {"correct": count(conf_v, "correct"), "total": 4,
+                       "distractor": count(conf_v, "distractor"), "miss": count(conf_v, "miss")},
+        "matches_dense": all(c == "correct" for d, c in zip(dense_v, conf_v, strict=True) if d == "correct"),
+    }
+
+
+def test_table_counts_per_depth_and_flags(tmp_path):
+    dense_v = ["correct", "correct", "correct", "miss"]
+    recs = {"passkey_dense": _rec("passkey", None, dense_v, dense_v),
+            "passkey_window": _rec("passkey", ("window", 0.3), dense_v,
+                                   ["miss", "distractor", "correct", "correct"], [False, False, True, True]),
+            "passkey_snapkv": _rec("passkey", ("snapkv", 0.2), dense_v, ["correct"] * 4)}
+    for name, r in recs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    (tmp_path / "other.json").write_text(json.dumps({"kind": "ppl_eval"}))
+    loaded = load_retrieval_records(tmp_path)
+    assert [label(r) for r in loaded] == ["dense", "snapkv 0.2", "window 0.3"]
+    rows = retrieval_table(loaded).splitlines()
+    assert rows[2] == "| passkey | dense | 2/2 | 1/2 | 3/4 | 0 | 1 | | |"
+    assert rows[3] == "| passkey | snapkv 0.2 | 2/2 | 2/2 | 4/4 | 0 | 0 | yes |  |"
+    assert rows[4] == "| passkey | window 0.3 | 0/2 | 2/2 | 2/4 | 1 | 1 | no | 2/4 |"
+    assert len(rows) == 5
+
+
+def test_records_of_different_runs_are_refused(tmp_path):
+    a = _rec("passkey", None, ["correct"] * 4, ["correct"] * 4)
+    b = _rec("passkey", ("snapkv", 0.2), ["correct"] * 4, ["correct"] * 4)
+    b["placements"][0]["dense"]["output"] = "another run"
+    with pytest.raises(InputError, match="disagree on dense answers"):
+        retrieval_table([a, b])
+    with pytest.raises(InputError, match="no retrieval_eval records"):
+        load_retrieval_records(tmp_path)
