@@ -24,7 +24,7 @@ from pathlib import Path
 
 from sparsedecode.account import ModelDims, known_model
 from sparsedecode.errors import InputError
-from sparsedecode.timing.paper import PaperCell, check_runs, load_campaign
+from sparsedecode.timing.paper import PaperCell, check_runs, load_campaign, record_field
 
 KIND = "timing_cell"
 _NUM = (int, float)
@@ -163,26 +163,13 @@ def _read_json(path: Path) -> dict:
     return obj
 
 
-def _typed(obj: dict, name: str, types: tuple[type, ...], path: Path, required: bool):
-    if name not in obj or obj[name] is None:
-        if required:
-            raise InputError(f"{path}: timing record lacks field '{name}'")
-        return None
-    value = obj[name]
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise InputError(
-            f"{path}: field '{name}' is {value!r}, expected {'/'.join(t.__name__ for t in types)}"
-        )
-    return value
-
-
 def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtras]:
-    v = {name: _typed(obj, name, types, path, True) for name, types in _REQUIRED.items()}
+    v = {name: record_field(obj, name, types, path, required=True) for name, types in _REQUIRED.items()}
     runs = check_runs(v["tokens_per_sec_runs"], path)
     for name in ("ms_per_token", "context"):
         if v[name] <= 0:
             raise InputError(f"{path}: field '{name}' must be positive, got {v[name]!r}")
-    x = {name: _typed(obj, name, types, path, False) for name, types in _EXTRAS.items()}
+    x = {name: record_field(obj, name, types, path, required=False) for name, types in _EXTRAS.items()}
     cell = PaperCell(
         campaign=campaign,
         path=path,

@@ -65,26 +65,29 @@ class PaperCell:
     torch: str | None = None
 
 
-def _field(obj: dict, name: str, types: tuple[type, ...], path: Path):
-    if name not in obj:
-        raise InputError(f"{path}: timing record lacks field '{name}'")
-    value = obj[name]
-    if isinstance(value, bool) or not isinstance(value, types):
-        raise InputError(
-            f"{path}: field '{name}' is {value!r}, expected {'/'.join(t.__name__ for t in types)}"
-        )
-    return value
-
-
-def _optional(obj: dict, name: str, types: tuple[type, ...], path: Path):
+def record_field(obj: dict, name: str, types: tuple[type, ...], path: Path, *, required: bool):
+    """Field `name` of a timing record when it has one of `types` (never a bool); a missing or
+    null field is an error when `required`, else None. Shared by this importer and our
+    campaign reader (timing/cells.py)."""
     value = obj.get(name)
     if value is None:
+        if required:
+            raise InputError(f"{path}: timing record lacks field '{name}'")
         return None
     if isinstance(value, bool) or not isinstance(value, types):
         raise InputError(
-            f"{path}: field '{name}' is {value!r}, expected {'/'.join(t.__name__ for t in types)} or null"
+            f"{path}: field '{name}' is {value!r}, expected {'/'.join(t.__name__ for t in types)}"
+            + ("" if required else " or null")
         )
     return value
+
+
+def _field(obj: dict, name: str, types: tuple[type, ...], path: Path):
+    return record_field(obj, name, types, path, required=True)
+
+
+def _optional(obj: dict, name: str, types: tuple[type, ...], path: Path):
+    return record_field(obj, name, types, path, required=False)
 
 
 def check_runs(runs: list, path: Path) -> list:
