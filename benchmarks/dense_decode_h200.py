@@ -39,25 +39,14 @@ from sparsedecode.account.known import known_model
 from sparsedecode.account.traffic import step_bytes
 from sparsedecode.account.units import parse_token_list
 from sparsedecode.records import stamp, write_record
+from sparsedecode.timing.clock import time_blocks
 
 TARGETS_MS = {2048: 4.1, 32768: 5.2, 131072: 8.7}  # issue 3: >= 90% of 4.15 TB/s
 
 
 def time_steps(step, warmup: int, repeats: int, steps: int) -> list[float]:
-    """Per-step ms of `repeats` timed blocks of `steps` calls, after `warmup` calls."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / steps)
-    return out
+    """Per-step ms of `repeats` timed blocks of `steps` calls, after `warmup` calls (CUDA events)."""
+    return time_blocks(step, warmup, repeats, steps, cuda=True)
 
 
 def summary(ms: list[float], dims: ModelDims, n: int) -> dict:

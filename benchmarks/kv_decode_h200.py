@@ -40,6 +40,7 @@ from sparsedecode.kv.apply import clear_kv
 from sparsedecode.projection.calibrate import get_calibrator
 from sparsedecode.projection.sparse_linear import densify_, realized_projection_keep, sparsify_
 from sparsedecode.records import stamp, write_record
+from sparsedecode.timing.clock import time_blocks
 
 
 def main() -> None:
@@ -154,15 +155,7 @@ def main() -> None:
 
 def _cpu_steps(step, warmup: int, repeats: int, steps: int) -> list[float]:
     """Per-step ms with the host clock (dry runs on CPU)."""
-    for _ in range(warmup):
-        step()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        out.append((time.perf_counter() - t) * 1e3 / steps)
-    return out
+    return time_blocks(step, warmup, repeats, steps, cuda=False)
 
 
 if __name__ == "__main__":

@@ -458,29 +458,10 @@ def _time_steps(eng, toks: list[int], spec: CellSpec, cuda: bool) -> list[float]
     """Mean ms per step of each of `repeats` blocks of `steps` decode steps, after `warmup`
     steps, feeding toks (the stream from position n) one per step. On CUDA each step is a
     graph replay plus two fills of the static token and position buffers; no host sync."""
-    import torch
+    from sparsedecode.timing.clock import time_blocks
 
     it = iter(toks)
-    for _ in range(spec.warmup):
-        eng.decode_step(next(it))
-    if cuda:
-        torch.cuda.synchronize(eng.device)
-    out = []
-    for _ in range(spec.repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(spec.steps):
-                eng.decode_step(next(it))
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / spec.steps)
-        else:
-            t = time.perf_counter()
-            for _ in range(spec.steps):
-                eng.decode_step(next(it))
-            out.append((time.perf_counter() - t) * 1e3 / spec.steps)
-    return out
+    return time_blocks(lambda: eng.decode_step(next(it)), spec.warmup, spec.repeats, spec.steps, cuda)
 
 
 def _peak_memory(dev) -> int:
