@@ -51,8 +51,9 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import sdpa_kernel
 
-from sparsedecode.engine.attention import _host_bounds, _in_range, split_k_lse
+from sparsedecode.engine.attention import UNMASKED_BACKENDS, _host_bounds, _in_range, split_k_lse
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.decode_attention import (
     check_inputs,
@@ -118,7 +119,8 @@ def _gathered(q, k_cache, v_cache, end, sinks, recent, scale):
         sink_end, recent_start = window_bounds(e, sinks, recent)
         k = torch.cat([k_cache[b : b + 1, :, :sink_end], k_cache[b : b + 1, :, recent_start:e]], 2)
         v = torch.cat([v_cache[b : b + 1, :, :sink_end], v_cache[b : b + 1, :, recent_start:e]], 2)
-        rows.append(F.scaled_dot_product_attention(qg[b : b + 1], k, v, scale=scale))  # (1, Hkv, G, D)
+        with sdpa_kernel(UNMASKED_BACKENDS):  # flash first: see engine.attention.UNMASKED_BACKENDS
+            rows.append(F.scaled_dot_product_attention(qg[b : b + 1], k, v, scale=scale))  # (1, Hkv, G, D)
     return torch.cat(rows).reshape(B, Hq, D), None
 
 
