@@ -170,8 +170,11 @@ def _interpreter_worker() -> None:
 
     fails, n = [], 0
     slack = {torch.bfloat16: 2.0**-7}
+    # SHAPES with 157 rows for 300: still odd and off every tile, and the interpreter's time
+    # grows with the row blocks it runs.
+    shapes = [(37, 129), (157, 1000)]
     for dtype in DTYPES:
-        for N, K in SHAPES:
+        for N, K in shapes:
             x, w, g, b = make(N, K, dtype, seed=N * 7 + K)
             ws = workspace(N, x.device)
             for i, keep in enumerate(KEEPS):
@@ -192,9 +195,9 @@ def _interpreter_worker() -> None:
             if ws[0].abs().sum() != 0 or ws[1].abs().sum() != 0:
                 fails.append(f"{dtype} {N}x{K}: the workspace is not back at zero after the calls")
     # one split (no workspace), two, more splits than K tiles; groups of 1, 16 and all of a block
-    for N, K, cfg in ((300, 1000, (64, 8, 64, 1, 1)), (300, 1000, (32, 4, 128, 2, 4)),
-                      (37, 129, (16, 16, 16, 99, 1)), (300, 1000, (128, 1, 256, 3, 2)),
-                      (300, 1000, (16, 2, 1024, 1, 1))):
+    for N, K, cfg in ((157, 1000, (64, 8, 64, 1, 1)), (157, 1000, (32, 4, 128, 2, 4)),
+                      (37, 129, (16, 16, 16, 99, 1)), (157, 1000, (128, 1, 256, 3, 2)),
+                      (157, 1000, (16, 2, 1024, 1, 1))):
         x, w, g, b = make(N, K, torch.bfloat16, seed=3)
         t = threshold_for(g, 0.3)
         ws = workspace(N, x.device)
@@ -203,7 +206,7 @@ def _interpreter_worker() -> None:
         n += 1
         if ws[0].abs().sum() != 0 or ws[1].abs().sum() != 0:
             fails.append(f"config={cfg}: the workspace is not back at zero after the call")
-    x, w, g, b = make(300, 1000, torch.bfloat16, seed=3)
+    x, w, g, b = make(157, 1000, torch.bfloat16, seed=3)
     dense = g.float() * F.linear(x.float(), w.float(), b.float())  # (1, N): nothing dropped
     fails += [m for m in [mismatch(cats_up(x, w, g, 0.0, b), dense, 0.1, "threshold 0 vs dense")] if m]
     y = cats_up(x, w, g, math.inf, b)
