@@ -206,9 +206,9 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n):
     fn = sg._sparse_gemv_kernel
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
-                  EVEN_N=even_n, PREFETCH=False)
+                  EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
-                 Count="*i32", thr_f="fp32")
+                 Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})
