@@ -71,21 +71,13 @@ def ppl(
 ) -> None:
     """Aggregate perplexity of dense and of a configuration on the same windows, and ΔPPL with
     its paired bootstrap interval."""
-    from sparsedecode.account.units import check_keep
     from sparsedecode.quality.data import wikitext_path
     from sparsedecode.quality.perplexity import CHUNK
 
     # Everything the user can get wrong fails here, before a model loads.
-    if out is not None and Path(out).exists():
-        raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
-    if thresholds is not None and proj_keep is not None:
-        raise InputError("give --thresholds FILE or --proj-keep K, not both")
-    if (kv is None) != (kv_keep is None):
-        raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.3)")
-    kv_config = None if kv is None else _kv_config(kv, check_keep(kv_keep, "--kv-keep"), obs)
+    keep, kv_config = _check_sparsity(out, thresholds, proj_keep, kv, kv_keep, obs)
     _check_run(protocol, kv_config, chunks=chunks, windows=windows, length=length, scored=scored,
                resamples=resamples, level=level)
-    keep = None if proj_keep is None else check_keep(proj_keep, "--proj-keep")
     path = wikitext_path("test", text_file)
     need = CHUNK if protocol == "chunked" else length
 
@@ -104,6 +96,35 @@ def ppl(
         emit_json(rec)
         return
     _show(rec, out)
+
+
+def _check_sparsity(out: str | None, thresholds: str | None, proj_keep: str | None, kv: str | None,
+                    kv_keep: str | None, obs: int):
+    """(projection keep or None, KVConfig or None) of the sparsity options every `eval`
+    command shares, refused before a model loads: a record that exists, both --thresholds
+    and --proj-keep, --kv without --kv-keep (or the reverse), a bad keep or KV method."""
+    from sparsedecode.account.units import check_keep
+
+    if out is not None and Path(out).exists():
+        raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
+    if thresholds is not None and proj_keep is not None:
+        raise InputError("give --thresholds FILE or --proj-keep K, not both")
+    if (kv is None) != (kv_keep is None):
+        raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.3)")
+    kv_config = None if kv is None else _kv_config(kv, check_keep(kv_keep, "--kv-keep"), obs)
+    return (None if proj_keep is None else check_keep(proj_keep, "--proj-keep")), kv_config
+
+
+def _projection(eng, thresholds, keep, text_file, progress: bool):
+    """What the configuration's projection branch runs: the thresholds file, or for a keep
+    below 1 uniform TEAL thresholds calibrated (once, cached) on validation text: a folder's
+    wiki.valid.raw, never the evaluated file."""
+    if keep is None or keep >= 1.0:
+        return thresholds
+    from sparsedecode.projection.calibrate import cached_teal
+
+    folder = text_file if text_file is not None and Path(text_file).expanduser().is_dir() else None
+    return cached_teal(eng, keep, text_file=folder, progress=progress)
 
 
 def _kv_config(method: str, keep: float, obs: int):
@@ -158,14 +179,7 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
     from sparsedecode.quality.perplexity import CHUNK, DENSE, evaluate, resolve_projection
 
     ids = text_ids(eng.tokenizer, path)
-    projection = thresholds
-    if keep is not None and keep < 1.0:
-        from sparsedecode.projection.calibrate import cached_teal
-
-        # calibrate on validation text: a folder's wiki.valid.raw, never the evaluated file
-        folder = text_file if text_file is not None and Path(text_file).expanduser().is_dir() else None
-        projection = cached_teal(eng, keep, text_file=folder, progress=progress)
-    th = resolve_projection(eng, projection)
+    th = resolve_projection(eng, _projection(eng, thresholds, keep, text_file, progress))
     config = SparsityConfig(projection=th, kv=kv_config)
     args = dict(chunks=chunks, windows=windows, length=length, scored=scored)
     if dense is None:

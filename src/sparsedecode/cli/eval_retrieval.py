@@ -24,7 +24,14 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli.common import JsonOpt, emit_json, parse_float
-from sparsedecode.cli.eval import DeviceOpt, DtypeOpt, ModelOpt, eval_app
+from sparsedecode.cli.eval import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    _check_sparsity,
+    _projection,
+    eval_app,
+)
 from sparsedecode.errors import InputError
 
 ThresholdsOpt = Annotated[str | None, typer.Option("--thresholds", help="Projection thresholds file (sparsedecode calibrate).")]
@@ -86,34 +93,24 @@ def two_turn(
 
 def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, context, depths, trials,
              seed, new, text_file, device, dtype, out, json_out, variant=None) -> None:
-    from sparsedecode.account.units import check_keep
-    from sparsedecode.engine.config import KVConfig
     from sparsedecode.quality.retrieval import check_counts, check_depths, check_variant
 
     # Everything the user can get wrong fails here, before a model loads.
-    if out is not None and Path(out).exists():
-        raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
-    if thresholds is not None and proj_keep is not None:
-        raise InputError("give --thresholds FILE or --proj-keep K, not both")
+    keep, kv_config = _check_sparsity(out, thresholds, proj_keep, kv, kv_keep, obs)
     if thresholds is not None and not Path(thresholds).expanduser().is_file():
         raise InputError(f"no thresholds file at {thresholds}; make one with sparsedecode calibrate "
                          "or use --proj-keep K")
-    if (kv is None) != (kv_keep is None):
-        raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.3)")
-    keep = None if proj_keep is None else check_keep(proj_keep, "--proj-keep")
     depth_list = check_depths([parse_float(d, "depth") for d in depths.split(",") if d.strip()])
     check_counts(context, trials, new)
     check_variant(variant)
     if variant is not None and kv is None:
         raise InputError(f"--variant {variant} says how the KV selection meets the second turn: "
                          "give --kv METHOD --kv-keep K too")
-    kv_config = None
-    if kv is not None:
+    if kv_config is not None:
         from sparsedecode.kv.select import get_selector
 
-        kv_config = KVConfig(kv, check_keep(kv_keep, "--kv-keep"), {"window": obs})
-        # an unknown method, a bad window, or a budget without room for sinks + window fails now
-        # (two-turn kept: again once its prompts are built, at the end of the first question)
+        # a budget without room for sinks + window fails now (two-turn kept: again once its
+        # prompts are built, at the end of the first question)
         get_selector(kv, window=obs).budget(context, kv_config.keep, new)
     _check_window(model, context + new)
     path = None
@@ -166,13 +163,7 @@ def _run(eng, test, path, thresholds, keep, kv_config, text_file, **kw) -> dict:
     from sparsedecode.engine.config import SparsityConfig
     from sparsedecode.quality.retrieval import evaluate_retrieval
 
-    projection = thresholds
-    if keep is not None and keep < 1.0:
-        from sparsedecode.projection.calibrate import cached_teal
-
-        # calibrate on validation text: a folder's wiki.valid.raw, never the evaluated file
-        folder = text_file if text_file is not None and Path(text_file).expanduser().is_dir() else None
-        projection = cached_teal(eng, keep, text_file=folder, progress=kw["progress"])
+    projection = _projection(eng, thresholds, keep, text_file, kw["progress"])
     if kw["progress"]:
         where = "filler" if path is None else f"{path.name}"
         typer.echo(f"{test.replace('_', '-')}: {eng.name}, {kw['context']:,} tokens of {where}, "
