@@ -4,7 +4,8 @@ token over a valid cache slice, per backend, beside our split-K kernel, on one G
 Llama-3.1-8B attention shapes in bf16: q (1, 8, 4, 128), the 4 query heads of each of 8 KV
 heads riding as 4 query rows (as engine.attention._fused calls it), keys and values the
 first n entries of a (1, 8, T, 128) cache. Each cell times `--reps` CUDA-graph replays of
-32 calls (one per layer, each on its own cache so the 32 reads come from DRAM) and reports
+32 calls (one per layer, each on its own cache so the 32 reads come from DRAM; the graph
+timer of sparse_gemv_bench.py) and reports
 microseconds per call and the achieved GB/s of the 2 x n x 8 x 128 x 2 bytes read.
 
     PYTHONPATH=src python3 benchmarks/sdpa_decode_h200.py --out DIR
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from sparse_gemv_bench import time_graph  # benchmarks/ is the script's folder: one graph timer
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sparsedecode.account.units import parse_token_list
@@ -30,28 +32,6 @@ from sparsedecode.records import stamp, write_record
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 LAYERS = 32
-
-
-def graph_time(fn, reps: int) -> float:
-    """Seconds per call of fn (which makes LAYERS calls) replayed in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / LAYERS)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -70,18 +50,16 @@ def main() -> None:
     rows = []
     for n in contexts:
         nbytes = 2 * n * 8 * 128 * 2
-        for name, be in [*BACKENDS.items(), ("split_k", None)]:
+        for name, be in [*BACKENDS.items(), ("split_k", None), ("auto", list(BACKENDS.values()))]:
             if be is None:
-                def fn(n=n):
-                    for k, v in caches:
-                        split_k_lse(q.view(1, 32, 128), k, v, n)
+                def fn(k, v, n=n):
+                    split_k_lse(q.view(1, 32, 128), k, v, n)
             else:
-                def fn(n=n, be=be):
-                    with sdpa_kernel([be]):
-                        for k, v in caches:
-                            F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n])
+                def fn(k, v, n=n, be=be):  # "auto": every backend allowed, PyTorch picks
+                    with sdpa_kernel(be if isinstance(be, list) else [be]):
+                        F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n])
             try:
-                t = graph_time(fn, a.reps)
+                t = statistics.median(time_graph(fn, caches, a.reps))
             except Exception as e:  # a backend that does not take these shapes: say so and go on
                 print(f"n={n} {name}: not run ({str(e).splitlines()[0][:120]})", flush=True)
                 rows.append({"context": n, "backend": name, "error": str(e).splitlines()[0][:300]})
@@ -89,15 +67,6 @@ def main() -> None:
             rows.append({"context": n, "backend": name, "us_per_call": t * 1e6, "bytes_per_call": nbytes,
                          "gbps": nbytes / t / 1e9})
             print(f"n={n:>6} {name:9s} {t * 1e6:9.1f} us/call  {nbytes / t / 1e9:7.0f} GB/s", flush=True)
-        with sdpa_kernel(list(BACKENDS.values())):  # what PyTorch picks by itself
-            try:
-                t = graph_time(lambda n=n: [F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n])
-                                            for k, v in caches], a.reps)
-                rows.append({"context": n, "backend": "auto", "us_per_call": t * 1e6, "bytes_per_call": nbytes,
-                             "gbps": nbytes / t / 1e9})
-                print(f"n={n:>6} {'auto':9s} {t * 1e6:9.1f} us/call  {nbytes / t / 1e9:7.0f} GB/s", flush=True)
-            except Exception as e:
-                print(f"n={n} auto: not run ({str(e).splitlines()[0][:120]})", flush=True)
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     rec = stamp({"kind": "sdpa_decode_bench", "gpu": torch.cuda.get_device_name(dev), "dtype": "bfloat16",
                  "q_shape": [1, 8, 4, 128], "cache_shape": [1, 8, T, 128], "layers": LAYERS, "reps": a.reps,
