@@ -1,5 +1,5 @@
 """Passkey and multi-key retrieval of qwen2.5-coder-0.5b on CPU at 4K tokens, dense beside
-snapkv 0.2 and window 0.3 (ByteCross App. A 'Retrieval tests'; the README's retrieval table).
+snapkv 0.2 and 0.3 and window 0.3 (ByteCross App. A 'Retrieval tests'; the README's retrieval table).
 
     PYTHONPATH=src python benchmarks/retrieval_qwen.py --out benchmarks/records/cpu/retrieval
     PYTHONPATH=src python benchmarks/retrieval_qwen.py --out /tmp/smoke --model smollm2-135m \\
@@ -27,7 +27,7 @@ from sparsedecode.records import stamp, write_record
 from sparsedecode.report.retrieval_table import load_retrieval_records, retrieval_table
 
 TESTS = ("passkey", "multikey")
-CONFIGS = {"dense": None, "snapkv0.2": ("snapkv", 0.2), "window0.3": ("window", 0.3)}
+CONFIGS = {"dense": None, "snapkv0.2": ("snapkv", 0.2), "snapkv0.3": ("snapkv", 0.3), "window0.3": ("window", 0.3)}
 OBS = 64
 
 

@@ -22,6 +22,7 @@ from sparsedecode.cli import eval_retrieval
 from sparsedecode.cli.eval import eval_app
 from sparsedecode.engine.config import KVConfig, SparsityConfig
 from sparsedecode.errors import InputError
+from sparsedecode.kv.apply import clear_kv
 from sparsedecode.kv.select import get_selector
 from sparsedecode.projection.thresholds import Thresholds
 from sparsedecode.quality import retrieval as rt
@@ -282,6 +283,37 @@ def test_window_records_whether_the_needle_is_retained(tiny):
     assert all(p["configured"]["in_window"] is None for p in _run(tiny, "passkey", snap(0.4))["placements"])
 
 
+def test_needle_kept_counts_tokens_and_whole_heads():
+    # 2 layers x (1 batch, 2 KV heads): the needle [10, 14) kept whole by one head of
+    # layer 0, half by the other, not at all by layer 1's heads.
+    l0 = torch.tensor([[[0, 10, 11, 12, 13, 50], [0, 1, 10, 11, 40, 50]]])
+    l1 = torch.tensor([[[0, 1, 2, 3, 4, 5], [0, 20, 21, 22, 23, 24]]])
+    assert rt.needle_kept((10, 14), [l0, l1]) == {"tokens": 6 / 16, "whole": 0.25}
+    assert rt.needle_kept((10, 14), [l0[:, :1]]) == {"tokens": 1.0, "whole": 1.0}
+    with pytest.raises(InputError, match="non-empty span"):
+        rt.needle_kept((5, 5), [l0])
+
+
+def test_selection_records_the_needle_it_kept(tiny):
+    """keep 1.0 keeps every needle token in every head; the window records in_window
+    instead; a low keep matches needle_kept recomputed from a selection of its own."""
+    one = _run(tiny, "passkey", snap(1.0))
+    assert all(p["configured"]["needle_kept"] is None for p in one["placements"])  # no selection ran
+    rec = _run(tiny, "passkey", snap(0.3), depths=(0.0, 0.5, 1.0))
+    win = _run(tiny, "passkey", SparsityConfig(kv=KVConfig("window", 0.3, {"window": 16})))
+    assert all(p["configured"]["needle_kept"] is None for p in win["placements"])
+    placements = rt.build_placements(tiny.tokenizer, "passkey", CTX, (0.0, 0.5, 1.0), 1, 0)
+    for p, row in zip(placements, rec["placements"], strict=True):
+        tiny.reset()
+        tiny.prefill(p.ids)
+        sel = tiny.select_kv("snapkv", 0.3, 8, indices=True, window=16)
+        assert len(sel.kept) == tiny.dims.n_layers and sel.kept[0].shape[-1] == sel.budget
+        assert row["configured"]["needle_kept"] == rt.needle_kept(p.needle_span, sel.kept)
+        assert 0.0 <= row["configured"]["needle_kept"]["whole"] <= row["configured"]["needle_kept"]["tokens"] <= 1.0
+    clear_kv(tiny)
+    tiny.reset()
+
+
 def test_record_round_trip_and_field_names(tiny, text, tmp_path):
     rec = _run(tiny, "two_turn", snap(0.5), text, variant="rescored")
     assert RECORD_KEYS <= set(rec) and rec["kind"] == "retrieval_eval" and rec["test"] == "two_turn"
@@ -293,7 +325,8 @@ def test_record_round_trip_and_field_names(tiny, text, tmp_path):
     assert set(rec["configured"]) >= {"correct", "total", "distractor", "miss"}
     for p in rec["placements"]:
         assert {"depth", "trial", "expected", "needle_span", "dense", "configured"} <= set(p)
-        assert set(p["dense"]) == {"output", "verdict"} and set(p["configured"]) == {"output", "verdict", "in_window"}
+        assert set(p["dense"]) == {"output", "verdict"}
+        assert set(p["configured"]) == {"output", "verdict", "in_window", "needle_kept"}
         assert p["dense"]["verdict"] == rt.verdict(p["dense"]["output"], p["expected"],
                                                    [c for c in p["codes"].values() if c != p["expected"]])
     assert rec["context"] == CTX and rec["depths"] == [0.05, 0.95] and rec["trials"] == 1

@@ -10,14 +10,15 @@ from sparsedecode.errors import InputError
 from sparsedecode.report.retrieval_table import label, load_retrieval_records, retrieval_table
 
 
-def _rec(test, kv, dense_v, conf_v, in_window=None):
+def _rec(test, kv, dense_v, conf_v, in_window=None, kept=None):
     """A retrieval_eval record: two depths x two trials, verdicts as given (row-major)."""
     places = []
     for i, (d, c) in enumerate(zip(dense_v, conf_v, strict=True)):
         places.append({"depth": (0.1, 0.9)[i // 2], "trial": i % 2, "expected": "123456",
                        "needle_span": [10, 20], "dense": {"output": f"out{i}", "verdict": d},
                        "configured": {"output": "x", "verdict": c,
-                                      "in_window": None if in_window is None else in_window[i]}})
+                                      "in_window": None if in_window is None else in_window[i],
+                                      "needle_kept": None if kept is None else {"tokens": kept[i], "whole": 0.0}}})
     count = lambda vs, v: sum(x == v for x in vs)  # noqa: E731
     return {
         "kind": "retrieval_eval", "test": test, "depths": [0.1, 0.9], "trials": 2,
@@ -38,17 +39,20 @@ def test_table_counts_per_depth_and_flags(tmp_path):
     recs = {"passkey_dense": _rec("passkey", None, dense_v, dense_v),
             "passkey_window": _rec("passkey", ("window", 0.3), dense_v,
                                    ["miss", "distractor", "correct", "correct"], [False, False, True, True]),
-            "passkey_snapkv": _rec("passkey", ("snapkv", 0.2), dense_v, ["correct"] * 4)}
+            "passkey_snapkv": _rec("passkey", ("snapkv", 0.2), dense_v, ["correct"] * 4),
+            "passkey_snapkv3": _rec("passkey", ("snapkv", 0.3), dense_v, ["correct", "miss", "correct", "miss"],
+                                    kept=[1.0, 0.5, 1.0, 0.25])}
     for name, r in recs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
     (tmp_path / "other.json").write_text(json.dumps({"kind": "ppl_eval"}))
     loaded = load_retrieval_records(tmp_path)
-    assert [label(r) for r in loaded] == ["dense", "snapkv 0.2", "window 0.3"]
+    assert [label(r) for r in loaded] == ["dense", "snapkv 0.2", "snapkv 0.3", "window 0.3"]
     rows = retrieval_table(loaded).splitlines()
-    assert rows[2] == "| passkey | dense | 2/2 | 1/2 | 3/4 | 0 | 1 | | |"
-    assert rows[3] == "| passkey | snapkv 0.2 | 2/2 | 2/2 | 4/4 | 0 | 0 | yes |  |"
-    assert rows[4] == "| passkey | window 0.3 | 0/2 | 2/2 | 2/4 | 1 | 1 | no | 2/4 |"
-    assert len(rows) == 5
+    assert rows[2] == "| passkey | dense | 2/2 | 1/2 | 3/4 | 0 | 1 | | | |"
+    assert rows[3] == "| passkey | snapkv 0.2 | 2/2 | 2/2 | 4/4 | 0 | 0 | yes |  |  |"
+    assert rows[4] == "| passkey | snapkv 0.3 | 1/2 | 1/2 | 2/4 | 0 | 2 | no |  | 0.69 (wrong: 0.50, 0.25) |"
+    assert rows[5] == "| passkey | window 0.3 | 0/2 | 2/2 | 2/4 | 1 | 1 | no | 2/4 |  |"
+    assert len(rows) == 6
 
 
 def test_records_of_different_runs_are_refused(tmp_path):

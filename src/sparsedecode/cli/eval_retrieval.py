@@ -193,7 +193,9 @@ def _show(rec: dict, out: str | None) -> None:
                f"{rec['trials']} trials per depth, {rec['new']} new tokens")
     typer.echo(f"configuration: {_label(rec['config'])}")
     window = rec["config"]["kv"] is not None and rec["config"]["kv"]["method"] == "window"
-    typer.echo(f"{'depth':>6}  {'dense':>6}  {'config':>6}  {'distr.':>6}" + ("  in window" if window else ""))
+    kept = all(p["configured"].get("needle_kept") for p in rec["placements"])
+    typer.echo(f"{'depth':>6}  {'dense':>6}  {'config':>6}  {'distr.':>6}" + ("  in window" if window else "")
+               + ("  needle tokens kept" if kept else ""))
     for d in rec["depths"]:
         rows = [p for p in rec["placements"] if p["depth"] == d]
         dense = sum(p["dense"]["verdict"] == "correct" for p in rows)
@@ -202,6 +204,8 @@ def _show(rec: dict, out: str | None) -> None:
         line = f"{d:>6g}  {dense:>3}/{len(rows):<2}  {conf:>3}/{len(rows):<2}  {distr:>6}"
         if window:
             line += f"  {sum(bool(p['configured']['in_window']) for p in rows):>3}/{len(rows)}"
+        if kept:
+            line += "  " + " ".join(f"{p['configured']['needle_kept']['tokens']:.2f}" for p in rows)
         typer.echo(line)
     d, c = rec["dense"], rec["configured"]
     typer.echo(f"{'all':>6}  {d['correct']:>3}/{d['total']:<2}  {c['correct']:>3}/{c['total']:<2}  "

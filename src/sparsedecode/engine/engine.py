@@ -227,14 +227,15 @@ class Engine:
         self.kv_config = config.kv
         return config.mode
 
-    def select_kv(self, method: str, keep: float, max_new: int, **params):
+    def select_kv(self, method: str, keep: float, max_new: int, indices: bool = False, **params):
         """KV branch (ByteCross §4.1, App. A): after the prefill, decode reads only the
         entries `method` ('snapkv' or 'window', `kv.SELECTORS`) keeps at `keep` for the next
-        `max_new` tokens; returns a `kv.apply.KVSelection` with the one-time cost. The next
-        prefill from position 0 returns to dense attention."""
+        `max_new` tokens; returns a `kv.apply.KVSelection` with the one-time cost (and, with
+        indices=True, a scored selection's kept positions per layer). The next prefill from
+        position 0 returns to dense attention."""
         from sparsedecode.kv.apply import select_kv
 
-        return select_kv(self, method, keep, max_new, **params)
+        return select_kv(self, method, keep, max_new, indices=indices, **params)
 
     def rescore(self, max_new: int):
         """Select again with the current method and keep after a new turn was prefilled

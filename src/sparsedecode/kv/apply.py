@@ -48,6 +48,9 @@ class KVSelection:
     max_new: int
     select_s: float
     params: dict = field(default_factory=dict)  # the selector's fields as given
+    # With select_kv(indices=True), a scored selection's kept positions, one (B, Hkv, budget)
+    # int64 tensor per layer on the CPU (for diagnostics such as which needle tokens it kept).
+    kept: list | None = field(default=None, repr=False)
 
     @property
     def mode(self) -> str:
@@ -103,8 +106,10 @@ def _reserve(engine, caches, need: int) -> bool:
     return True
 
 
-def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSelection:
-    """Select the KV entries decoding reads for the next max_new tokens; see the module doc."""
+def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = False,
+              **params) -> KVSelection:
+    """Select the KV entries decoding reads for the next max_new tokens; see the module doc.
+    indices: also return a scored selection's kept positions per layer (`KVSelection.kept`)."""
     check_keep(keep, "kv keep")
     if max_new < 0:
         raise InputError(f"max_new must be >= 0, got {max_new}")
@@ -118,6 +123,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSel
     sync()
     t0 = time.perf_counter()
     recapture = True
+    kept = None
     if keep >= 1.0:
         clear_kv(engine)
         budget = n
@@ -132,16 +138,19 @@ def select_kv(engine, method: str, keep: float, max_new: int, **params) -> KVSel
         else:
             queries = observation_queries(engine, selector.window)
             recapture = _reserve(engine, caches, budget + max_new)
+            kept = [] if indices else None
             with torch.no_grad():  # not inference_mode: the step writes these buffers in place
                 for cache, q_obs, (k_buf, v_buf) in zip(caches, queries, engine._kv_buffers, strict=True):
                     idx = selector.select(q_obs, cache.k, n, keep, max_new)  # (B, Hkv, budget)
+                    if kept is not None:
+                        kept.append(idx.cpu())
                     k, v = selector.gather(cache.k, cache.v, idx, check=False)  # (B, Hkv, budget, D)
                     k_buf[:, :, :budget].copy_(k)
                     v_buf[:, :, :budget].copy_(v)
                     cache.read_compact(k_buf, v_buf, engine._kv_offset, host_offset=n - budget)
             engine._kv_offset.fill_(n - budget)  # (1,): slot = position - offset
     sync()
-    sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params))
+    sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params), kept)
     engine.kv = sel
     if recapture:
         engine._graph = None  # the decode step reads other buffers now: capture again

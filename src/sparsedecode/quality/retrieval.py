@@ -40,7 +40,10 @@ prefill, as in `Engine.generate`. Two-turn variants (App. G):
 For a window configuration a placement records whether any needle token lies among the
 retained sinks or recent entries of the prompt, the budget of `kv.window.window_ranges`
 (`in_window`; null for other configurations). The first decode steps also see up to
-new - 1 older entries, which slide out before the last one.
+new - 1 older entries, which slide out before the last one. For a scored selection it
+records how much of the needle the selection kept (`needle_kept`: the fraction of needle
+tokens kept over layers and KV heads, and of heads that kept it whole), which tells a code
+dropped by the selection from one the model misread.
 """
 
 from __future__ import annotations
@@ -287,6 +290,22 @@ def in_window(span: tuple[int, int], n: int, budget: int, sinks: int) -> bool:
     return any(s < b and e > a for a, b in window_ranges(n, budget, sinks))
 
 
+def needle_kept(span: tuple[int, int], kept: list[torch.Tensor]) -> dict:
+    """How much of the needle span [start, end) a scored selection kept, from its kept
+    positions per layer (B, Hkv, budget): 'tokens', the fraction of (layer, batch, KV head,
+    needle token) entries kept; 'whole', the fraction of (layer, batch, KV head) that kept
+    every needle token. A diagnostic of a wrong answer: a code whose digits were dropped
+    in some heads, or a needle kept whole that the model still misread."""
+    s, e = span
+    if not kept or e <= s:
+        raise InputError(f"needle_kept wants a non-empty span and kept positions, got {span} and "
+                         f"{0 if not kept else len(kept)} layers")
+    need = torch.arange(s, e)  # (L,)
+    hit = torch.stack([torch.isin(need, idx.reshape(-1, idx.shape[-1])[j])
+                       for idx in kept for j in range(idx.shape[0] * idx.shape[1])])  # (heads, L)
+    return {"tokens": round(float(hit.float().mean()), 6), "whole": round(float(hit.all(dim=1).float().mean()), 6)}
+
+
 def summary(verdicts: list[str]) -> dict:
     """Counts of each verdict and the total."""
     return {"correct": verdicts.count("correct"), "total": len(verdicts),
@@ -351,25 +370,27 @@ def _configured_placement(engine, p: Placement, first: int, dense: str, th, kv, 
     if variant == "kept":
         n_sel = p.turn_end
         _rewind(engine, p.ids, n_sel)
-        sel = engine.select_kv(kv.method, kv.keep, n - n_sel + new, **kv.params)
+        sel = engine.select_kv(kv.method, kv.keep, n - n_sel + new, indices=True, **kv.params)
         first = _append(engine, p.ids[n_sel:])
     else:
         _rewind(engine, p.ids, n)
         if kv is None:
             clear_kv(engine)
         else:
-            sel = engine.select_kv(kv.method, kv.keep, new, **kv.params)
+            sel = engine.select_kv(kv.method, kv.keep, new, indices=True, **kv.params)
     _set_projection(engine, th)
     configured = engine.tokenizer.decode(_greedy(engine, first, new), skip_special_tokens=True)
-    window = None
+    window = kept = None
     if kv is not None and kv.method == "window":
         window = in_window(p.needle_span, n_sel, sel.budget, selector.sinks)
+    elif sel is not None and sel.kept:
+        kept = needle_kept(p.needle_span, sel.kept)
     return {
         "depth": p.depth, "trial": p.trial, "expected": p.expected, "needle_span": list(p.needle_span),
         "asked": p.asked, "codes": dict(p.codes),
         "dense": {"output": dense, "verdict": verdict(dense, p.expected, p.others)},
         "configured": {"output": configured, "verdict": verdict(configured, p.expected, p.others),
-                       "in_window": window},
+                       "in_window": window, "needle_kept": kept},
     }
 
 

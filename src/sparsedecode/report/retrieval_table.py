@@ -40,23 +40,35 @@ def _cells(placements: list[dict], depths: list[float], side: str) -> list[str]:
     return out
 
 
+def _kept(placements: list[dict]) -> str:
+    """'0.97 (wrong: 0.71, 0.85)': mean needle tokens kept, and at the wrong answers."""
+    kept = [p["configured"].get("needle_kept") for p in placements]
+    if any(k is None for k in kept):
+        return ""
+    wrong = [k["tokens"] for p, k in zip(placements, kept, strict=True) if p["configured"]["verdict"] != "correct"]
+    mean = sum(k["tokens"] for k in kept) / len(kept)
+    return f"{mean:.2f}" + (f" (wrong: {', '.join(f'{w:.2f}' for w in wrong)})" if wrong else "")
+
+
 def retrieval_table(records: list[dict]) -> str:
     """One row per test and configuration, plus one dense row per test (the dense half of its
     records, which every record of a test shares): correct answers per depth, distractor and
-    miss counts, whether the configuration answers every placement dense answers, and for a
-    window how many placements have a needle token inside it."""
+    miss counts, whether the configuration answers every placement dense answers, for a
+    window how many placements have a needle token inside it, and for a scored selection
+    the mean fraction of needle tokens it kept over layers and KV heads (`needle_kept`), with
+    that fraction at each placement it answered wrong."""
     if not records:
         raise InputError("no retrieval records to tabulate")
     depths = sorted({d for r in records for d in r["depths"]})
     head = ("| test | configuration | " + " | ".join(f"depth {d:g}" for d in depths)
-            + " | correct | distractor | miss | matches dense | needle in window |")
-    rows = [head, "|---|---|" + "---|" * (len(depths) + 5)]
+            + " | correct | distractor | miss | matches dense | needle in window | needle tokens kept |")
+    rows = [head, "|---|---|" + "---|" * (len(depths) + 6)]
     for test in sorted({r["test"] for r in records}):
         recs = [r for r in records if r["test"] == test]
         first = recs[0]
         d = first["dense"]
         rows.append(f"| {test} | dense | " + " | ".join(_cells(first["placements"], depths, "dense"))
-                    + f" | {d['correct']}/{d['total']} | {d.get('distractor', '')} | {d.get('miss', '')} | | |")
+                    + f" | {d['correct']}/{d['total']} | {d.get('distractor', '')} | {d.get('miss', '')} | | | |")
         for r in recs:
             if r["config"]["mode"] == "dense":
                 continue
@@ -68,5 +80,5 @@ def retrieval_table(records: list[dict]) -> str:
             win = "" if all(x is None for x in inside) else f"{sum(bool(x) for x in inside)}/{len(inside)}"
             rows.append(f"| {test} | {label(r)} | " + " | ".join(_cells(r["placements"], depths, "configured"))
                         + f" | {c['correct']}/{c['total']} | {c['distractor']} | {c['miss']} "
-                        f"| {'yes' if r['matches_dense'] else 'no'} | {win} |")
+                        f"| {'yes' if r['matches_dense'] else 'no'} | {win} | {_kept(r['placements'])} |")
     return "\n".join(rows)
