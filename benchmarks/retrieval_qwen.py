@@ -39,8 +39,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=2, help="placements per depth")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tests", default=",".join(TESTS), help="which tests run, in this order")
     a = ap.parse_args()
-    cells = [(t, c) for t in TESTS for c in CONFIGS if not (a.out / f"{t}_{c}.json").exists()]
+    a.tests = [t.strip() for t in a.tests.split(",") if t.strip()]
+    if not a.tests or set(a.tests) - set(TESTS):
+        ap.error(f"--tests takes a comma list of {', '.join(TESTS)}; got {a.tests}")
+    cells = [(t, c) for t in a.tests for c in CONFIGS if not (a.out / f"{t}_{c}.json").exists()]
     if cells:
         run(a, cells)
     print(retrieval_table(load_retrieval_records(a.out)))
@@ -48,7 +52,7 @@ def main() -> None:
 
 def run(a, cells) -> None:
     eng = sparsedecode.load(a.model, device=a.device, dtype=a.dtype, max_len=a.context + 8, compile=False)
-    for test in TESTS:
+    for test in a.tests:
         names = [c for t, c in cells if t == test]
         if not names:
             continue
