@@ -144,6 +144,18 @@ def check(x, w_t, thr, ws, config, what: str) -> float:
     return err.max().item()
 
 
+def even_input(K: int, keep: float, dev, dtype, gen) -> tuple[torch.Tensor, float]:
+    """(x (1, K), threshold) whose kept channels are spread evenly: channel i is kept when
+    floor((i + 1) x keep) > floor(i x keep), so every split of r rows keeps r x keep +- 1
+    (random x keeps a binomial count per split, and the fullest split sets the kernel's tail)."""
+    i = torch.arange(K, device=dev, dtype=torch.float64)
+    kept = torch.floor((i + 1) * keep) > torch.floor(i * keep)  # (K,)
+    mag = torch.rand(K, device=dev, generator=gen, dtype=torch.float32)
+    sign = torch.where(torch.rand(K, device=dev, generator=gen) < 0.5, -1.0, 1.0)
+    x = torch.where(kept, 1.0 + mag, 0.25 * mag) * sign  # kept in [1, 2), dropped below 0.25
+    return x.to(dtype)[None], 0.5
+
+
 def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) -> tuple[list, list]:
     """Records and table rows of one shape: dense once, then every keep x config."""
     dtype = torch.bfloat16
@@ -163,7 +175,10 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
         variants += [(sweep_label(*c), sweep_config(K, N, *c)) for c in SWEEP
                      if args.sweep_stages is None or c[4] == args.sweep_stages]
     for keep in args.keeps:
-        t_val = 0.0 if keep >= 1.0 else float(x.float().abs().quantile(1.0 - keep))
+        if args.pattern == "even" and keep < 1.0:
+            x, t_val = even_input(K, keep, dev, dtype, gen)
+        else:
+            t_val = 0.0 if keep >= 1.0 else float(x.float().abs().quantile(1.0 - keep))
         thr = torch.tensor(t_val, device=dev)
         kept = int((x.float().abs() > thr).sum())
         nbytes = kept * N * 2 + K * 2
@@ -182,6 +197,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
             rec = stamp({
                 "kind": "sparse_gemv_bench", "shape": name, "K": K, "N": N, "dtype": "bfloat16",
                 "keep_target": keep, "threshold": t_val, "kept_rows": kept, "keep": kept / K,
+                "pattern": args.pattern if keep < 1.0 else "all",
                 "config_label": label,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
@@ -209,6 +225,9 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4, help="distinct weight copies per graph (beat the L2)")
     ap.add_argument("--rounds", type=int, default=8, help="calls per copy and graph")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--pattern", choices=("random", "even"), default="random",
+                    help="kept channels: those of random normal x above its quantile, or spread evenly "
+                    "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
     ap.add_argument("--sweep-stages", type=int, choices=(1, 2, 3),
                     help="sweep only the SWEEP configs of this loop variant (3: compact)")
