@@ -52,7 +52,10 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          (256, 8, "p48", 1, 1), (256, 8, "p64", 1, 1), (512, 8, "p24", 1, 1),
          # stages 3, compact: each program lists its split's kept rows, then loops over full tiles
          (256, 16, "p24", 1, 3), (256, 16, "p12", 1, 3), (256, 16, "p48", 1, 3), (256, 32, "p12", 1, 3),
-         (256, 32, "p24", 1, 3), (256, 8, "p48", 1, 3), (512, 16, "p24", 2, 3)]
+         (256, 32, "p24", 1, 3), (256, 8, "p48", 1, 3), (512, 16, "p24", 2, 3),
+         # stages 4: two tiles' weight loads in flight per warp
+         (256, 16, "p24", 1, 4), (256, 16, "p16", 1, 4), (256, 16, "p32", 1, 4), (256, 8, "p24", 1, 4),
+         (256, 8, "p32", 1, 4), (256, 8, "p48", 1, 4), (256, 32, "p12", 1, 4), (512, 16, "p24", 2, 4)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -229,8 +232,8 @@ def main() -> None:
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
-    ap.add_argument("--sweep-stages", type=int, choices=(1, 2, 3),
-                    help="sweep only the SWEEP configs of this loop variant (3: compact)")
+    ap.add_argument("--sweep-stages", type=int, choices=(1, 2, 3, 4),
+                    help="sweep only the SWEEP configs of this loop variant (3: compact, 4: two tiles in flight)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

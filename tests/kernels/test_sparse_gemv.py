@@ -171,13 +171,14 @@ def _interpreter_worker() -> None:
                 fails.append(f"{dtype} {K}x{N}: the workspace is not back at zero after the calls")
     x, w_t, b = make(577, 203, torch.bfloat16, seed=3)  # 4 tiles of BLOCK_N=64, the last of 11 columns
     for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
-        for stages, block_k in ((1, 16), (2, 16), (1, 8)):  # stages 2: x loaded an iteration ahead
+        # stages 2: x loaded an iteration ahead; 4: two tiles in flight
+        for stages, block_k in ((1, 16), (2, 16), (1, 8), (4, 16), (4, 8)):
             y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, block_k, splits, 4, stages))
             fails += check(y, x, w_t, threshold_for(x, 0.3), b,
                            f"kernel splits={splits} stages={stages} BLOCK_K={block_k}", 2.0**-7)
             n += 1
     fails += _segment_cases()
-    n += 9
+    n += 12
     dense = F.linear(x, w_t.t(), b)
     fails += [m for m in [mismatch(sparse_gemv(x, w_t, 0.0, b), dense, 0.05, "threshold 0 vs F.linear")] if m]
     y = sparse_gemv(x, w_t, math.inf, b)
@@ -206,7 +207,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n):
     fn = sg._sparse_gemv_kernel
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
-                  EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16)
+                  EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=False)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names
@@ -260,7 +261,7 @@ def _segment_cases(device="cpu") -> list[str]:
         want = sparse_gemv_segments_ref(x, w_t, thr, widths, b)
         ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
         what = f"segments {widths} {dtype} BLOCK_N={block_n}"
-        for stages in (1, 2):
+        for stages in (1, 2, 4):  # stages 4 falls back to the plain loop off the tile grid
             y = sparse_gemv(x, w_t, thr, b, segments=widths, config=(block_n, 16, 5, 1, stages))
             fails += [m for m in [mismatch(y, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
                                            f"{what} stages={stages}")] if m]

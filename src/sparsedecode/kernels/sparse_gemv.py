@@ -62,7 +62,10 @@ NUM_WARPS = 1
 # plain loop on gate_up or down at keeps 0.5 and 0.3, winning only on the fused gate|up at
 # keep 0.3 (records h200/sparse_gemv_20261130T071253Z); the plain loop stays the default. An
 # earlier packed loop that ranked rows by a rank matrix ran 1.5-2x slower (records
-# h200/sparse_gemv_20261129T203104Z) and was dropped.
+# h200/sparse_gemv_20261129T203104Z) and was dropped. 4: two tiles' weight loads in flight (an
+# iteration issues tile i + 1's loads before summing tile i), after Nsight Compute showed the
+# plain loop's warps stalled on their loads with DRAM at 63% of peak at keep 0.5 (records
+# h200/sparse_gemv_profile_20261130T0941Z).
 NUM_STAGES = 1
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
@@ -254,12 +257,20 @@ if triton is not None:
             tl.atomic_xchg(Count + tile, 0, sem="relaxed")
 
     @triton.jit
+    def _row_mask(x, t, in_k, mask_n, EVEN_N: tl.constexpr):
+        """(BLOCK_K, BLOCK_N) load mask of a tile: rows whose |x| > t (and in range), columns in N."""
+        keep = (tl.abs(x) > t) & in_k
+        if EVEN_N:
+            return keep[:, None]
+        return keep[:, None] & mask_n[None, :]
+
+    @triton.jit
     def _sparse_gemv_kernel(
         X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2,
         rows_per_split, num_splits,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
         SEG_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-        Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr,
+        Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr, DBUF: tl.constexpr,
     ):
         # Program (n tile, k split); programs with adjacent n tiles of one split run side by
         # side, so together they stream whole kept rows of w_t.
@@ -302,6 +313,25 @@ if triton is not None:
                     row_mask = in_j[:, None] & mask_n[None, :]
                 w = tl.load(W + rows[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
                 acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
+            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+            return
+        if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
+            # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
+            # slice loaded an iteration earlier, so the loads wait on nothing) and the x slice
+            # of tile i + 2, and only then sums tile i. The plain loop leaves a warp with
+            # nothing in flight while its x slice comes from L2 and while it sums.
+            ar = tl.arange(0, BLOCK_K)
+            x_c = tl.load(X + k_lo + ar, mask=k_lo + ar < k_hi, other=0.0).to(tl.float32)
+            w_c = tl.load(W + (k_lo + ar)[:, None] * stride_wk + offs_n[None, :],
+                          mask=_row_mask(x_c, t0, k_lo + ar < k_hi, mask_n, EVEN_N), other=0.0)
+            x_n = tl.load(X + k_lo + BLOCK_K + ar, mask=k_lo + BLOCK_K + ar < k_hi, other=0.0).to(tl.float32)
+            for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
+                offs_k = k0 + ar
+                w_n = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :],
+                              mask=_row_mask(x_n, t0, offs_k < k_hi, mask_n, EVEN_N), other=0.0)
+                x_nn = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0).to(tl.float32)
+                acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # tile k0 - BLOCK_K
+                x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
             return
         if PREFETCH:  # the x slice of the next iteration is in flight with this one's weights
@@ -363,7 +393,7 @@ def _sparse_gemv_op(
     # compact: each program's list of kept rows (written before it is read; no zeroing)
     scratch = torch.empty(n_tiles * splits * _pow2(rows), device=x.device, dtype=torch.int32) if compact else ws_acc
     _sparse_gemv_kernel[(n_tiles, splits)](*args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2,
-                                           COMPACT=compact, RPS=_pow2(rows), **common)
+                                           COMPACT=compact, RPS=_pow2(rows), DBUF=stages == 4, **common)
     return y
 
 
@@ -393,7 +423,8 @@ def sparse_gemv(
     `ws` is a persistent workspace from `workspace(N, device)` (without it each call zeroes
     a fresh one); `config` (BLOCK_N, BLOCK_K, splits, num_warps, stages) overrides
     `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead; stages 3
-    lists each split's kept rows first and loops over full tiles of them).
+    lists each split's kept rows first and loops over full tiles of them; stages 4 keeps two
+    tiles' weight loads in flight, the next x slice two tiles ahead).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -428,8 +459,9 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if stages not in (1, 2, 3):
-            raise InputError(f"stages is 1 (plain), 2 (x prefetch) or 3 (compact kept-row list); got {stages}")
+        if stages not in (1, 2, 3, 4):
+            raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list) or 4 "
+                             f"(two tiles in flight); got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
