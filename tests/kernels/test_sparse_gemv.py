@@ -195,7 +195,7 @@ def test_triton_kernel_under_interpreter():
     assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
 
 
-def _compile_for_hopper(dtype, block_n, block_k, even_n):
+def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False):
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -207,7 +207,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n):
     fn = sg._sparse_gemv_kernel
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
-                  EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=False)
+                  EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=dbuf)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names
@@ -244,6 +244,14 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     per_thread = block_k * block_n * elem // 16 // (NUM_WARPS * 32)  # 16-byte vectors per thread and tile
     assert len(vec) == per_thread, f"{len(vec)} vector loads per iteration, expected {per_thread}"
     assert "atom.global.gpu.acq_rel.add" in ptx, "the arrival count must be an acq_rel atomic"
+    # stages 4: the prologue's tile and the loop's, each as predicated vectors, and in the loop
+    # the next tile's loads come before the sum of the current one
+    ptx4 = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True).asm["ptx"]
+    vec4 = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", ptx4, re.M)
+    assert len(vec4) == 2 * per_thread and all(p for p, *_ in vec4)
+    loop = ptx4[ptx4.index("$L__BB0_2:"):]
+    loop = loop[:loop.index("bra")]
+    assert loop.index(".v4.b32") < loop.index("fma"), "stages 4 must issue tile i + 1 before summing tile i"
     # the fp32 partial adds: red.global (Triton 3.9) or a relaxed vector atom (Triton 3.6)
     assert re.search(r"red\.global|atom\.global\.gpu\.relaxed\.add(\.v\d)?\.f32", ptx), "no fp32 atomic partial add"
 

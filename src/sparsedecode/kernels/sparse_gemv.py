@@ -257,12 +257,16 @@ if triton is not None:
             tl.atomic_xchg(Count + tile, 0, sem="relaxed")
 
     @triton.jit
-    def _row_mask(x, t, in_k, mask_n, EVEN_N: tl.constexpr):
-        """(BLOCK_K, BLOCK_N) load mask of a tile: rows whose |x| > t (and in range), columns in N."""
+    def _load_tile(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr):
+        """The (BLOCK_K, BLOCK_N) weight tile of rows whose |x| > t (and in range): masked rows
+        issue no load."""
         keep = (tl.abs(x) > t) & in_k
+        ptr = W + rows[:, None] * stride_wk + offs_n[None, :]
         if EVEN_N:
-            return keep[:, None]
-        return keep[:, None] & mask_n[None, :]
+            w = tl.load(ptr, mask=keep[:, None], other=0.0)
+        else:
+            w = tl.load(ptr, mask=keep[:, None] & mask_n[None, :], other=0.0)
+        return w
 
     @triton.jit
     def _sparse_gemv_kernel(
@@ -322,13 +326,11 @@ if triton is not None:
             # nothing in flight while its x slice comes from L2 and while it sums.
             ar = tl.arange(0, BLOCK_K)
             x_c = tl.load(X + k_lo + ar, mask=k_lo + ar < k_hi, other=0.0).to(tl.float32)
-            w_c = tl.load(W + (k_lo + ar)[:, None] * stride_wk + offs_n[None, :],
-                          mask=_row_mask(x_c, t0, k_lo + ar < k_hi, mask_n, EVEN_N), other=0.0)
+            w_c = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N)
             x_n = tl.load(X + k_lo + BLOCK_K + ar, mask=k_lo + BLOCK_K + ar < k_hi, other=0.0).to(tl.float32)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
-                w_n = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :],
-                              mask=_row_mask(x_n, t0, offs_k < k_hi, mask_n, EVEN_N), other=0.0)
+                w_n = _load_tile(W, offs_k, offs_k < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N)
                 x_nn = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0).to(tl.float32)
                 acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
