@@ -65,8 +65,12 @@ NUM_WARPS = 1
 # h200/sparse_gemv_20261129T203104Z) and was dropped. 4: two tiles' weight loads in flight (an
 # iteration issues tile i + 1's loads before summing tile i), after Nsight Compute showed the
 # plain loop's warps stalled on their loads with DRAM at 63% of peak at keep 0.5 (records
-# h200/sparse_gemv_profile_20261130T0941Z).
-NUM_STAGES = 1
+# h200/sparse_gemv_profile_20261130T0941Z). It is the default: at 16 programs per SM it beat or
+# tied the plain loop at 24 on the decode step's four shapes (fused q|k|v, o, fused gate|up,
+# down) at keeps 0.5 and 0.3, except gate|up at 0.3 (4% slower), and took the llama-3.1-8b
+# decode step from 84.2% (records h200/sparse_gemv_20261130T095127Z, where every stages-4
+# config failed to compile) to 85.9% of its byte bound (records h200/sparse_gemv_20261130T095622Z).
+NUM_STAGES = 4
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
 # the DRAM latency (Little's law: ~30 KB in flight per SM at 4.15 TB/s). In-flight bytes cost
@@ -75,8 +79,9 @@ NUM_STAGES = 1
 # records in benchmarks/records/h200/sparse_gemv_20261129T194455Z): 16-row tiles in 24
 # one-warp programs per SM beat every other of 19 configs on 5 of 6 projection shapes, and
 # 32-row tiles in 12 per SM (the first guess) ran 1.3-2x slower; one-tile-per-program grids
-# and 2-8 warps per program were slower too.
-PROGRAMS_PER_SM = 24
+# and 2-8 warps per program were slower too. With two tiles in flight per warp (stages 4) 16
+# programs per SM beat 24 and 32 (records h200/sparse_gemv_20261130T095622Z).
+PROGRAMS_PER_SM = 16
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16  # smallest BLOCK_N (and default BLOCK_K); workspace() sizes its counters for it
 MIN_BLOCK_K = 8  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
