@@ -55,6 +55,16 @@ def test_table_counts_per_depth_and_flags(tmp_path):
     assert len(rows) == 6
 
 
+def test_label_names_selector_fields_set_away_from_their_defaults():
+    rec = _rec("multikey", ("snapkv", 0.2), ["correct"] * 4, ["correct"] * 4)
+    rec["config"]["kv"]["params"] = {"window": 64, "pool_kind": "max"}
+    assert label(rec) == "snapkv 0.2 (pool_kind max)"
+    rec["config"]["kv"]["params"] = {"window": 32}
+    assert label(rec) == "snapkv 0.2 (window 32)"
+    rec["config"]["kv"]["params"] = {"window": 64}
+    assert label(rec) == "snapkv 0.2"
+
+
 def test_records_of_different_runs_are_refused(tmp_path):
     a = _rec("passkey", None, ["correct"] * 4, ["correct"] * 4)
     b = _rec("passkey", ("snapkv", 0.2), ["correct"] * 4, ["correct"] * 4)

@@ -26,10 +26,25 @@ def label(rec: dict) -> str:
     if cfg.get("projection"):
         parts.append(f"{cfg['projection']['method']} {cfg['projection']['keep']:g}")
     if cfg.get("kv"):
-        parts.append(f"{cfg['kv']['method']} {cfg['kv']['keep']:g}")
+        kv = cfg["kv"]
+        extra = _non_default(kv["method"], kv.get("params") or {})
+        parts.append(f"{kv['method']} {kv['keep']:g}" + (f" ({extra})" if extra else ""))
     if cfg.get("variant"):
         parts.append(f"({cfg['variant']})")
     return " + ".join(parts) or "dense"
+
+
+def _non_default(method: str, params: dict) -> str:
+    """'pool_kind max, window 32': the selector fields a record sets away from their defaults."""
+    from dataclasses import fields
+
+    from sparsedecode.kv.select import SELECTORS
+
+    try:
+        defaults = {f.name: f.default for f in fields(SELECTORS[method])}
+    except (KeyError, InputError):
+        defaults = {}
+    return ", ".join(f"{k} {v}" for k, v in sorted(params.items()) if defaults.get(k, object()) != v)
 
 
 def _cells(placements: list[dict], depths: list[float], side: str) -> list[str]:
