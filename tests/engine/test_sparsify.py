@@ -86,3 +86,33 @@ def test_cats_runtime_drops_channels_below_the_activation_threshold():
     mlp.track = True
     _decode(eng, ids)
     assert 0.0 < mlp.realized_keep() < 1.0
+
+
+def test_switching_files_and_back_to_dense_leaves_nothing_behind():
+    """CATS then dense, CATS then TEAL, TEAL then CATS: each configuration decodes as it
+    does on a fresh engine, and dense puts plain modules back everywhere."""
+    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.projection.cats_runtime import CatsMLP
+    from sparsedecode.projection.sparse_linear import SparseLinear
+
+    ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(2))
+    cats = Thresholds(values={f"layers.{i}.act": 0.01 for i in range(2)}, method="cats", keep=0.5,
+                      model=_engine().name, dims=_engine().dims.to_dict(), keep_metric="act_keep")
+    teal = _thresholds(_engine(), 0.02)
+
+    def fresh(th):
+        e = _engine()
+        if th is not None:
+            e.sparsify(th)
+        return _decode(e, ids)
+
+    want = {"dense": fresh(None), "cats": fresh(cats), "teal": fresh(teal)}
+    eng = _engine()
+    for name, th in (("cats", cats), ("dense", None), ("cats", cats), ("teal", teal), ("cats", cats),
+                     ("dense", None)):
+        eng.configure(SparsityConfig(projection=th))
+        torch.testing.assert_close(_decode(eng, ids), want[name], rtol=0, atol=0, msg=f"after -> {name}")
+        mods = [m for layer in eng.model.layers for m in layer.modules()]
+        assert any(isinstance(m, CatsMLP) for m in mods) == (name == "cats"), name
+        assert any(isinstance(m, SparseLinear) for m in mods) == (name != "dense"), name  # CATS's down
+    assert all(type(layer.mlp).__name__ == "FeedForward" for layer in eng.model.layers)

@@ -70,7 +70,7 @@ def test_loading_a_missing_or_foreign_file_says_how_to_fix(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
-    with pytest.raises(InputError, match="no sparsedecode thresholds header"):
+    with pytest.raises(InputError, match="is not a sparsedecode thresholds file"):
         Thresholds.load(tmp_path / "w.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(InputError, match="not a safetensors thresholds file"):

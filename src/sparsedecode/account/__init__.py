@@ -3,9 +3,10 @@
 From model dimensions and keep ratios alone: the bytes one decode step reads,
 the crossover n* at which activation sparsity and KV-cache sparsity remove
 equal bytes, its batched, fixed-budget, precision-scaled and quality-matched
-variants, the ideal speedup bound of each branch and of both, and the latency
-crossing once kernel costs are known. Pure Python: imports neither torch nor
-numpy, so it answers instantly and runs anywhere.
+variants, the ideal speedup bound of each branch and of both, the latency
+crossing once kernel costs are known, and the effective keep of token routing
+(SATS paper §3.2). Pure Python: imports neither torch nor numpy, so it answers
+instantly and runs anywhere.
 """
 
 from sparsedecode.account.crossover import (
@@ -21,6 +22,7 @@ from sparsedecode.account.crossover import (
 from sparsedecode.account.dims import ModelDims, load_config, resolve_dims
 from sparsedecode.account.known import KNOWN_MODELS, KnownModel, known_model
 from sparsedecode.account.matched import MatchedCrossover, admissible_keep, matched_crossover
+from sparsedecode.account.routed import check_routed, routed_keep
 from sparsedecode.account.traffic import (
     StepBytes,
     kv_saving,
@@ -40,6 +42,7 @@ __all__ = [
     "StepBytes",
     "admissible_keep",
     "bounds",
+    "check_routed",
     "crossover",
     "crossover_batched",
     "crossover_fixed_budget",
@@ -55,6 +58,7 @@ __all__ = [
     "projection_saving",
     "resolve_dims",
     "round_tokens",
+    "routed_keep",
     "step_bytes",
     "traffic_table",
 ]

@@ -31,6 +31,7 @@ from sparsedecode.cli import eval as _eval  # noqa: E402,F401
 from sparsedecode.cli import eval_grid as _eval_grid  # noqa: E402,F401
 from sparsedecode.cli import eval_retrieval as _eval_retrieval  # noqa: E402,F401
 from sparsedecode.cli import report as _report  # noqa: E402,F401
+from sparsedecode.cli import route as _route  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

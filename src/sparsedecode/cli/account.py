@@ -1,6 +1,7 @@
 """`sparsedecode account`: the byte account of a decode step (ByteCross §3, §4.3, §5.2).
 
     sparsedecode account --model llama-3.1-8b --rp 0.5 --rkv 0.3 --context 128K
+    sparsedecode account --model llama-3.1-8b --rp 0.5 --routed 0.5 --ff-only --context 8K
     sparsedecode account matched --model llama-3.1-8b --proj 0.7:0.18,0.5:0.995 \
         --sel 0.3:0.004,0.1:0.06 --budget 0.2
     sparsedecode account plot --model llama-3.1-8b --out bounds.png
@@ -83,6 +84,12 @@ def account(
     bandwidth: Annotated[
         str | None, typer.Option("--bandwidth", help="Effective bandwidth in GB/s for --cost-*.")
     ] = None,
+    routed: Annotated[
+        str | None,
+        typer.Option("--routed", help="Token routing: fraction R of decode steps on the sparse "
+                     "path (the rest dense); the account then uses the effective keep "
+                     "R*rp + (1 - R)."),
+    ] = None,
     weight_bytes: WeightBytesOpt = "2",
     kv_bytes: KvBytesOpt = "2",
     json_out: JsonOpt = False,
@@ -91,8 +98,22 @@ def account(
     if ctx.invoked_subcommand is not None:
         return
     dims = acc.resolve_dims(model, config)
-    r_p, r_kv = check_keep(rp, "--rp"), check_keep(rkv, "--rkv")
+    r_sparse, r_kv = check_keep(rp, "--rp"), check_keep(rkv, "--rkv")
     s_w, s_kv = _sizes(weight_bytes, kv_bytes)
+    routing = None
+    r_p = r_sparse
+    if routed is not None:  # every byte quantity below is linear in the keep: use the mean step's
+        r = acc.check_routed(routed, "--routed")
+        r_p = acc.routed_keep(r_sparse, r)
+        n_b = 0 if context is None else acc.parse_tokens(context, "--context")
+        routing = {
+            "routed": r,
+            "sparse_keep": r_sparse,
+            "effective_keep": r_p,
+            "bound_context": n_b,
+            "bound": acc.bounds(dims, n_b, r_p, r_kv, ff_only, s_w, s_kv).projection,
+            "static_bound": acc.bounds(dims, n_b, r_sparse, r_kv, ff_only, s_w, s_kv).projection,
+        }
     n_star = acc.crossover(dims, r_p, r_kv, ff_only, s_w, s_kv)
     n_ff = acc.crossover(dims, r_p, r_kv, True, s_w, s_kv)
     out: dict = {
@@ -108,13 +129,16 @@ def account(
         "crossover_ff_tokens": acc.round_tokens(n_ff),
         "crossover_ff_exact": n_ff,
     }
+    if routing is not None:
+        out["rp"] = r_sparse
+        out["routing"] = routing
     if (batch is None) != (union is None):
         raise InputError("--batch and --union go together: e.g. --batch 4 --union 0.92")
     if batch is not None:
         u = check_keep(union, "--union")
-        if u < r_p:
+        if u < r_sparse:
             raise InputError(
-                f"--union {u} is below --rp {r_p}: a batch reads at least the channels one "
+                f"--union {u} is below --rp {r_sparse}: a batch reads at least the channels one "
                 "sequence reads, so u_B >= r_P"
             )
         nb = acc.crossover_batched(dims, u, r_kv, batch, ff_only, s_w, s_kv)
@@ -176,7 +200,16 @@ def _print_account(out: dict) -> None:
         f"vocab {d['vocab']}; weights {out['weight_bytes']:g} B, KV {out['kv_bytes']:g} B per element"
     )
     sites = "feed-forward projections" if out["ff_only"] else "seven projections"
-    t = Table(title=f"Byte crossover at r_P={out['rp']:g}, r_KV={out['rkv']:g} (K = 1,024 tokens)")
+    rt = out.get("routing")
+    rp = out["rp"] if rt is None else rt["effective_keep"]
+    if rt is not None:
+        con.print(
+            f"token routing: {100 * rt['routed']:g}% of decode steps at keep {rt['sparse_keep']:g}, "
+            f"the rest dense: effective keep {rt['effective_keep']:.4g}; projection byte bound "
+            f"{rt['bound']:.3f}x at {rt['bound_context']:,} tokens (static sparse "
+            f"{rt['static_bound']:.3f}x)"
+        )
+    t = Table(title=f"Byte crossover at r_P={rp:g}, r_KV={out['rkv']:g} (K = 1,024 tokens)")
     t.add_column("crossover")
     t.add_column("context", justify="right")
     t.add_row(f"n*, {sites}", _tokens_str(out["crossover_exact"]))
@@ -218,7 +251,7 @@ def _print_account(out: dict) -> None:
             "attention",
             "KV",
             "other",
-            f"{branch} r_P={out['rp']:g}",
+            f"{branch} r_P={rp:g}",
             f"KV r_KV={out['rkv']:g}",
         ):
             t.add_column(col, justify="right")

@@ -32,6 +32,9 @@ def generate(
                                    "(sparsedecode calibrate): sparse decode steps."),
     proj_keep: str = typer.Option(None, "--proj-keep", help="Projection keep: calibrate uniform "
                                   "TEAL thresholds on WikiText-2 validation once, cache, use."),
+    routing: str = typer.Option(None, "--routing", help="Routing table (sparsedecode route build + "
+                                "calibrate): each decode step runs the dense MLP or the CATS "
+                                "--thresholds by its token id."),
     kv: str = typer.Option(None, "--kv", help="KV branch after the prefill: snapkv (attention-scored "
                            "selection) or window (4 sinks + recent entries)."),
     kv_keep: float = typer.Option(None, "--kv-keep", help="Fraction of the prompt's KV entries "
@@ -46,8 +49,19 @@ def generate(
         raise InputError("give --thresholds FILE or --proj-keep K, not both")
     if (kv is None) != (kv_keep is None):
         raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.2)")
+    table = None
+    if routing is not None:
+        from sparsedecode.projection.routing import RoutingTable
+
+        if thresholds is None:
+            raise InputError("--routing chooses between the dense MLP and CATS thresholds: give "
+                             "--thresholds FILE (a cats or sats file) too")
+        table = RoutingTable.load(routing)  # a bad file fails before the model loads
+        table.sparse_of()  # and so does an uncalibrated one
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
                             attention=attention, quiet=as_json, thresholds=thresholds)
+    if table is not None:
+        eng.route(table)
     if proj_keep is not None:
         from sparsedecode.projection.calibrate import cached_teal
 
@@ -85,6 +99,9 @@ def generate(
             "kv": None if eng.kv is None else {
                 "method": eng.kv.method, "keep": eng.kv.keep, "mode": eng.kv.mode, "prompt_tokens": eng.kv.n,
                 "budget": eng.kv.budget, "select_s": round(eng.kv.select_s, 4)},
+            "routing": None if eng.routing is None else {
+                "table": routing, "tau": eng.routing.tau, "target": eng.routing.target,
+                "calibrated_fraction": eng.routing.routed, "decode_steps_sparse": _nan_none(eng.routed_fraction())},
             "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
         }))
         return
@@ -98,9 +115,19 @@ def generate(
                else "row-gather up + sparse down GEMV" if eng.thresholds.method == "cats"
                else "sparse GEMV"))) + ("" if eng.kv is None else (
             f"; kv {eng.kv.method} keep {eng.kv.keep:g}: {eng.kv.budget} of {eng.kv.n} prompt entries "
-            f"per KV head, selected in {eng.kv.select_s:.3f} s")),
+            f"per KV head, selected in {eng.kv.select_s:.3f} s")) + ("" if eng.routing is None else (
+            f"; routing tau {eng.routing.tau:.4g} (target {eng.routing.target:g}): "
+            f"{_pct(eng.routed_fraction())} of decode steps sparse")),
         err=True,
     )
+
+
+def _nan_none(x: float) -> float | None:
+    return None if x != x else round(x, 4)
+
+
+def _pct(x: float) -> str:
+    return "none" if x != x else f"{100 * x:.1f}%"
 
 
 @app.command()

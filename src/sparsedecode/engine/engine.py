@@ -11,6 +11,9 @@ the sampled token afterwards, to stream it and to stop at EOS. On CPU the
 same step runs eagerly. The sdpa_fused path slices the cache on the host: its
 step also takes the valid length as a Python int, compiled as a dynamic size
 (one graph for every length), and runs without a CUDA graph, whose shapes are fixed.
+With token routing (SATS paper §3.2, `Engine.route`) the step first looks its
+token id up in a device table to pick the dense or the CATS MLP path, inside
+the same captured step.
 """
 
 from __future__ import annotations
@@ -89,10 +92,14 @@ class Engine:
         self.thresholds = None  # set by sparsify
         self.kv = None  # a kv.apply.KVSelection while decoding reads selected entries
         self.kv_config = None  # an engine.config.KVConfig: selected after every prompt's prefill
+        self.router = None  # a cats_runtime.Router while decode steps are routed (route)
+        self.routing = None  # its projection.routing.RoutingTable
         self.last_prefill: tuple[torch.Tensor | None, int] = (None, 0)  # (ids (L,), start)
 
     # -- the model calls ----------------------------------------------------
     def _decode_forward(self, host_len: int | None = None) -> torch.Tensor:
+        if self.router is not None:
+            self.router.step()  # this token's path, read by every CatsMLP (a device lookup)
         return self.model(self._tok, self._pos, None, host_len)[0, -1].float()  # (V,)
 
     def _check_len(self, n: int, what: str) -> None:
@@ -178,6 +185,7 @@ class Engine:
     def _capture(self) -> None:
         # Warm-up on a side stream (compiles, autotunes, allocates), then capture.
         # The warm-ups rewrite the cache slot at `_pos`, which the real step rewrites too.
+        counts = None if self.router is None else self.router.counts.clone()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -188,6 +196,8 @@ class Engine:
         with torch.cuda.graph(graph):
             self._graph_out = self._step_fn()
         self._graph = graph
+        if counts is not None:  # the warm-ups are not decode steps
+            self.router.counts.copy_(counts)
 
     def sparsify(self, thresholds) -> None:
         """Run the projection branch in the decode step (ByteCross §3.2): each site whose
@@ -203,27 +213,92 @@ class Engine:
         th = thresholds if isinstance(thresholds, Thresholds) else Thresholds.load(thresholds)
         th.validate(self.dims)
         sites = set(th.sites)
+        if ACT_SITE in sites and sites != {ACT_SITE}:
+            raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
+        self._dense_projections()  # from the dense model: nothing of an earlier file stays
         if ACT_SITE in sites:
-            if sites != {ACT_SITE}:
-                raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
-            cats_(self.model, th.values)
-        elif sites:
-            sparsify_(self.model, th.values, ff_only=not sites - {"gate", "up", "down"})
+            for mlp in cats_(self.model, th.values):
+                mlp.set_router(self.router)  # routing, if on, follows the new thresholds
+        else:
+            self.route(None)  # routing picks between dense and CATS MLPs only
+            if sites:
+                sparsify_(self.model, th.values, ff_only=not sites - {"gate", "up", "down"})
         self.thresholds = th
         self._graph = None
 
-    def configure(self, config) -> str:
-        """Install an `engine.config.SparsityConfig`: its projection thresholds (or dense
-        projections) now, its KV selection after each prompt's prefill in `generate`.
-        Returns the mode name."""
+    def _dense_projections(self) -> None:
+        """Plain nn.Linear projections and dense MLPs everywhere (undoes `sparsify`)."""
+        from sparsedecode.projection.cats_runtime import uncats_
         from sparsedecode.projection.sparse_linear import densify_
 
+        uncats_(self.model)
+        densify_(self.model)
+
+    def route(self, table) -> None:
+        """Token routing (SATS paper §3.2): each decode step runs the dense MLP or the CATS
+        path by a lookup of its token id in `table` (a calibrated `RoutingTable` or its file;
+        None turns routing off). Needs CATS-style thresholds installed (`sparsify`); the
+        table must match this model's vocabulary and tokenizer. Prefill stays dense.
+        `routed_fraction` reads the share of decode steps routed sparse since then."""
+        from sparsedecode.projection.cats_runtime import CatsMLP, Router
+        from sparsedecode.projection.routing import RoutingTable, check_cats
+
+        if table is None:
+            if self.router is not None:
+                for layer in self.model.layers:
+                    if isinstance(layer.mlp, CatsMLP):
+                        layer.mlp.set_router(None)
+                self.router = self.routing = None
+                self._graph = None
+            return
+        table = table if isinstance(table, RoutingTable) else RoutingTable.load(table)
+        table.check(self)
+        if self.thresholds is None:
+            raise InputError(
+                "token routing chooses between the dense MLP and the CATS path: install CATS "
+                "thresholds first (--thresholds FILE, Engine.sparsify)"
+            )
+        check_cats(self.thresholds)
+        mine, theirs = self.thresholds, table.thresholds
+        if (mine.method, mine.keep) != (theirs.get("method"), theirs.get("keep")):
+            import warnings
+
+            warnings.warn(
+                f"the routing table scored {theirs.get('method')} keep {theirs.get('keep')} "
+                f"thresholds and the engine runs {mine.method} keep {mine.keep:g}: its scores "
+                "may not rank this sparse path's damage", stacklevel=2)
+        self.router = Router(table.sparse_of(), self._tok)
+        for layer in self.model.layers:
+            layer.mlp.set_router(self.router)
+        self.routing = table
+        self._graph = None
+
+    def routed_fraction(self) -> float:
+        """Decode steps routed to the sparse path over decode steps since `route` (or
+        `reset_routed`); nan before any step or without routing. Reads a device counter."""
+        return float("nan") if self.router is None else self.router.fraction()
+
+    def reset_routed(self) -> None:
+        """Zero the routed-step counter."""
+        if self.router is not None:
+            self.router.reset()
+
+    def configure(self, config) -> str:
+        """Install an `engine.config.SparsityConfig`: its projection thresholds (or dense
+        projections) and token routing now, its KV selection after each prompt's prefill in
+        `generate`. Returns the mode name."""
+
+        routing = getattr(config, "routing", None)
+        if routing is None:
+            self.route(None)
         if config.projection is not None:
             self.sparsify(config.projection)
         elif self.thresholds is not None:
-            densify_(self.model)
+            self._dense_projections()
             self.thresholds = None
             self._graph = None
+        if routing is not None:
+            self.route(routing)
         self.kv_config = config.kv
         return config.mode
 

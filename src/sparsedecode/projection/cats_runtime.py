@@ -13,6 +13,19 @@ masked: 'masked', it saves no bytes). The realized keep it reports is over the
 SiLU(gate) channels, as the calibrator targets; the mask is compared in float32
 on every path, so CPU and CUDA keep the same channels. Prefill (several tokens)
 runs the dense MLP, as in both papers.
+
+Token routing (SATS paper §3.2) picks the path per decode step from the current
+token id alone. A `Router` holds a (V,) bool table on the device, sparse or not
+per token id, and the engine's static token tensor; `Router.step`, run inside
+the decode step before the layers, looks the token up into a shared 0-d flag
+(a device gather: no host sync, capturable in a CUDA graph) and counts routed
+steps. Each routed `CatsMLP` reads the flag: on CUDA its effective threshold
+is where(flag, t, -1), so a dense-routed step keeps every channel and reads
+every row of up and down (the base path's bytes; equal to the dense MLP up to
+the kernels' fp32 summation order). On CPU the masked reference computes both
+products and selects one with torch.where: a dense-routed step is bitwise the
+original MLP (its down weight restored in the original layout), a sparse-routed
+one bitwise the unrouted CATS step.
 """
 
 from __future__ import annotations
@@ -25,6 +38,8 @@ from torch import Tensor
 from sparsedecode.kernels.gather_gemv import cats_up
 from sparsedecode.kernels.sparse_gemv import _interpreting, keep_mask, workspace
 from sparsedecode.projection.sparse_linear import FixedDtypeBuffers, SparseLinear
+
+KEEP_ALL = -1.0  # an effective threshold below every |SiLU(gate)|: the dense path
 
 
 class CatsMLP(FixedDtypeBuffers):
@@ -42,6 +57,11 @@ class CatsMLP(FixedDtypeBuffers):
         self.gate_proj, self.up_proj = mlp.gate_proj, up
         down = mlp.down_proj
         self.down_proj = down if isinstance(down, SparseLinear) else SparseLinear.from_linear(down, 0.0)
+        # The original module, emptied of its projections (they live here now; keeping its
+        # down would hold a second copy), so `uncats_` can put it back.
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(mlp, name, None)
+        self._shell = [mlp]  # a list: not a submodule
         self.site = site
         self.track = track
         dev = up.weight.device
@@ -53,29 +73,101 @@ class CatsMLP(FixedDtypeBuffers):
         acc, count = workspace(up.out_features, dev)
         self.register_buffer("ws_acc", acc, persistent=False)  # (d_ff,) fp32, zero between calls
         self.register_buffer("ws_count", count, persistent=False)
+        self.router: Router | None = None  # token routing (set_router); None: always sparse
+        self.down_dense = None  # CPU routing only: down as the original nn.Linear
+
+    def set_router(self, router: Router | None) -> None:
+        """Route this MLP's decode steps by `router` (None: every step sparse, as before).
+
+        On CPU a routed MLP keeps a second copy of down in the original nn.Linear layout,
+        so its dense-routed steps compute exactly what the original MLP computes."""
+        self.router = router
+        kernel = self.up_proj.weight.is_cuda or _interpreting()
+        if router is None or kernel:
+            self.down_dense = None
+        elif self.down_dense is None:
+            down = self.down_proj
+            self.down_dense = down.to_linear() if isinstance(down, SparseLinear) else down
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., d) -> (..., d)."""
         act = F.silu(self.gate_proj(x))  # (..., d_ff)
         if x.shape[:-1].numel() != 1:
             return self.down_proj(act * self.up_proj(x))  # prefill: dense (down runs dense too)
+        flag = None if self.router is None else self.router.flag  # 0-d bool: this step is sparse
+        # the threshold this step applies: a dense-routed step keeps every channel
+        thr = self.threshold if flag is None else torch.where(flag, self.threshold, KEEP_ALL)
         if self.track:
-            keep = keep_mask(act, self.threshold)  # (1, d_ff)
+            keep = keep_mask(act, thr)  # (1, d_ff)
             self.kept[0] += keep.sum()
             self.kept[1] += keep.numel()
         if x.is_cuda or _interpreting():
             # reads only the up rows of kept channels; h is 0 exactly where dropped
-            h = cats_up(x, self.up_proj.weight, act, self.threshold, self.up_proj.bias,
+            h = cats_up(x, self.up_proj.weight, act, thr, self.up_proj.bias,
                         ws=(self.ws_acc, self.ws_count))  # (..., d_ff)
-        else:
-            h = (act * keep_mask(act, self.threshold)) * self.up_proj(x)  # masked: up read whole
-        return self.down_proj(h)  # zeros: down skips those rows
+            return self.down_proj(h)  # zeros: down skips those rows
+        up = self.up_proj(x)  # (..., d_ff)
+        h = (act * keep_mask(act, self.threshold)) * up  # masked: up read whole
+        sparse = self.down_proj(h)  # (..., d)
+        if flag is None:
+            return sparse
+        return torch.where(flag, sparse, self.down_dense(act * up))  # the original MLP's ops
 
     def realized_keep(self) -> float:
-        """Kept SiLU(gate) channels over channels seen by tracked one-token calls."""
+        """Kept SiLU(gate) channels over channels seen by tracked one-token calls (a
+        dense-routed step keeps, and reads, all of them)."""
         kept, total = self.kept.tolist()
         return kept / total if total else float("nan")
 
+
+class Router:
+    """Which MLP path each decode step takes, from its token id alone (SATS paper §3.2).
+
+    sparse_of: (V,) bool on the device, True where a token id takes the CATS path;
+    tok: the engine's static (1, 1) token input. `step` (inside the decode step, before
+    the layers) sets `flag`, the 0-d bool every routed CatsMLP reads, and adds to
+    `counts` = [sparse-routed steps, steps] (int64, on the device: read on request).
+    """
+
+    def __init__(self, sparse_of: Tensor, tok: Tensor):
+        if sparse_of.dim() != 1 or sparse_of.dtype != torch.bool:
+            raise ValueError(f"sparse_of must be a (V,) bool tensor, got {sparse_of.dtype} "
+                             f"{tuple(sparse_of.shape)}")
+        self.sparse_of = sparse_of.to(tok.device)  # (V,)
+        self.tok = tok  # (1, 1)
+        self.flag = torch.zeros((), dtype=torch.bool, device=tok.device)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=tok.device)
+
+    def step(self) -> None:
+        # index_select with a (1,) index: a device gather (x[t] with a 0-d t would call .item())
+        sparse = self.sparse_of.index_select(0, self.tok.reshape(1)).reshape(())  # 0-d bool
+        self.flag.copy_(sparse)
+        self.counts[0] += sparse.long()
+        self.counts[1] += 1
+
+    def fraction(self) -> float:
+        """Sparse-routed decode steps over decode steps since the last reset (nan before any)."""
+        sparse, total = self.counts.tolist()
+        return sparse / total if total else float("nan")
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+
+def uncats_(model) -> int:
+    """Put the original dense MLP back in every layer that runs a `CatsMLP` (same weights,
+    down in its original layout); returns how many were replaced."""
+    n = 0
+    for layer in model.layers:
+        mlp = layer.mlp
+        if isinstance(mlp, CatsMLP):
+            shell = mlp._shell[0]
+            down = mlp.down_proj
+            shell.gate_proj, shell.up_proj = mlp.gate_proj, mlp.up_proj
+            shell.down_proj = down.to_linear() if isinstance(down, SparseLinear) else down
+            layer.mlp = shell
+            n += 1
+    return n
 
 
 def cats_(model, thresholds: dict[str, float], track: bool = False) -> list[CatsMLP]:

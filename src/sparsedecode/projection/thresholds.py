@@ -18,7 +18,6 @@ calibration text. Thresholds transfer between checkpoints of the same shape
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from sparsedecode.account.dims import ModelDims
 from sparsedecode.errors import InputError
+from sparsedecode.stfile import load_with_header, save_with_header
 
 INPUT_SITES = ("q", "k", "v", "o", "gate", "up", "down")
 ACT_SITE = "act"
@@ -110,41 +110,15 @@ class Thresholds:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the safetensors file (written to a temp name, then renamed)."""
         import torch
-        from safetensors.torch import save_file
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in self.values.items()}
-        meta = {"format": FORMAT, "header": json.dumps(self.header())}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-        return path
+        return save_with_header(path, tensors, FORMAT, self.header())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Thresholds:
         """Read a file written by `save`; anything else is an InputError."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(f"no thresholds file at {path}; make one with `sparsedecode calibrate`")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        except Exception as e:  # a corrupt or foreign file: same fix
-            raise InputError(
-                f"{path} is not a safetensors thresholds file ({type(e).__name__}); "
-                "make one with `sparsedecode calibrate`"
-            ) from None
-        if meta.get("format") != FORMAT or "header" not in meta:
-            raise InputError(
-                f"{path} has no sparsedecode thresholds header (format {meta.get('format')!r}); "
-                "make one with `sparsedecode calibrate`"
-            )
-        values = {k: float(t) for k, t in tensors.items()}
-        return cls(values=values, **json.loads(meta["header"]))
+        tensors, header = load_with_header(path, FORMAT, "thresholds file", "sparsedecode calibrate")
+        return cls(values={k: float(t) for k, t in tensors.items()}, **header)
 
     # -- checks --------------------------------------------------------------
     def validate(self, dims: ModelDims) -> str | None:
