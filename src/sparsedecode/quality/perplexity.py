@@ -94,15 +94,43 @@ def chunked_nll(engine, ids, chunks: int = 128, table: dict | None = None,
                 progress: bool = False, *, config=None) -> list[float]:
     """Summed next-token NLL (nats) of each chunk's scored targets; `table` maps threshold
     keys to thresholds (input sites and CATS `act`), or `config` (an
-    `engine.config.SparsityConfig` without a KV branch) names them; neither is dense."""
-    from sparsedecode.projection.calibrate import masks
-
+    `engine.config.SparsityConfig` without a KV branch, possibly routed) names them; neither
+    is dense."""
     if config is not None:
         if table is not None:
             raise InputError("give a threshold table or a configuration, not both")
         check_config("chunked", config)
         th = resolve_projection(engine, config.projection)
         table = None if th is None else th.values
+        if th is not None and getattr(config, "routing", None) is not None:
+            return chunked_nll_many(engine, ids, chunks, [(table, _sparse_of(engine, config.routing))],
+                                    progress)[0]
+    return chunked_nll_many(engine, ids, chunks, [(table, None)], progress)[0]
+
+
+def _sparse_of(engine, routing) -> torch.Tensor:
+    """(V,) bool: token ids a calibrated routing table (or its file) sends to the sparse path."""
+    from sparsedecode.projection.routing import RoutingTable
+
+    table = routing if isinstance(routing, RoutingTable) else RoutingTable.load(routing)
+    table.check(engine)
+    if not table.calibrated:
+        raise InputError("the routing table has no tau yet: run `sparsedecode route calibrate` first")
+    return table.sparse_of()
+
+
+@torch.inference_mode()
+def chunked_nll_many(engine, ids, chunks: int, settings, progress: bool = False) -> list[list[float]]:
+    """`chunked_nll` of several settings from one dense prefill of each chunk's first half.
+
+    settings: (table, sparse_of) pairs; table maps threshold keys to thresholds (None:
+    dense), sparse_of is None or a (V,) bool routing lookup (SATS paper §3.2): a scored
+    position applies the thresholds only where its current token id routes sparse and is
+    dense elsewhere, as the routed decode step does. Returns per setting the summed NLL
+    of each chunk. Each setting rewrites the cache past position DENSE with its own pass,
+    so the first half is prefilled once per chunk for all of them."""
+    from sparsedecode.projection.calibrate import masks
+
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # (N,)
     need = chunks * CHUNK + 1
     if chunks < 1 or ids.numel() < need:
@@ -112,7 +140,7 @@ def chunked_nll(engine, ids, chunks: int = 128, table: dict | None = None,
         )
     if engine.max_len < CHUNK:
         raise InputError(f"chunked perplexity needs a cache of {CHUNK} tokens; load with max_len >= {CHUNK}")
-    out = []
+    out: list[list[float]] = [[] for _ in settings]
     it = range(chunks)
     if progress:
         from tqdm import tqdm
@@ -122,10 +150,19 @@ def chunked_nll(engine, ids, chunks: int = 128, table: dict | None = None,
         c = ids[k * CHUNK : (k + 1) * CHUNK + 1]  # (2049,): the chunk and the next token
         engine.reset()
         engine.prefill(c[:DENSE])  # dense positions 0..1023
-        with masks(engine.model, table or {}):
-            logits = engine.prefill(c[DENSE:CHUNK], start=DENSE, all_logits=True)  # (1024, V)
-        nll = F.cross_entropy(logits.double(), c[DENSE + 1 :].to(logits.device), reduction="sum")
-        out.append(float(nll))
+        for j, (table, sparse_of) in enumerate(settings):
+            logits = []
+            for s in range(DENSE, CHUNK, PREFILL_CHUNK):  # the engine's prefill pieces, made here
+                piece = c[s : min(s + PREFILL_CHUNK, CHUNK)]  # (l,)
+                t = table
+                if table and sparse_of is not None:  # per position: the threshold, or keep all
+                    on = sparse_of.to(piece.device)[piece][None, :, None].to(engine.device)  # (1, l, 1)
+                    t = {key: torch.where(on, float(v), -1.0) for key, v in table.items()}
+                with masks(engine.model, t or {}):
+                    logits.append(engine.prefill(piece, chunk=PREFILL_CHUNK, start=s, all_logits=True))
+            logits = torch.cat(logits)  # (1024, V)
+            nll = F.cross_entropy(logits.double(), c[DENSE + 1 :].to(logits.device), reduction="sum")
+            out[j].append(float(nll))
     engine.reset()
     return out
 
@@ -235,5 +272,5 @@ def evaluate(engine, ids, protocol: str, config=None, *, chunks: int = 128, wind
 
 __all__ = [
     "CHUNK", "DENSE", "PROTOCOLS", "SCORED", "WindowNLL", "check_config", "check_decode_length",
-    "chunked_nll", "decode_nll", "decode_starts", "evaluate", "pooled_ppl", "resolve_projection",
+    "chunked_nll", "chunked_nll_many", "decode_nll", "decode_starts", "evaluate", "pooled_ppl", "resolve_projection",
 ]

@@ -1,0 +1,86 @@
+"""Chunked perplexity of a routed configuration (SATS paper §3.2): each scored position
+applies the CATS thresholds only where its token id routes sparse. All-sparse routing
+equals the CATS table, all-dense equals dense, and a mixed table equals a brute force
+through the engine's routed decode step, one teacher-forced token at a time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparsedecode
+from sparsedecode.engine.config import SparsityConfig
+from sparsedecode.projection.routing import RoutingTable, tokenizer_fingerprint
+from sparsedecode.projection.thresholds import Thresholds
+from sparsedecode.quality.data import DEFAULT_WIKITEXT, text_ids
+from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll, chunked_nll_many
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=4096,
+            rope_theta=10000.0, eos_token_id=None)
+TEXT = DEFAULT_WIKITEXT / "wiki.test.raw"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from sparsedecode.models.load import load_tokenizer, resolve
+
+    if not TEXT.is_file():
+        pytest.skip(f"WikiText-2 raw test split not found at {TEXT}")
+    tok = load_tokenizer(resolve("smollm2-135m", quiet=True))
+    eng = sparsedecode.load(dict(TINY), init="random", device="cpu", dtype="float32", max_len=CHUNK + 8,
+                            compile=False)
+    eng.tokenizer = tok  # only its fingerprint matters: tables are checked against it
+    path = tmp_path_factory.mktemp("text") / "wiki.txt"
+    path.write_text(TEXT.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    ids = [t % 1000 for t in text_ids(tok, path)[: CHUNK + 1]]  # a small vocabulary: a fast LM head
+    assert len(ids) == CHUNK + 1
+    return eng, ids
+
+
+def _cats(eng) -> Thresholds:
+    return Thresholds(values={f"layers.{i}.act": 0.02 for i in range(2)}, method="cats", keep=0.5,
+                      model=eng.name, dims=eng.dims.to_dict(), keep_metric="act_keep")
+
+
+def _table(eng, tau: float) -> RoutingTable:
+    V = eng.dims.vocab
+    scores = torch.rand(V, generator=torch.Generator().manual_seed(0))
+    return RoutingTable(scores=scores, count=torch.ones(V, dtype=torch.long), model=eng.name, vocab=V,
+                        tokenizer=tokenizer_fingerprint(eng.tokenizer), thresholds={}, text={}, tau=tau)
+
+
+def test_routing_all_sparse_is_cats_all_dense_is_dense(setup):
+    eng, ids = setup
+    cats = _cats(eng).values
+    dense, sparse, all_sparse, all_dense = chunked_nll_many(eng, ids, 1, [
+        (None, None), (cats, None), (cats, _table(eng, math.inf).sparse_of()),
+        (cats, _table(eng, -math.inf).sparse_of())])
+    assert all_sparse == sparse and all_dense == dense and sparse != dense
+    assert chunked_nll(eng, ids, 1, config=SparsityConfig(projection=_cats(eng))) == sparse
+
+
+def test_mixed_routing_matches_the_routed_decode_step(setup):
+    eng, ids = setup
+    table = _table(eng, 0.5)
+    got = chunked_nll(eng, ids, 1, config=SparsityConfig(projection=_cats(eng), routing=table))[0]
+    c = torch.as_tensor(ids)
+    on = table.sparse_of()[c[DENSE:CHUNK]]
+    assert 0.3 < float(on.float().mean()) < 0.7  # both paths taken
+    eng.sparsify(_cats(eng))
+    eng.route(table)
+    try:
+        eng.reset()
+        eng.prefill(c[:DENSE])
+        nll = 0.0
+        for t, target in zip(c[DENSE:CHUNK].tolist(), c[DENSE + 1:].tolist(), strict=True):
+            logits = eng.decode_step(t)
+            nll += float(F.cross_entropy(logits.double()[None], torch.tensor([target])))
+        assert abs(eng.routed_fraction() - float(on.float().mean())) < 1e-9
+    finally:
+        eng.configure(SparsityConfig())
+        eng.reset()
+    assert got == pytest.approx(nll, rel=1e-6)
