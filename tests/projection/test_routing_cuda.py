@@ -37,13 +37,13 @@ def test_routed_capture_matches_the_dense_and_cats_engines(dtype):
     eng = sparsedecode.load(dict(CFG), init="random", device="cuda", dtype=dtype, max_len=600)
     ids = torch.randint(0, 300, (540,), generator=torch.Generator().manual_seed(0))
     dense = _decode(eng, ids)
-    cats = Thresholds(values={f"layers.{i}.act": 0.05 for i in range(3)}, method="cats", keep=0.5,
+    cats = Thresholds(values={f"layers.{i}.act": 0.3 for i in range(3)}, method="cats", keep=0.5,
                       model=eng.name, dims=eng.dims.to_dict(), keep_metric="act_keep")
     eng.sparsify(cats)
     sparse = _decode(eng, ids)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     scale = dense.abs().max().item()
-    assert (sparse - dense).abs().max().item() > 10 * tol * scale  # CATS changes the logits
+    assert (sparse - dense).abs().max().item() > 3 * tol * scale  # CATS changes the logits
     for everything, want in ((True, sparse), (False, dense)):
         eng.route(_table(torch.full((300,), everything)))
         got = _decode(eng, ids)
