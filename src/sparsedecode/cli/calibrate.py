@@ -25,7 +25,7 @@ from sparsedecode.errors import InputError
 def calibrate(
     out: Annotated[str, typer.Option("--out", "-o", help="Thresholds file to write (.safetensors).")],
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")] = "smollm2-135m",
-    method: Annotated[str, typer.Option("--method", help="Calibration method: teal or cats.")] = "teal",
+    method: Annotated[str, typer.Option("--method", help="Calibration method: teal, cats or sats.")] = "teal",
     keep: Annotated[str, typer.Option("--keep", help="Target keep in (0, 1].")] = "0.5",
     greedy: Annotated[bool, typer.Option("--greedy", help="TEAL's greedy block-wise allocation.")] = False,
     ff_only: FfOnlyOpt = False,

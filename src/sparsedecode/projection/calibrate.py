@@ -388,6 +388,7 @@ def _thresholds(acts: Activations, keeps: dict[str, float]) -> dict[str, float]:
 CALIBRATORS: Mapping[str, type[Calibrator]] = Registry("calibration method", {
     "teal": "sparsedecode.projection.teal:Teal",
     "cats": "sparsedecode.projection.cats:Cats",
+    "sats": "sparsedecode.projection.sats:Sats",
 })
 
 
