@@ -84,3 +84,20 @@ def test_mixed_routing_matches_the_routed_decode_step(setup):
         eng.configure(SparsityConfig())
         eng.reset()
     assert got == pytest.approx(nll, rel=1e-6)
+
+
+def test_decode_protocol_runs_the_routing(setup):
+    from sparsedecode.quality.perplexity import decode_nll
+
+    eng, ids = setup
+    args = dict(windows=1, length=560)
+    try:
+        dense = decode_nll(eng, ids, **args).nll
+        cats = decode_nll(eng, ids, config=SparsityConfig(projection=_cats(eng)), **args).nll
+        for tau, want in ((math.inf, cats), (-math.inf, dense)):
+            got = decode_nll(eng, ids, config=SparsityConfig(projection=_cats(eng), routing=_table(eng, tau)),
+                             **args).nll
+            assert got == want
+        assert cats != dense
+    finally:
+        eng.configure(SparsityConfig())

@@ -232,8 +232,9 @@ def decode_nll(engine, ids, windows: int = 8, length: int | None = None, config=
     check_decode_length(engine, length, scored)
     starts = decode_starts(ids.numel(), windows, length)
     config = config or SparsityConfig()
-    engine.configure(SparsityConfig(projection=resolve_projection(engine, config.projection),
-                                    kv=config.kv))
+    th = resolve_projection(engine, config.projection)
+    engine.configure(SparsityConfig(projection=th, kv=config.kv,
+                                    routing=None if th is None else getattr(config, "routing", None)))
     kv = config.kv
     n = length - scored  # dense prefill
     chunk = _prefill_chunk(n)
