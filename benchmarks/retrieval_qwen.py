@@ -64,9 +64,9 @@ def run(a, cells) -> None:
         for name in names:
             kv = CONFIGS[name]
             flags = "" if kv is None else f" --kv {kv[0]} --kv-keep {kv[1]:g}"
-            note = f"  # with {kv[2]} (no CLI flag: KVConfig params)" if kv is not None and kv[2] else ""
+            flags += "".join(f" --kv-param {k}={v}" for k, v in ({} if kv is None else kv[2]).items())
             print(f"sparsedecode eval {test} -m {a.model} --context {a.context} --trials {a.trials}{flags} "
-                  f"--device {a.device} --dtype {a.dtype} --out {a.out / f'{test}_{name}.json'}{note}", flush=True)
+                  f"--device {a.device} --dtype {a.dtype} --out {a.out / f'{test}_{name}.json'}", flush=True)
             configs.append(SparsityConfig(kv=None if kv is None else KVConfig(kv[0], kv[1], {"window": OBS, **kv[2]})))
         t0 = time.perf_counter()
         recs = evaluate_retrieval_many(eng, test, configs, context=a.context, depths=DEPTHS, trials=a.trials,

@@ -248,6 +248,8 @@ def test_cli_refuses_bad_input_before_loading(capsys, no_load, tmp_path):
     assert code == 2 and "with the decode protocol (--protocol decode)" in err
     code, _, err = _cli(capsys, "--kv", "snapkv")
     assert code == 2 and "needs both --kv METHOD and --kv-keep K" in err
+    code, _, err = _cli(capsys, "--protocol", "decode", "--kv", "snapkv", "--kv-keep", "0.3", "--kv-param", "sinks=x")
+    assert code == 2 and "sinks must be an integer" in err
     code, _, err = _cli(capsys, "--protocol", "decode", "--length", "256", "--scored", "512")
     assert code == 2 and "--length 256 must exceed --scored 512" in err
     (tmp_path / "r.json").write_text("{}")

@@ -414,12 +414,28 @@ def test_cli_refuses_bad_input_before_loading(no_load, tmp_path):
         (("two-turn", "--kv", "snapkv", "--kv-keep", "0.3", "--variant", "sideways"), "unknown two-turn variant"),
         (("passkey", "--thresholds", str(tmp_path / "none.st")), "no thresholds file"),
         (("passkey", "--thresholds", "t.st", "--proj-keep", "0.5"), "not both"),
+        (("passkey", "--kv-param", "pool_kind=max"), "give --kv METHOD --kv-keep K too"),
+        (("passkey", "--kv", "snapkv", "--kv-keep", "0.3", "--kv-param", "pool_kind"), "takes KEY=VALUE"),
+        (("passkey", "--kv", "snapkv", "--kv-keep", "0.3", "--kv-param", "pool=max"), "has no option pool"),
+        (("passkey", "--kv", "snapkv", "--kv-keep", "0.3", "--kv-param", "pool_kind=mean"), "'avg' or 'max'"),
+        (("passkey", "--kv", "snapkv", "--kv-keep", "0.3", "--kv-param", "pool_width=4"), "must be odd"),
+        (("passkey", "--kv", "snapkv", "--kv-keep", "0.3", "--kv-param", "window=32"), "use --obs N"),
     ]
     (tmp_path / "r.json").write_text("{}")
     cases.append((("passkey", "--out", str(tmp_path / "r.json")), "never overwritten"))
     for args, message in cases:
         code, _, err = _cli(*args)
         assert code == 2 and message in err, (args, err)
+
+
+def test_cli_kv_param_reaches_the_selector(tiny, monkeypatch, tmp_path):
+    monkeypatch.setattr(sparsedecode, "load", lambda ref, **kw: tiny)
+    out = tmp_path / "pk.json"
+    code, _, err = _cli("passkey", "--context", str(CTX), "--depths", "0.5", "--trials", "1", "--kv", "snapkv",
+                        "--kv-keep", "0.5", "--obs", "16", "--kv-param", "pool_kind=max", "--kv-param",
+                        "pool_width=5", "--out", str(out))
+    assert code == 0, err
+    assert read_record(out)["config"]["kv"]["params"] == {"window": 16, "pool_kind": "max", "pool_width": 5}
 
 
 def test_cli_writes_a_record_and_prints_json(tiny, text, monkeypatch, tmp_path):

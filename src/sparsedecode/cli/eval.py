@@ -41,6 +41,7 @@ ScoredOpt = Annotated[int, typer.Option("--scored", help="decode: tokens per win
 ObsOpt = Annotated[int, typer.Option("--obs", help="decode: observation window of the KV selection (tokens).")]
 TextFileOpt = Annotated[str | None, typer.Option("--text-file", help="Token stream: a text file, or a folder with wiki.test.raw (default: WikiText-2 beside the checkout).")]
 ResamplesOpt = Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples of the windows.")]
+KvParamOpt = Annotated[list[str] | None, typer.Option("--kv-param", help="A KV selector field KEY=VALUE, repeatable (e.g. pool_kind=max, pool_width=5, sinks=8).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Bootstrap seed.")]
 LevelOpt = Annotated[float, typer.Option("--level", help="Interval level.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
@@ -60,6 +61,7 @@ def ppl(
     kv: Annotated[str | None, typer.Option("--kv", help="decode: KV branch after the prefill, snapkv or window.")] = None,
     kv_keep: Annotated[str | None, typer.Option("--kv-keep", help="decode: fraction of the prefilled KV entries a step reads, in (0, 1]; needs --kv.")] = None,
     obs: ObsOpt = 64,
+    kv_param: KvParamOpt = None,
     text_file: TextFileOpt = None,
     resamples: ResamplesOpt = 20000,
     seed: SeedOpt = 0,
@@ -75,7 +77,7 @@ def ppl(
     from sparsedecode.quality.perplexity import CHUNK
 
     # Everything the user can get wrong fails here, before a model loads.
-    keep, kv_config = _check_sparsity(out, thresholds, proj_keep, kv, kv_keep, obs)
+    keep, kv_config = _check_sparsity(out, thresholds, proj_keep, kv, kv_keep, obs, kv_param)
     _check_run(protocol, kv_config, chunks=chunks, windows=windows, length=length, scored=scored,
                resamples=resamples, level=level)
     path = wikitext_path("test", text_file)
@@ -99,7 +101,7 @@ def ppl(
 
 
 def _check_sparsity(out: str | None, thresholds: str | None, proj_keep: str | None, kv: str | None,
-                    kv_keep: str | None, obs: int):
+                    kv_keep: str | None, obs: int, kv_params: list[str] | None = None):
     """(projection keep or None, KVConfig or None) of the sparsity options every `eval`
     command shares, refused before a model loads: a record that exists, both --thresholds
     and --proj-keep, --kv without --kv-keep (or the reverse), a bad keep or KV method."""
@@ -111,7 +113,9 @@ def _check_sparsity(out: str | None, thresholds: str | None, proj_keep: str | No
         raise InputError("give --thresholds FILE or --proj-keep K, not both")
     if (kv is None) != (kv_keep is None):
         raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.3)")
-    kv_config = None if kv is None else _kv_config(kv, check_keep(kv_keep, "--kv-keep"), obs)
+    if kv_params and kv is None:
+        raise InputError("--kv-param sets a field of the KV selector: give --kv METHOD --kv-keep K too")
+    kv_config = None if kv is None else _kv_config(kv, check_keep(kv_keep, "--kv-keep"), obs, kv_params)
     return (None if proj_keep is None else check_keep(proj_keep, "--proj-keep")), kv_config
 
 
@@ -127,14 +131,34 @@ def _projection(eng, thresholds, keep, text_file, progress: bool):
     return cached_teal(eng, keep, text_file=folder, progress=progress)
 
 
-def _kv_config(method: str, keep: float, obs: int):
-    """The `KVConfig` of a KV method at `keep` with observation window `obs`; an unknown method
-    or a bad window fails now."""
+def _kv_config(method: str, keep: float, obs: int, params: list[str] | None = None):
+    """The `KVConfig` of a KV method at `keep` with observation window `obs` and the
+    selector fields of `params` ('KEY=VALUE' each, the value an int, a float or a word); an
+    unknown method or field, or a bad value, fails now."""
     from sparsedecode.engine.config import KVConfig
     from sparsedecode.kv.select import get_selector
 
-    get_selector(method, window=obs)
-    return KVConfig(method, keep, {"window": obs})
+    extra = {}
+    for item in params or []:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise InputError(f"--kv-param takes KEY=VALUE (e.g. pool_kind=max), got {item!r}")
+        if key == "window":
+            raise InputError("the observation window has its own option: use --obs N")
+        extra[key] = _param_value(value)
+    get_selector(method, window=obs, **extra)  # unknown fields and bad values fail here
+    return KVConfig(method, keep, {"window": obs, **extra})
+
+
+def _param_value(text: str):
+    """'5' -> 5, '0.5' -> 0.5, anything else stays a string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _check_run(protocol: str, kv_config, *, chunks: int, windows: int, length: int, scored: int,

@@ -27,6 +27,7 @@ from sparsedecode.cli.common import JsonOpt, emit_json, parse_float
 from sparsedecode.cli.eval import (
     DeviceOpt,
     DtypeOpt,
+    KvParamOpt,
     ModelOpt,
     _check_sparsity,
     _projection,
@@ -55,7 +56,8 @@ DEPTHS = "0.05,0.25,0.5,0.75,0.95"
 @eval_app.command("passkey")
 def passkey(
     model: ModelOpt = MODEL, thresholds: ThresholdsOpt = None, proj_keep: ProjKeepOpt = None,
-    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, context: ContextOpt = 2048,
+    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, kv_param: KvParamOpt = None,
+    context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
     text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
     out: OutOpt = None, json_out: JsonOpt = False,
@@ -68,7 +70,8 @@ def passkey(
 @eval_app.command("multikey")
 def multikey(
     model: ModelOpt = MODEL, thresholds: ThresholdsOpt = None, proj_keep: ProjKeepOpt = None,
-    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, context: ContextOpt = 2048,
+    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, kv_param: KvParamOpt = None,
+    context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
     text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
     out: OutOpt = None, json_out: JsonOpt = False,
@@ -81,7 +84,8 @@ def multikey(
 @eval_app.command("two-turn")
 def two_turn(
     model: ModelOpt = MODEL, thresholds: ThresholdsOpt = None, proj_keep: ProjKeepOpt = None,
-    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, context: ContextOpt = 2048,
+    kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, kv_param: KvParamOpt = None,
+    context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
     text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
     out: OutOpt = None, json_out: JsonOpt = False, variant: VariantOpt = None,
@@ -91,12 +95,12 @@ def two_turn(
     _command("two_turn", **locals())
 
 
-def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, context, depths, trials,
+def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, kv_param, context, depths, trials,
              seed, new, text_file, device, dtype, out, json_out, variant=None) -> None:
     from sparsedecode.quality.retrieval import check_counts, check_depths, check_variant
 
     # Everything the user can get wrong fails here, before a model loads.
-    keep, kv_config = _check_sparsity(out, thresholds, proj_keep, kv, kv_keep, obs)
+    keep, kv_config = _check_sparsity(out, thresholds, proj_keep, kv, kv_keep, obs, kv_param)
     if thresholds is not None and not Path(thresholds).expanduser().is_file():
         raise InputError(f"no thresholds file at {thresholds}; make one with sparsedecode calibrate "
                          "or use --proj-keep K")
@@ -111,7 +115,7 @@ def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, conte
 
         # a budget without room for sinks + window fails now (two-turn kept: again once its
         # prompts are built, at the end of the first question)
-        get_selector(kv, window=obs).budget(context, kv_config.keep, new)
+        get_selector(kv, **kv_config.params).budget(context, kv_config.keep, new)
     _check_window(model, context + new)
     path = None
     if test != "passkey" or text_file is not None:
