@@ -224,6 +224,7 @@ def _interpreter_worker() -> None:
         act = F.silu(mlp.gate_proj(xs))
         t = threshold_for(act, 0.4)
         up_w = mlp.up_proj.weight.detach().clone()
+        gate, down = mlp.gate_proj, mlp.down_proj  # CatsMLP takes them over (and empties mlp)
         cats = CatsMLP(mlp, t, track=True)
         if not cats.up_proj.weight.is_contiguous():
             fails.append("CatsMLP under the interpreter must store up row-major")
@@ -237,7 +238,7 @@ def _interpreter_worker() -> None:
         if cats.realized_keep() != keep.sum().item() / keep.numel():
             fails.append(f"CatsMLP {dtype}: realized keep {cats.realized_keep()}, kept {keep.sum()} of 96")
         several = torch.randn(1, 5, 64).to(dtype)  # prefill stays dense
-        dense = mlp.down_proj(F.silu(mlp.gate_proj(several)) * F.linear(several, up_w, cats.up_proj.bias))
+        dense = down(F.silu(gate(several)) * F.linear(several, up_w, cats.up_proj.bias))
         fails += [m for m in [mismatch(cats(several), dense, tol, f"CatsMLP {dtype} prefill")] if m]
         n += 3
     print(json.dumps({"cases": n, "fails": fails}))
