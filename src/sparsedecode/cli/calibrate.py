@@ -40,7 +40,7 @@ def calibrate(
     import sparsedecode
     from sparsedecode.account.units import check_keep, parse_tokens
     from sparsedecode.projection.calibrate import get_calibrator, measure_keep
-    from sparsedecode.quality.data import text_ids, wikitext_path
+    from sparsedecode.quality.data import require_tokens, text_ids, wikitext_path
 
     params = {"keep": check_keep(keep, "--keep")}
     if greedy:
@@ -54,11 +54,7 @@ def calibrate(
 
     eng = sparsedecode.load(model, device=device, dtype=dtype, quiet=json_out)
     ids = text_ids(eng.tokenizer, cal_path)
-    if len(ids) < n_cal:
-        raise InputError(
-            f"{cal_path} has {len(ids):,} tokens, fewer than --tokens {n_cal:,}; "
-            "give a longer --text-file or a smaller --tokens"
-        )
+    require_tokens(ids, n_cal, cal_path)
     cal_ids = ids[:n_cal]
     desc = f"{cal_path.name}[:{n_cal}]"
     th = calibrator.calibrate(eng, cal_ids, text=desc, progress=not json_out)

@@ -53,7 +53,7 @@ def build(
     from sparsedecode.account.units import parse_tokens
     from sparsedecode.projection.routing import UNSEEN, build_routing_table, check_cats
     from sparsedecode.projection.thresholds import Thresholds
-    from sparsedecode.quality.data import text_ids, wikitext_path
+    from sparsedecode.quality.data import require_tokens, text_ids, wikitext_path
 
     if unseen not in UNSEEN:
         raise InputError(f"--unseen '{unseen}' must be dense or sparse")
@@ -64,11 +64,7 @@ def build(
     path = wikitext_path("valid", text_file)
     eng = sparsedecode.load(model, device=device, dtype=dtype, quiet=json_out)
     ids = text_ids(eng.tokenizer, path)
-    if len(ids) < n:
-        raise InputError(
-            f"{path} has {len(ids):,} tokens, fewer than --tokens {n:,}; "
-            "give a longer --text-file or a smaller --tokens"
-        )
+    require_tokens(ids, n, path)
     table = build_routing_table(eng, th, ids[:n], window=w, unseen=unseen, thresholds_file=thresholds,
                                 text=f"{path.name}[:{n}]", text_path=str(path.resolve()),
                                 progress=not json_out)

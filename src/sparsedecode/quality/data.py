@@ -52,6 +52,15 @@ def text_ids(tokenizer, path: str | os.PathLike) -> list[int]:
     return _CACHE[key]
 
 
+def require_tokens(ids, n: int, path: str | os.PathLike, option: str = "--tokens") -> None:
+    """Refuse a text (ids of `path`) shorter than the n tokens `option` asks for."""
+    if len(ids) < n:
+        raise InputError(
+            f"{path} has {len(ids):,} tokens, fewer than {option} {n:,}; "
+            f"give a longer --text-file or a smaller {option}"
+        )
+
+
 def wikitext_ids(tokenizer, split: str = "test", source: str | os.PathLike | None = None) -> list[int]:
     """The token stream of a WikiText-2 raw split (or of the text file `source`)."""
     return text_ids(tokenizer, wikitext_path(split, source))
