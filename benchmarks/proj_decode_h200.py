@@ -28,6 +28,7 @@ from dense_decode_h200 import summary, time_steps  # benchmarks/ is the script's
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
 from sparsedecode.kernels import sparse_gemv as sg
+from sparsedecode.projection import sparse_linear
 from sparsedecode.projection.calibrate import get_calibrator
 from sparsedecode.projection.cats_runtime import cats_
 from sparsedecode.projection.sparse_linear import densify_, realized_projection_keep, sparsify_
@@ -51,7 +52,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--gemv-configs", type=Path,
                     help="sparse GEMV tile configs from sparse_gemv_bench.py --choose (else the built-in ones)")
+    ap.add_argument("--variants", default="default",
+                    help="comma list of sparse-step variants to time after one calibration: 'default' (the "
+                         "module defaults), 'plain', 'pdl' (programmatic dependent launch of the sparse GEMVs), "
+                         "'swiglu' (silu(gate) * up formed in down's input load) or 'pdl+swiglu'")
     a = ap.parse_args()
+    variants = a.variants.split(",")
+    bad = [v for v in variants if v not in ("default", "plain", "pdl", "swiglu", "pdl+swiglu")]
+    if bad:
+        raise SystemExit(f"--variants: unknown {bad}; pick from default, plain, pdl, swiglu, pdl+swiglu")
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
@@ -115,14 +124,21 @@ def main() -> None:
             realized = realized_projection_keep(eng.model)
             bound = bounds(dims, n, realized, 1.0).projection
         install(eng.model, th.values, track=False)  # timed without the counting adds
-        mode = f"{'cats' if a.method == 'cats' else 'proj'}{keep:g}"
-        rec = timed(mode, {"proj_keep": keep, "realized_keep": realized, "calibrate_s": calib_s})
-        speedup = dense["step_ms_median"] / rec["step_ms_median"]
-        rec.update(speedup=speedup, bound=bound, fraction_of_bound=speedup / bound,
-                   paired_dense_ms=dense["step_ms_median"])
-        print(f"  keep {keep:g}: realized {realized:.3f}, speedup {speedup:.3f}x, bound {bound:.3f}x, "
-              f"{100 * speedup / bound:.1f}% of bound", flush=True)
-        records.append(rec)
+        defaults = (sg.PDL, sparse_linear.FUSE_SWIGLU)
+        for variant in variants:
+            if variant != "default":
+                sg.PDL, sparse_linear.FUSE_SWIGLU = "pdl" in variant, "swiglu" in variant
+            mode = f"{'cats' if a.method == 'cats' else 'proj'}{keep:g}" + ("" if variant == "default" else
+                                                                         f"+{variant}")
+            rec = timed(mode, {"proj_keep": keep, "realized_keep": realized, "calibrate_s": calib_s,
+                               "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU})
+            sg.PDL, sparse_linear.FUSE_SWIGLU = defaults
+            speedup = dense["step_ms_median"] / rec["step_ms_median"]
+            rec.update(speedup=speedup, bound=bound, fraction_of_bound=speedup / bound,
+                       paired_dense_ms=dense["step_ms_median"])
+            print(f"  keep {keep:g} {variant}: realized {realized:.3f}, speedup {speedup:.3f}x, bound "
+                  f"{bound:.3f}x, {100 * speedup / bound:.1f}% of bound", flush=True)
+            records.append(rec)
         if a.method == "teal":
             densify_(eng.model)
     stamped = [stamp(r) for r in records]

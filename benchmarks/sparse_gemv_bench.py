@@ -56,7 +56,11 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          # stages 4: two tiles' weight loads in flight per warp
          (256, 16, "p24", 1, 4), (256, 16, "p16", 1, 4), (256, 16, "p32", 1, 4), (256, 8, "p24", 1, 4),
          (256, 8, "p32", 1, 4), (256, 8, "p48", 1, 4), (256, 32, "p12", 1, 4), (512, 16, "p24", 2, 4),
-         (256, 16, "p12", 1, 4), (256, 16, "p8", 1, 4), (256, 16, "p24", 1, 1)]
+         (256, 16, "p12", 1, 4), (256, 16, "p8", 1, 4), (256, 16, "p24", 1, 1),
+         # stages 5: stages 4 with a program's warps splitting the rows (fewer partial adds);
+         # 16 warps per SM fill the register file at 16-row tiles, 32 at 8-row tiles
+         (256, 16, "p8", 2, 5), (256, 16, "p4", 4, 5), (256, 16, "p2", 8, 5), (256, 8, "p16", 2, 5),
+         (256, 8, "p8", 4, 5), (256, 8, "p4", 8, 5), (256, 16, "p6", 2, 5), (256, 16, "p3", 4, 5)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -103,7 +107,8 @@ def sweep_config(K: int, N: int, block_n: int, block_k: int, size: str, warps: i
         want = max(1, round(int(size[1:]) * sms / -(-N // block_n)))
     else:
         want = -(-K // int(size[1:]))
-    return block_n, block_k, sg._splits(K, block_k, want), warps, stages
+    tile = block_k * (warps if stages == 5 else 1)  # rows per iteration
+    return block_n, block_k, sg._splits(K, tile, want), warps, stages
 
 
 def sweep_label(block_n: int, block_k: int, size: str, warps: int, stages: int) -> str:
@@ -114,6 +119,7 @@ def choose(records: list[dict], keeps=(0.5, 0.3)) -> list[dict]:
     """Per shape, the config with the least summed time over `keeps` (the decode regime)."""
     by_shape: dict[str, dict[str, float]] = {}
     first: dict[tuple[str, str], dict] = {}
+    records = [r for r in records if r["kind"] == "sparse_gemv_bench"]
     for r in records:
         if any(abs(r["keep_target"] - k) < 1e-9 for k in keeps):
             cell = by_shape.setdefault(r["shape"], {})
@@ -160,6 +166,35 @@ def even_input(K: int, keep: float, dev, dtype, gen) -> tuple[torch.Tensor, floa
     return x.to(dtype)[None], 0.5
 
 
+def launch_probe(name: str, args, dev: torch.device, run: str, timer=time_graph) -> dict:
+    """Per-call time of a kernel that does nothing on the default config's grid: what any
+    launch of that grid costs in the graph, whatever its bytes (the fixed cost)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _noop(Y, n):
+        if tl.program_id(0) + tl.program_id(1) == n:  # never true: a store the compiler keeps
+            tl.store(Y, 1.0)
+
+    K, N = SHAPES[name]
+    block_n, block_k, splits, warps, stages = sg.default_config(K, N, torch.bfloat16, dev)
+    grid = (-(-N // block_n), splits)
+    y = torch.zeros(1, device=dev)
+
+    def call(y):
+        _noop[grid](y, -1, num_warps=warps, **({"launch_pdl": True} if sg.PDL else {}))
+
+    t = statistics.median(timer(call, [(y,)] * (args.copies * args.rounds), args.reps))
+    rec = stamp({"kind": "launch_probe", "shape": name, "K": K, "N": N, "grid": list(grid), "num_warps": warps,
+                 "pdl": sg.PDL, "time_s": t, "copies": args.copies, "rounds": args.rounds, "reps": args.reps,
+                 "graph": True})
+    write_record(args.out / f"launch_probe-{name}{'-pdl' if sg.PDL else ''}-{run}.json", rec)
+    print(f"{name:8s} empty kernel on grid {grid[0]}x{grid[1]} ({warps} warp{'s' * (warps > 1)}"
+          f"{', PDL' if sg.PDL else ''}): {t * 1e6:.2f} us per call", flush=True)
+    return rec
+
+
 def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) -> tuple[list, list]:
     """Records and table rows of one shape: dense once, then every keep x config."""
     dtype = torch.bfloat16
@@ -202,7 +237,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "kind": "sparse_gemv_bench", "shape": name, "K": K, "N": N, "dtype": "bfloat16",
                 "keep_target": keep, "threshold": t_val, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
-                "config_label": label,
+                "config_label": label, "pdl": sg.PDL,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
@@ -238,6 +273,11 @@ def main() -> None:
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch the kernel with programmatic dependent launch (sparse_gemv.PDL): each call's "
+                    "launch overlaps the tail of the call before")
+    ap.add_argument("--probe", action="store_true",
+                    help="also time an empty kernel on each shape's default grid (the fixed cost of a launch)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     if (args.out / COMBINED).exists():
@@ -245,8 +285,12 @@ def main() -> None:
     dev = torch.device("cuda")
     if args.tuned:
         print(f"{sg.load_tuned(args.tuned)} tuned configs from {args.tuned}")
+    sg.PDL = args.pdl
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
+    for name in args.shapes:
+        if args.probe:
+            records.append(launch_probe(name, args, dev, run))
     for name in args.shapes:
         recs, shape_rows = bench_shape(name, args, dev, run)
         records += recs

@@ -116,6 +116,9 @@ def test_bad_input_raises_clear_errors():
         sparse_gemv_ref(x, w_t, torch.tensor([1, 2]))
     with pytest.raises(InputError, match="w_t"):
         sparse_gemv_ref(x, w_t[None], 0.1)
+    if HAS_TRITON:
+        with pytest.raises(InputError, match="up must match the gate"):
+            sparse_gemv(x, w_t, 0.1, up=x[:, :8])
     if HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         with pytest.raises(InputError, match="masked reference"):
             sparse_gemv(x, w_t, 0.1)
@@ -172,12 +175,14 @@ def _interpreter_worker() -> None:
     x, w_t, b = make(577, 203, torch.bfloat16, seed=3)  # 4 tiles of BLOCK_N=64, the last of 11 columns
     for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
         # stages 2: x loaded an iteration ahead; 4: two tiles in flight
-        for stages, block_k in ((1, 16), (2, 16), (1, 8), (4, 16), (4, 8)):
+        for stages, block_k in ((1, 16), (2, 16), (1, 8), (4, 16), (4, 8), (5, 16), (5, 8)):
             y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, block_k, splits, 4, stages))
             fails += check(y, x, w_t, threshold_for(x, 0.3), b,
                            f"kernel splits={splits} stages={stages} BLOCK_K={block_k}", 2.0**-7)
             n += 1
     fails += _segment_cases()
+    n += 12
+    fails += _swiglu_cases()
     n += 12
     dense = F.linear(x, w_t.t(), b)
     fails += [m for m in [mismatch(sparse_gemv(x, w_t, 0.0, b), dense, 0.05, "threshold 0 vs F.linear")] if m]
@@ -195,7 +200,7 @@ def test_triton_kernel_under_interpreter():
     assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
 
 
-def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False):
+def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, pdl=False, glu=False):
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -207,8 +212,9 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False):
     fn = sg._sparse_gemv_kernel
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
-                  EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=dbuf)
-    types = dict(X=ty, W=ty, Bias=ty, Y=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
+                  EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu, WARPS_K=warps_k,
+                  PDL=pdl)
+    types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
@@ -218,7 +224,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False):
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=sg.NUM_WARPS, num_stages=1))
+                              options=dict(num_warps=sg.NUM_WARPS * warps_k, num_stages=1))
     except (RuntimeError, FileNotFoundError) as e:
         if "ptxas" in str(e).lower():
             pytest.skip(f"no ptxas for sm_90: {e}")
@@ -254,6 +260,39 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     assert loop.index(".v4.b32") < loop.index("fma"), "stages 4 must issue tile i + 1 before summing tile i"
     # the fp32 partial adds: red.global (Triton 3.9) or a relaxed vector atom (Triton 3.6)
     assert re.search(r"red\.global|atom\.global\.gpu\.relaxed\.add(\.v\d)?\.f32", ptx), "no fp32 atomic partial add"
+    # stages 5 at 16-row tiles (the swept configs): 4 warps split each tile's rows (warps along
+    # the row axis, sums in-thread, no layout conversion in the loop; at 32 rows Triton gives
+    # the x slice a layout of its own and converts it every iteration) and issue the same
+    # predicated vectors per thread
+    k5 = _compile_for_hopper(dtype, block_n, 16, even_n=True, dbuf=True, warps_k=4)
+    assert re.search(r"warpsPerCTA = \[1, 4, 1\]", k5.asm["ttgir"]), "stages 5 must lay its warps along the rows"
+    loop5 = k5.asm["ttgir"][k5.asm["ttgir"].index("scf.for"):k5.asm["ttgir"].index("scf.yield")]
+    assert "convert_layout" not in loop5, "stages 5 converts layouts inside its loop"
+    vec5 = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", k5.asm["ptx"], re.M)
+    assert len(vec5) == per_thread and all(p for p, *_ in vec5)  # 2 tiles of 16 rows = 1 of 32
+    # PDL: the grid-dependency wait comes before the first global load
+    pdl = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, pdl=True).asm["ptx"]
+    assert "griddepcontrol.wait" in pdl and pdl.index("griddepcontrol.wait") < pdl.index("ld.global")
+    assert "griddepcontrol" not in ptx4, "without PDL the kernel must not wait on a grid dependency"
+
+
+def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[str]:
+    """sparse_gemv(gate, ..., up=up) against the masked reference of silu(gate) * up (the
+    interpreter truncates float32 to bfloat16 where PyTorch rounds, so bfloat16 runs on CUDA)."""
+    fails = []
+    for dtype in dtypes:
+        for K, N in ((577, 203), (301, 64)):
+            gate, w_t, b = make(K, N, dtype, device=device, seed=K)
+            up = make(K, 1, dtype, device=device, seed=K + 1)[0]
+            h = F.silu(gate) * up  # eager: silu rounded to dtype, then the product rounded
+            t = threshold_for(h, 0.4)
+            want = sparse_gemv_ref(h, w_t, t, b)
+            ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
+            for config in (None, (64, 16, 3, 1, 4), (64, 8, 2, 2, 5)):
+                got = sparse_gemv(gate, w_t, torch.tensor(t, device=device), b, config=config, up=up)
+                fails += [m for m in [mismatch(got, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
+                                               f"swiglu {dtype} {K}x{N} config={config}")] if m]
+    return fails
 
 
 def _segment_cases(device="cpu") -> list[str]:
@@ -325,3 +364,34 @@ def test_kernel_in_cuda_graph_follows_threshold_updates():
 def test_segments_and_strided_slices_on_cuda():
     fails = _segment_cases("cuda")
     assert not fails, "\n".join(fails)
+
+
+@gpu
+def test_swiglu_input_and_pdl_chain_on_cuda(monkeypatch):
+    """silu(gate) * up formed in the load, in every dtype; then a chain of dependent calls
+    launched with PDL and captured in a graph gives what the same chain gives without PDL."""
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    fails = _swiglu_cases("cuda", DTYPES)
+    assert not fails, "\n".join(fails)
+    x, w1, _ = make(4096, 14336, torch.bfloat16, device="cuda", seed=5, bias=False)
+    w2 = make(14336, 4096, torch.bfloat16, device="cuda", seed=6, bias=False)[1]
+    t1, t2 = torch.tensor(0.5, device="cuda"), torch.tensor(0.02, device="cuda")
+    ws1, ws2 = workspace(14336, "cuda"), workspace(4096, "cuda")
+
+    def chain(x):
+        for _ in range(3):  # each call reads what the one before wrote
+            h = sparse_gemv(x, w1, t1, ws=ws1)
+            x = sparse_gemv(h, w2, t2, ws=ws2) * 0.05
+        return x
+
+    want = chain(x)
+    monkeypatch.setattr(sg, "PDL", True)
+    chain(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(x)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()

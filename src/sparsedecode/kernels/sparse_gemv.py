@@ -82,6 +82,10 @@ NUM_STAGES = 4
 # and 2-8 warps per program were slower too. With two tiles in flight per warp (stages 4) 16
 # programs per SM beat 24 and 32 (records h200/sparse_gemv_20261130T095622Z).
 PROGRAMS_PER_SM = 16
+# Programmatic dependent launch (Hopper and later): each launch may start while the kernel
+# before it drains, its programs waiting at the top (`gdc_wait`) until that kernel's writes are
+# visible. Off by default until measured; `benchmarks/sparse_gemv_bench.py --pdl` times it.
+PDL = False
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16  # smallest BLOCK_N (and default BLOCK_K); workspace() sizes its counters for it
 MIN_BLOCK_K = 8  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
@@ -262,6 +266,29 @@ if triton is not None:
             tl.atomic_xchg(Count + tile, 0, sem="relaxed")
 
     @triton.jit
+    def _load_x(X, U, offs, mask, GLU: tl.constexpr):
+        """The input at `offs` in float32; with GLU, silu(X) * U (SwiGLU's down input), each
+        product rounded to X's dtype as eager PyTorch rounds silu(gate) and then * up."""
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        if GLU:
+            g = x.to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty).to(tl.float32)
+            u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+            x = (s * u).to(X.dtype.element_ty)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _load_tile3(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr):
+        """`_load_tile` of a (BLOCK_K, WARPS_K, BLOCK_N) tile: rows (BLOCK_K, WARPS_K)."""
+        keep = (tl.abs(x) > t) & in_k
+        ptr = W + rows[:, :, None] * stride_wk + offs_n[None, None, :]
+        if EVEN_N:
+            w = tl.load(ptr, mask=keep[:, :, None], other=0.0)
+        else:
+            w = tl.load(ptr, mask=keep[:, :, None] & mask_n[None, None, :], other=0.0)
+        return w
+
+    @triton.jit
     def _load_tile(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr):
         """The (BLOCK_K, BLOCK_N) weight tile of rows whose |x| > t (and in range): masked rows
         issue no load."""
@@ -280,7 +307,12 @@ if triton is not None:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
         SEG_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
         Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr, DBUF: tl.constexpr,
+        U, GLU: tl.constexpr, WARPS_K: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # launched as a programmatic dependent: every memory access waits for the
+            # previous kernel; the launch and this prologue overlap its tail
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # Program (n tile, k split); programs with adjacent n tiles of one split run side by
         # side, so together they stream whole kept rows of w_t.
         pid_n = tl.program_id(0)
@@ -304,7 +336,7 @@ if triton is not None:
             # has BLOCK_K rows in flight whatever the keep.
             offs_r = k_lo + tl.arange(0, RPS)  # (RPS,)
             in_r = offs_r < k_hi
-            xr = tl.load(X + offs_r, mask=in_r, other=0.0).to(tl.float32)
+            xr = _load_x(X, U, offs_r, in_r, GLU)
             kept = ((tl.abs(xr) > t0) & in_r).to(tl.int32)
             rank = tl.cumsum(kept, axis=0) - 1
             n_kept = tl.sum(kept, axis=0)
@@ -315,7 +347,7 @@ if triton is not None:
                 offs_j = j0 + tl.arange(0, BLOCK_K)
                 in_j = offs_j < n_kept
                 rows = tl.load(base + offs_j, mask=in_j, other=0)
-                x = tl.load(X + rows, mask=in_j, other=0.0).to(tl.float32)
+                x = _load_x(X, U, rows, in_j, GLU)
                 if EVEN_N:
                     row_mask = in_j[:, None]
                 else:
@@ -324,34 +356,54 @@ if triton is not None:
                 acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
             _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
             return
+        if DBUF and WARPS_K > 1 and not (NSEG > 1 and not SEG_ALIGNED):
+            # Stages 5: stages 4 with the program's warps splitting a tile's rows (tile
+            # (BLOCK_K, WARPS_K, BLOCK_N), warp w holding rows w, w + WARPS_K, ...): each warp
+            # sums its rows in-thread into its own accumulator row, and the warps are added
+            # once at the end, so a program makes WARPS_K times fewer partial adds than
+            # WARPS_K one-warp programs over the same rows.
+            TILE: tl.constexpr = BLOCK_K * WARPS_K
+            ar2 = tl.arange(0, BLOCK_K)[:, None] * WARPS_K + tl.arange(0, WARPS_K)[None, :]  # (BLOCK_K, WARPS_K)
+            x_c = _load_x(X, U, k_lo + ar2, k_lo + ar2 < k_hi, GLU)
+            w_c = _load_tile3(W, k_lo + ar2, k_lo + ar2 < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N)
+            x_n = _load_x(X, U, k_lo + TILE + ar2, k_lo + TILE + ar2 < k_hi, GLU)
+            acc2 = tl.zeros([WARPS_K, BLOCK_N], dtype=tl.float32)
+            for k0 in range(k_lo + TILE, k_hi + TILE, TILE):  # k0: the tile loaded now
+                rows2 = k0 + ar2
+                w_n = _load_tile3(W, rows2, rows2 < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N)
+                x_nn = _load_x(X, U, rows2 + TILE, rows2 + TILE < k_hi, GLU)
+                acc2 += tl.sum(w_c.to(tl.float32) * x_c[:, :, None], axis=0)  # tile k0 - TILE
+                x_c, w_c, x_n = x_n, w_n, x_nn
+            _finish_splits(Acc, Count, Bias, Y, tl.sum(acc2, axis=0), offs_n, mask_n, pid_n, num_splits,
+                           HAS_BIAS)
+            return
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
             # slice loaded an iteration earlier, so the loads wait on nothing) and the x slice
             # of tile i + 2, and only then sums tile i. The plain loop leaves a warp with
             # nothing in flight while its x slice comes from L2 and while it sums.
             ar = tl.arange(0, BLOCK_K)
-            x_c = tl.load(X + k_lo + ar, mask=k_lo + ar < k_hi, other=0.0).to(tl.float32)
+            x_c = _load_x(X, U, k_lo + ar, k_lo + ar < k_hi, GLU)
             w_c = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N)
-            x_n = tl.load(X + k_lo + BLOCK_K + ar, mask=k_lo + BLOCK_K + ar < k_hi, other=0.0).to(tl.float32)
+            x_n = _load_x(X, U, k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
                 w_n = _load_tile(W, offs_k, offs_k < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N)
-                x_nn = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0).to(tl.float32)
+                x_nn = _load_x(X, U, offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU)
                 acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
             return
         if PREFETCH:  # the x slice of the next iteration is in flight with this one's weights
-            x_next = tl.load(X + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < k_hi,
-                             other=0.0)
+            x_next = _load_x(X, U, k_lo + tl.arange(0, BLOCK_K), k_lo + tl.arange(0, BLOCK_K) < k_hi, GLU)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
             in_k = offs_k < k_hi
             if PREFETCH:
-                x = x_next.to(tl.float32)
-                x_next = tl.load(X + offs_k + BLOCK_K, mask=offs_k + BLOCK_K < k_hi, other=0.0)
+                x = x_next
+                x_next = _load_x(X, U, offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU)
             else:
-                x = tl.load(X + offs_k, mask=in_k, other=0.0).to(tl.float32)
+                x = _load_x(X, U, offs_k, in_k, GLU)
             if NSEG > 1 and not SEG_ALIGNED:
                 row_mask = (tl.abs(x)[:, None] > t_col[None, :]) & in_k[:, None] & mask_n[None, :]
             else:
@@ -373,46 +425,50 @@ if triton is not None:
 def _sparse_gemv_op(
     x: Tensor, w_t: Tensor, thr_ts: list[Tensor], thr_f: float, bounds: list[int], bias: Tensor | None,
     ws_acc: Tensor | None, ws_count: Tensor | None,
-    block_n: int, block_k: int, splits: int, num_warps: int, stages: int,
+    block_n: int, block_k: int, splits: int, num_warps: int, stages: int, up: Tensor | None = None,
 ) -> Tensor:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
     # not functionalize (clone) a buffer that only serves as scratch. Host-side choices
-    # (config from the SM count) run at trace and capture time and are static per shape.
+    # (config from the SM count, PDL) run at trace and capture time and are static per shape.
     K, N = w_t.shape
     if not block_n:
         block_n, block_k, splits, num_warps, stages = default_config(K, N, x.dtype, x.device)
-    else:
-        splits = _splits(K, block_k, splits)
+    tile = block_k * (num_warps if stages == 5 else 1)  # rows one iteration covers
+    splits = _splits(K, tile, splits)
     if ws_acc is None or ws_count is None:
         ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(N, block_n)
     thr = list(thr_ts) + [ws_acc] * (3 - len(thr_ts))  # unused pointer slots
     b1, b2 = (list(bounds) + [N, N])[:2]
-    rows = _rows_per_split(K, block_k, splits)
+    rows = _rows_per_split(K, tile, splits)
     aligned = all(b % block_n == 0 for b in bounds)
+    pdl = PDL and x.is_cuda and not _interpreting()
     args = (x, w_t, bias if bias is not None else x, *thr, y, ws_acc, ws_count, thr_f, K, N, w_t.stride(0),
             b1, b2, rows, splits)
     common = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
-                  HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1)
+                  HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1,
+                  U=up if up is not None else x, GLU=up is not None, WARPS_K=num_warps if stages == 5 else 1,
+                  PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     compact = stages == 3
     # compact: each program's list of kept rows (written before it is read; no zeroing)
     scratch = torch.empty(n_tiles * splits * _pow2(rows), device=x.device, dtype=torch.int32) if compact else ws_acc
     _sparse_gemv_kernel[(n_tiles, splits)](*args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2,
-                                           COMPACT=compact, RPS=_pow2(rows), DBUF=stages == 4, **common)
+                                           COMPACT=compact, RPS=_pow2(rows), DBUF=stages in (4, 5), **common)
     return y
 
 
 @_sparse_gemv_op.register_fake
-def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, *config):
+def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, block_n, block_k, splits, num_warps, stages,
+      up=None):
     return x.new_empty(w_t.shape[1])
 
 
 def sparse_gemv(
     x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None,
     ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
-    segments: list[int] | None = None,
+    segments: list[int] | None = None, up: Tensor | None = None,
 ) -> Tensor:
     """Input-sparse GEMV of one token with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -427,11 +483,16 @@ def sparse_gemv(
     site: `segments` lists the widths of its 2 or 3 column blocks and `threshold` is a list
     of as many 1-element tensors; column block j keeps row i iff |x_i| > threshold[j].
 
+    With `up` (x's shape, dtype and device) the input is SwiGLU's silu(x) * up, formed in the
+    kernel's x load (x is the gate): the down projection then needs no separate
+    silu-and-multiply launch, and its threshold applies to the product as in §3.2.
+
     `ws` is a persistent workspace from `workspace(N, device)` (without it each call zeroes
     a fresh one); `config` (BLOCK_N, BLOCK_K, splits, num_warps, stages) overrides
     `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead; stages 3
     lists each split's kept rows first and loops over full tiles of them; stages 4 keeps two
-    tiles' weight loads in flight, the next x slice two tiles ahead).
+    tiles' weight loads in flight, the next x slice two tiles ahead; stages 5 is stages 4 with
+    the num_warps warps of a program splitting each tile's rows, summed once at the end).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -448,6 +509,9 @@ def sparse_gemv(
             raise InputError("segment thresholds must be 1-element float tensors on x's device")
     for t in thresholds:
         K, N = check_inputs(x, w_t, t, bias)
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.device != x.device):
+        raise InputError(f"up must match the gate x: {tuple(x.shape)} {x.dtype} on {x.device}; got "
+                         f"{tuple(up.shape)} {up.dtype} on {up.device}")
     if not (x.is_cuda or _interpreting()):
         raise InputError(
             "the sparse GEMV Triton kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1); "
@@ -466,9 +530,9 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if stages not in (1, 2, 3, 4):
-            raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list) or 4 "
-                             f"(two tiles in flight); got {stages}")
+        if stages not in (1, 2, 3, 4, 5):
+            raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
+                             f"(two tiles in flight) or 5 (4 with warps splitting the rows); got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
@@ -480,7 +544,7 @@ def sparse_gemv(
         thr_ts, thr_f = [], float(thresholds[0])
     bounds = [] if segments is None else [sum(segments[:j + 1]) for j in range(len(segments) - 1)]
     y = _sparse_gemv_op(x.reshape(K), w_t, thr_ts, thr_f, bounds, bias, *(ws or (None, None)),
-                        *(config or (0, 0, 0, 0, 0)))
+                        *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K))
     return y.reshape(*x.shape[:-1], N)
 
 

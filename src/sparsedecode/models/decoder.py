@@ -173,6 +173,9 @@ class FeedForward(nn.Module):
     def forward(self, x):
         if self.gate_up is not None and x.shape[:-1].numel() == 1:
             gate, up = self.gate_up(x)  # one launch for both sites
+            swiglu = getattr(self.down_proj, "forward_swiglu", None)  # a sparse down: silu * up in its load
+            if swiglu is not None:
+                return swiglu(gate, up)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
