@@ -187,11 +187,11 @@ def launch_probe(name: str, args, dev: torch.device, run: str, timer=time_graph)
 
     t = statistics.median(timer(call, [(y,)] * (args.copies * args.rounds), args.reps))
     rec = stamp({"kind": "launch_probe", "shape": name, "K": K, "N": N, "grid": list(grid), "num_warps": warps,
-                 "pdl": sg.PDL, "time_s": t, "copies": args.copies, "rounds": args.rounds, "reps": args.reps,
+                 "pdl": args.pdl, "time_s": t, "copies": args.copies, "rounds": args.rounds, "reps": args.reps,
                  "graph": True})
-    write_record(args.out / f"launch_probe-{name}{'-pdl' if sg.PDL else ''}-{run}.json", rec)
+    write_record(args.out / f"launch_probe-{name}-pdl{args.pdl}-{run}.json", rec)
     print(f"{name:8s} empty kernel on grid {grid[0]}x{grid[1]} ({warps} warp{'s' * (warps > 1)}"
-          f"{', PDL' if sg.PDL else ''}): {t * 1e6:.2f} us per call", flush=True)
+          f", PDL {args.pdl}): {t * 1e6:.2f} us per call", flush=True)
     return rec
 
 
@@ -237,7 +237,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "kind": "sparse_gemv_bench", "shape": name, "K": K, "N": N, "dtype": "bfloat16",
                 "keep_target": keep, "threshold": t_val, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
-                "config_label": label, "pdl": sg.PDL,
+                "config_label": label, "pdl": args.pdl,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
@@ -268,14 +268,14 @@ def main() -> None:
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
-    ap.add_argument("--sweep-stages", type=int, choices=(1, 2, 3, 4),
+    ap.add_argument("--sweep-stages", type=int, choices=(1, 2, 3, 4, 5),
                     help="sweep only the SWEEP configs of this loop variant (3: compact, 4: two tiles in flight)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")
-    ap.add_argument("--pdl", action="store_true",
-                    help="launch the kernel with programmatic dependent launch (sparse_gemv.PDL): each call's "
-                    "launch overlaps the tail of the call before")
+    ap.add_argument("--pdl", choices=("off", "exit", "early"), default="off",
+                    help="programmatic dependent launch (sparse_gemv.PDL): each call's launch overlaps the tail "
+                    "of the call before; 'early' signals the next call at the start, 'exit' as programs exit")
     ap.add_argument("--probe", action="store_true",
                     help="also time an empty kernel on each shape's default grid (the fixed cost of a launch)")
     args = ap.parse_args()
@@ -285,7 +285,7 @@ def main() -> None:
     dev = torch.device("cuda")
     if args.tuned:
         print(f"{sg.load_tuned(args.tuned)} tuned configs from {args.tuned}")
-    sg.PDL = args.pdl
+    sg.PDL, sg.PDL_TRIGGER = args.pdl != "off", args.pdl == "early"
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
     for name in args.shapes:

@@ -200,7 +200,8 @@ def test_triton_kernel_under_interpreter():
     assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
 
 
-def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, pdl=False, glu=False):
+def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, pdl=False, glu=False,
+                        warps_lead=None):
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -213,7 +214,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, 
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu, WARPS_K=warps_k,
-                  PDL=pdl)
+                  WARPS_LEAD=sg._WARPS_LEAD if warps_lead is None else warps_lead, PDL=pdl, PDL_TRIGGER=True)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names
@@ -265,7 +266,12 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     # the x slice a layout of its own and converts it every iteration) and issue the same
     # predicated vectors per thread
     k5 = _compile_for_hopper(dtype, block_n, 16, even_n=True, dbuf=True, warps_k=4)
-    assert re.search(r"warpsPerCTA = \[1, 4, 1\]", k5.asm["ttgir"]), "stages 5 must lay its warps along the rows"
+    from sparsedecode.kernels.sparse_gemv import _WARPS_LEAD
+
+    warp_axis = r"\[4, 1, 1\]" if _WARPS_LEAD else r"\[1, 4, 1\]"
+    tile = re.search(r"sizePerThread = \[1, 1, \d+\], threadsPerWarp = \[1, 1, 32\], warpsPerCTA = (\[[^]]*\])",
+                     k5.asm["ttgir"])
+    assert tile and re.fullmatch(warp_axis, tile.group(1)), f"stages 5 tile warps {tile and tile.group(1)}"
     loop5 = k5.asm["ttgir"][k5.asm["ttgir"].index("scf.for"):k5.asm["ttgir"].index("scf.yield")]
     assert "convert_layout" not in loop5, "stages 5 converts layouts inside its loop"
     vec5 = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", k5.asm["ptx"], re.M)

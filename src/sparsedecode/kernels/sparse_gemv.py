@@ -86,9 +86,17 @@ PROGRAMS_PER_SM = 16
 # before it drains, its programs waiting at the top (`gdc_wait`) until that kernel's writes are
 # visible. Off by default until measured; `benchmarks/sparse_gemv_bench.py --pdl` times it.
 PDL = False
+PDL_TRIGGER = True  # with PDL, signal the next kernel at the start (else as each program exits)
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16  # smallest BLOCK_N (and default BLOCK_K); workspace() sizes its counters for it
 MIN_BLOCK_K = 8  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
+
+
+# Stages 5 lays a tile out so the warps split its rows and each warp sums its own in-thread.
+# Triton's default layout gives the warps of a 3-D tile to its leading axis up to 3.6 (the
+# H200 machine's) and to its middle axis in 3.9, so the warp axis is placed where the
+# installed Triton puts the warps (checked by the sm_90 compile test and the GPU tests).
+_WARPS_LEAD = triton is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) <= (3, 6)
 
 
 def _interpreting() -> bool:
@@ -307,12 +315,14 @@ if triton is not None:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
         SEG_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
         Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr, DBUF: tl.constexpr,
-        U, GLU: tl.constexpr, WARPS_K: tl.constexpr, PDL: tl.constexpr,
+        U, GLU: tl.constexpr, WARPS_K: tl.constexpr, WARPS_LEAD: tl.constexpr, PDL: tl.constexpr,
+        PDL_TRIGGER: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the launch and this prologue overlap its tail
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if PDL_TRIGGER:  # let the next kernel launch now rather than as programs exit
+                tl.extra.cuda.gdc_launch_dependents()
         # Program (n tile, k split); programs with adjacent n tiles of one split run side by
         # side, so together they stream whole kept rows of w_t.
         pid_n = tl.program_id(0)
@@ -357,13 +367,15 @@ if triton is not None:
             _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
             return
         if DBUF and WARPS_K > 1 and not (NSEG > 1 and not SEG_ALIGNED):
-            # Stages 5: stages 4 with the program's warps splitting a tile's rows (tile
-            # (BLOCK_K, WARPS_K, BLOCK_N), warp w holding rows w, w + WARPS_K, ...): each warp
+            # Stages 5: stages 4 with the program's warps splitting a tile's rows: each warp
             # sums its rows in-thread into its own accumulator row, and the warps are added
             # once at the end, so a program makes WARPS_K times fewer partial adds than
             # WARPS_K one-warp programs over the same rows.
             TILE: tl.constexpr = BLOCK_K * WARPS_K
-            ar2 = tl.arange(0, BLOCK_K)[:, None] * WARPS_K + tl.arange(0, WARPS_K)[None, :]  # (BLOCK_K, WARPS_K)
+            if WARPS_LEAD:  # tile (WARPS_K, BLOCK_K, BLOCK_N): warp w holds rows w * BLOCK_K + k
+                ar2 = tl.arange(0, WARPS_K)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            else:  # tile (BLOCK_K, WARPS_K, BLOCK_N): warp w holds rows k * WARPS_K + w
+                ar2 = tl.arange(0, BLOCK_K)[:, None] * WARPS_K + tl.arange(0, WARPS_K)[None, :]
             x_c = _load_x(X, U, k_lo + ar2, k_lo + ar2 < k_hi, GLU)
             w_c = _load_tile3(W, k_lo + ar2, k_lo + ar2 < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N)
             x_n = _load_x(X, U, k_lo + TILE + ar2, k_lo + TILE + ar2 < k_hi, GLU)
@@ -372,7 +384,7 @@ if triton is not None:
                 rows2 = k0 + ar2
                 w_n = _load_tile3(W, rows2, rows2 < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N)
                 x_nn = _load_x(X, U, rows2 + TILE, rows2 + TILE < k_hi, GLU)
-                acc2 += tl.sum(w_c.to(tl.float32) * x_c[:, :, None], axis=0)  # tile k0 - TILE
+                acc2 += tl.sum(w_c.to(tl.float32) * x_c[:, :, None], axis=1 if WARPS_LEAD else 0)  # tile k0 - TILE
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, tl.sum(acc2, axis=0), offs_n, mask_n, pid_n, num_splits,
                            HAS_BIAS)
@@ -450,7 +462,8 @@ def _sparse_gemv_op(
     common = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
                   HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1,
                   U=up if up is not None else x, GLU=up is not None, WARPS_K=num_warps if stages == 5 else 1,
-                  PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+                  WARPS_LEAD=_WARPS_LEAD, PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
+                  **({"launch_pdl": True} if pdl else {}))
     compact = stages == 3
     # compact: each program's list of kept rows (written before it is read; no zeroing)
     scratch = torch.empty(n_tiles * splits * _pow2(rows), device=x.device, dtype=torch.int32) if compact else ws_acc
