@@ -105,8 +105,13 @@ def main() -> None:
         print(f"{mode:>10} n={n}: {rec['step_ms_median']:.3f} ms/step", flush=True)
         return rec
 
+    def keep_record(rec: dict) -> None:  # written at once: an interrupted run keeps what it timed
+        rec = stamp(rec)
+        write_record(a.out / f"proj_decode_{rec['mode']}_{n}_{run_id}.json", rec)
+        records.append(rec)
+
     dense = timed("dense", {"load_s": time.perf_counter() - t0})
-    records.append(dense)
+    keep_record(dense)
     for keep in keeps:
         t = time.perf_counter()
         th = get_calibrator(a.method, keep=keep).calibrate(eng, ids, text="random token ids")
@@ -138,13 +143,10 @@ def main() -> None:
                        paired_dense_ms=dense["step_ms_median"])
             print(f"  keep {keep:g} {variant}: realized {realized:.3f}, speedup {speedup:.3f}x, bound "
                   f"{bound:.3f}x, {100 * speedup / bound:.1f}% of bound", flush=True)
-            records.append(rec)
+            keep_record(rec)
         if a.method == "teal":
             densify_(eng.model)
-    stamped = [stamp(r) for r in records]
-    for r in stamped:
-        write_record(a.out / f"proj_decode_{r['mode']}_{n}_{run_id}.json", r)
-    (a.out / "proj_decode_records.json").write_text(json.dumps(stamped, indent=1))
+    (a.out / "proj_decode_records.json").write_text(json.dumps(records, indent=1))
     print("median dense ms", statistics.median(dense["step_ms"]))
 
 
