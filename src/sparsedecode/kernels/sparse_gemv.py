@@ -215,6 +215,22 @@ def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
     return block_n, block_k, _splits(K, block_k, want), NUM_WARPS, NUM_STAGES
 
 
+def max_registers(programs: int, num_warps: int, device) -> int:
+    """Registers per thread that let every program of the grid be resident at once.
+
+    The grid is sized for one wave (PROGRAMS_PER_SM), and ptxas's register count is not
+    stable under small changes of the kernel source: the same PTX but for the order of a
+    few instructions took 96 registers at b836621 and 151 after the SwiGLU change, so 13
+    rather than 16 programs fit an SM, the grid ran in 1.2 waves and every call took 4 µs
+    longer on the H200 (records h200/sparse_gemv_20261130T1303*). Capping registers at the
+    one-wave budget (multiples of 8, at most 255) keeps the grid in one wave.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    per_sm = -(-programs // _sm_count(index))  # programs each SM must hold
+    regs = 65536 // (per_sm * 32 * num_warps) // 8 * 8
+    return max(32, min(255, regs))
+
+
 def _rows_per_split(K: int, block_k: int, splits: int) -> int:
     per = -(-K // splits)  # ceil(K / splits)
     return -(-per // block_k) * block_k  # rounded up to whole BLOCK_K tiles
@@ -461,13 +477,14 @@ def _sparse_gemv_op(
     rows = _rows_per_split(K, tile, splits)
     aligned = all(b % block_n == 0 for b in bounds)
     pdl = PDL and x.is_cuda and not _interpreting()
+    cap = {"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)} if x.is_cuda and not _interpreting() else {}
     args = (x, w_t, bias if bias is not None else x, *thr, y, ws_acc, ws_count, thr_f, K, N, w_t.stride(0),
             b1, b2, rows, splits)
     common = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
                   HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1,
                   U=up if up is not None else x, GLU=up is not None, WARPS_K=num_warps if stages == 5 else 1,
                   WARPS_LEAD=_WARPS_LEAD, PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
-                  **({"launch_pdl": True} if pdl else {}))
+                  **cap, **({"launch_pdl": True} if pdl else {}))
     compact = stages == 3
     # compact: each program's list of kept rows (written before it is read; no zeroing)
     scratch = torch.empty(n_tiles * splits * _pow2(rows), device=x.device, dtype=torch.int32) if compact else ws_acc
