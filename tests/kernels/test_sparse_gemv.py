@@ -139,6 +139,23 @@ def test_default_config_fills_an_h200_in_one_wave(monkeypatch):
     assert default_config(13, 7, torch.float16, torch.device("cpu"))[:2] == (16, 16)
 
 
+def test_register_cap_keeps_the_default_grid_in_one_wave(monkeypatch):
+    """The cap lets every program of the default grid be resident at once on a 132-SM GPU."""
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    monkeypatch.setattr(sg, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    for K, N in ((4096, 14336), (14336, 4096), (4096, 28672), (4096, 6144), (4096, 4096)):
+        block_n, block_k, splits, warps, stages = default_config(K, N, torch.bfloat16, dev)
+        programs = -(-N // block_n) * splits
+        regs = sg.max_registers(programs, warps, dev)
+        assert regs % 8 == 0 and 32 <= regs <= 255
+        assert (65536 // (regs * 32 * warps)) * 132 >= programs, (K, N, regs, programs)
+    assert sg.max_registers(132 * 16, 1, dev) == 128  # 16 one-warp programs per SM
+    assert sg.max_registers(132 * 6, 2, dev) == 168  # 6 two-warp programs per SM
+    assert sg.max_registers(10, 1, dev) == 255  # a small grid: the hardware limit
+
+
 # ---- the Triton kernel under TRITON_INTERPRET=1 (subprocess) ----------------------------------
 
 

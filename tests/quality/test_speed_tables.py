@@ -28,6 +28,9 @@ def test_tables_come_from_records_only(tmp_path):
     assert len(g) == 4, "only default-config cells, one row each"
     assert g[2].startswith("| input-sparse GEMV | down 14336→4096 | 1 | 31.7 |"), "keep 1 first"
     assert "| 0.5 | 19.6 | 3.00 | 1.25 | 1.50 | 0123456 |" in g[3]
+    pdl = gemv_table([{**gemv("default", 0.5, 18e-6), "pdl": "early"}, {**gemv("default", 0.3, 14e-6), "pdl": "off"}])
+    assert pdl.splitlines()[2].startswith("| input-sparse GEMV (PDL early) | down 14336→4096 | 0.5 |")
+    assert pdl.splitlines()[3].startswith("| input-sparse GEMV | down 14336→4096 | 0.3 |")
     d = decode_table(recs).splitlines()[2]
     assert d == "| proj0.5 (teal) | default | 0.464 | 3.257 | 5.412 | 1.662× | 1.960× | 84.8% |  |"
     assert speed_tables([tmp_path / "b.json"]).count("\n\n") == 0  # one table, no empty ones

@@ -38,9 +38,11 @@ from sparsedecode.projection.thresholds import site_key as threshold_key
 
 SITE_KEYS = {module: short for short, module in MODULE_OF.items()}  # 'gate_proj' -> 'gate'
 FF_SITES = ("gate_proj", "up_proj", "down_proj")
-# The sparse down projection forms silu(gate) * up in its kernel's input load (one launch fewer
-# per layer); False runs the separate product first, for timing the difference.
-FUSE_SWIGLU = True
+# True: the sparse down projection forms silu(gate) * up in its kernel's input load (one launch
+# fewer per layer). Off: on the H200 the llama-3.1-8b step at keep 0.5 ran 3.402 ms with it and
+# 3.247 ms without (every down program recomputes silu for its rows; records
+# h200/sparse_gemv_20261130T1305Z/step).
+FUSE_SWIGLU = False
 
 
 class FixedDtypeBuffers(nn.Module):

@@ -37,6 +37,8 @@ def gemv_table(records: list[dict]) -> str:
              if r["kind"] in ("sparse_gemv_bench", "cats_gemv_bench") and r["config_label"] == "default"]
     for r in sorted(cells, key=lambda r: (r["kind"] != "sparse_gemv_bench", r["shape"], -r["keep_target"])):
         kernel = "input-sparse GEMV" if r["kind"] == "sparse_gemv_bench" else "CATS row-gather up"
+        if r.get("pdl") not in (None, False, "off"):  # launched as a programmatic dependent
+            kernel += f" (PDL {'early' if r['pdl'] in (True, 'early') else r['pdl']})"
         rows.append(f"| {kernel} | {r['shape']} {r['K']}→{r['N']} | {r['keep_target']:g} | {r['time_s'] * 1e6:.1f} "
                     f"| {r['tb_per_s']:.2f} | {r['ratio_to_byte_time']:.2f} | {r['speedup_vs_dense']:.2f} "
                     f"| {_commit(r)} |")
