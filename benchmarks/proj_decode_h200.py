@@ -35,6 +35,42 @@ from sparsedecode.projection.sparse_linear import densify_, realized_projection_
 from sparsedecode.records import stamp, write_record
 
 
+def profile_step(step, steps: int) -> dict:
+    """Device time per step of each kernel over `steps` replays (PyTorch profiler, CUDA activity):
+    rows sorted by time, their sum, and the kernel groups the decode step is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        r = rows.setdefault(e.name, [0, 0.0])
+        r[0] += 1
+        r[1] += e.device_time
+    table = sorted(([name, n / steps, us / steps] for name, (n, us) in rows.items()), key=lambda r: -r[2])
+
+    def group(name: str) -> str:
+        low = name.lower()
+        return ("sparse GEMV" if "sparse_gemv" in low else "attention" if "attention" in low or "split_k" in low
+                else "cuBLAS" if any(k in low for k in ("gemv", "gemm", "nvjet", "cutlass", "sm90")) else
+                "other")
+
+    groups: dict[str, float] = {}
+    for name, _, us in table:
+        groups[group(name)] = groups.get(group(name), 0.0) + us
+    total = sum(us for _, _, us in table)
+    for name, calls, us in table[:12]:
+        print(f"    {us:9.1f} us/step  {calls:6.1f} calls  {name[:90]}", flush=True)
+    print(f"    kernels {total:.1f} us/step: " + ", ".join(f"{g} {us:.1f}" for g, us in groups.items()), flush=True)
+    return {"steps": steps, "kernel_us_per_step": total, "groups_us_per_step": groups,
+            "kernels": [{"name": name, "calls_per_step": calls, "us_per_step": us} for name, calls, us in table]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -52,6 +88,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--gemv-configs", type=Path,
                     help="sparse GEMV tile configs from sparse_gemv_bench.py --choose (else the built-in ones)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also run STEPS replays under the PyTorch profiler and keep each kernel's device time "
+                         "per step in the record (where the step's time goes)")
     ap.add_argument("--variants", default="default",
                     help="comma list of sparse-step variants to time after one calibration: 'default' (the "
                          "module defaults), 'plain', 'pdl' (programmatic dependent launch of the sparse GEMVs), "
@@ -103,6 +142,8 @@ def main() -> None:
                **summary(ms, dims, n)}
         rec.pop("target_ms", None)
         print(f"{mode:>10} n={n}: {rec['step_ms_median']:.3f} ms/step", flush=True)
+        if a.profile:
+            rec["profile"] = profile_step(eng.decode_replay, a.profile)
         return rec
 
     def keep_record(rec: dict) -> None:  # written at once: an interrupted run keeps what it timed

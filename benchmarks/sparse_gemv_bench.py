@@ -195,6 +195,19 @@ def launch_probe(name: str, args, dev: torch.device, run: str, timer=time_graph)
     return rec
 
 
+def dense_equivalent(kept: int, N: int, args, dev: torch.device, timer=time_graph) -> float:
+    """Per-call time of cuBLAS's dense GEMV over a weight of just the kept rows ((N, kept) in
+    nn.Linear's layout): the same bytes as the sparse call, read by the dense library kernel.
+    What the sparse kernel's time is measured against when the byte time is out of reach of
+    any single launch at that size."""
+    gen = torch.Generator(device=dev).manual_seed(kept)
+    x = torch.randn(1, kept, device=dev, dtype=torch.bfloat16, generator=gen)
+    ws = [torch.randn(N, kept, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(args.copies)]
+    t = statistics.median(timer(F.linear, [(x, w) for w in ws] * args.rounds, args.reps))
+    del ws
+    return t
+
+
 def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) -> tuple[list, list]:
     """Records and table rows of one shape: dense once, then every keep x config."""
     dtype = torch.bfloat16
@@ -222,6 +235,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
         kept = int((x.float().abs() > thr).sum())
         nbytes = kept * N * 2 + K * 2
         byte_time = nbytes / BYTE_RATE
+        equiv = dense_equivalent(kept, N, args, dev, timer) if 0 < kept < K else None
         for label, cfg in variants:
             try:
                 err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}")
@@ -243,14 +257,17 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
                 "copies": args.copies, "rounds": args.rounds, "reps": args.reps, "graph": True,
                 **timing_fields(t, nbytes, t_dense, dense_bytes, err),
+                **({} if equiv is None else {"dense_equiv_time_s": equiv, "dense_equiv_shape": [kept, N],
+                                             "ratio_to_dense_equiv": t / equiv}),
             })
             sub = args.out if label == "default" else args.out / "sweep"
             write_record(sub / f"sparse_gemv_bench-{name}-keep{keep:g}-{label}-{run}.json", rec)
             records.append(rec)
             rows.append((name, keep, label, t * 1e6, rec["tb_per_s"], t / byte_time, t_dense / t))
+            same = "" if equiv is None else f"  {t / equiv:5.2f}x cuBLAS on the kept rows ({equiv * 1e6:.1f} us)"
             print(f"{name:8s} keep={keep:<4g} {label:14s} {t * 1e6:8.1f} us  {rec['tb_per_s']:5.2f} TB/s  "
                   f"{t / byte_time:5.2f}x byte time  {t_dense / t:5.2f}x vs dense "
-                  f"({t_dense * 1e6:.1f} us)", flush=True)
+                  f"({t_dense * 1e6:.1f} us){same}", flush=True)
     del w_ts
     torch.cuda.empty_cache()
     return records, rows
