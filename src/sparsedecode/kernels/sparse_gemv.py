@@ -89,6 +89,8 @@ PROGRAMS_PER_SM = 16
 # with it against 3.247 ms without (records h200/sparse_gemv_20261130T1305Z).
 PDL = False
 PDL_TRIGGER = True  # with PDL, signal the next kernel at the start (else as each program exits)
+# A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
+REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16  # smallest BLOCK_N (and default BLOCK_K); workspace() sizes its counters for it
 MIN_BLOCK_K = 8  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
@@ -230,6 +232,8 @@ def max_registers(programs: int, num_warps: int, device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     per_sm = -(-programs // _sm_count(index))  # programs each SM must hold
     regs = 65536 // (per_sm * 32 * num_warps) // 8 * 8
+    if REGISTER_CAP is not None:
+        regs = min(regs, REGISTER_CAP)
     return max(32, min(255, regs))
 
 
