@@ -33,6 +33,7 @@ from sparsedecode.projection.calibrate import get_calibrator
 from sparsedecode.projection.cats_runtime import cats_
 from sparsedecode.projection.sparse_linear import densify_, realized_projection_keep, sparsify_
 from sparsedecode.records import stamp, write_record
+from sparsedecode.report.speed_tables import kernel_group
 
 
 def profile_step(step, steps: int) -> dict:
@@ -54,15 +55,9 @@ def profile_step(step, steps: int) -> dict:
         r[1] += e.device_time
     table = sorted(([name, n / steps, us / steps] for name, (n, us) in rows.items()), key=lambda r: -r[2])
 
-    def group(name: str) -> str:
-        low = name.lower()
-        return ("sparse GEMV" if "sparse_gemv" in low else "attention" if "attention" in low or "split_k" in low
-                else "cuBLAS" if any(k in low for k in ("gemv", "gemm", "nvjet", "cutlass", "sm90")) else
-                "other")
-
     groups: dict[str, float] = {}
     for name, _, us in table:
-        groups[group(name)] = groups.get(group(name), 0.0) + us
+        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + us
     total = sum(us for _, _, us in table)
     for name, calls, us in table[:12]:
         print(f"    {us:9.1f} us/step  {calls:6.1f} calls  {name[:90]}", flush=True)

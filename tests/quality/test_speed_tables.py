@@ -78,3 +78,24 @@ def test_kv_decode_table_puts_each_mode_beside_dense_and_its_bound():
     assert lines[2].startswith("| 32768 | window0.3 |")
     assert lines[3] == "| 131007 | sel0.3 | 39238 | 6.000 | 9.000 | 1.500× | 1.600× | 93.8% | 362 | df5df6b |"
     assert kv_decode_table([dense]) == ""
+
+
+def test_gemv_table_shows_the_same_bytes_cublas_ratio_and_profile_table_groups_kernels():
+    from sparsedecode.report.speed_tables import kernel_group, profile_table
+
+    cells = [{**gemv("default", 0.5, 18e-6), "ratio_to_dense_equiv": 0.61}, gemv("default", 1.0, 31e-6)]
+    lines = gemv_table(cells).splitlines()
+    assert lines[0].endswith("| × cuBLAS on the kept rows | run |")
+    assert lines[2].endswith("| 1.50 |  | 0123456 |") and lines[3].endswith("| 1.50 | 0.61 | 0123456 |")
+    assert [kernel_group(n) for n in ("_sparse_gemv_kernel", "nvjet_sm90_tst_64x8", "void cublasLt::splitKreduce_kernel",
+                                      "_split_kernel", "triton_red_fused_add_mean_rsqrt")] == [
+        "sparse GEMV", "cuBLAS", "cuBLAS", "attention", "other"]
+    rec = {"kind": "proj_decode_bench", "mode": "proj0.5", "step_ms_median": 3.264, "env": {"git_commit": "b9e8bbb0"},
+           "profile": {"kernel_us_per_step": 3000.0, "kernels": [
+               {"name": "_sparse_gemv_kernel", "calls_per_step": 128, "us_per_step": 2400.0},
+               {"name": "void cublasLt::splitKreduce_kernel", "calls_per_step": 1, "us_per_step": 100.0},
+               {"name": "_split_kernel", "calls_per_step": 32, "us_per_step": 300.0},
+               {"name": "triton_poi_fused_mul_silu", "calls_per_step": 32, "us_per_step": 200.0}]}}
+    row = profile_table([rec, {**rec, "profile": None}]).splitlines()
+    assert len(row) == 3, "records without a profile give no row"
+    assert row[2] == "| proj0.5 | 3.264 | 3.000 | 0.100 | 2.400 | 0.300 | 0.200 | 193 | b9e8bbb |"

@@ -30,18 +30,22 @@ def _commit(r: dict) -> str:
 
 
 def gemv_table(records: list[dict]) -> str:
-    """Default-config cells of 'sparse_gemv_bench' and 'cats_gemv_bench': time against byte time."""
-    rows = ["| kernel | shape | keep | µs | TB/s | × byte time | × dense cuBLAS | run |",
-            "|---|---|---|---|---|---|---|---|"]
+    """Default-config cells of 'sparse_gemv_bench' and 'cats_gemv_bench': time against byte time
+    (and, where the record has it, against cuBLAS on a dense weight of just the kept rows)."""
     cells = [r for r in records
              if r["kind"] in ("sparse_gemv_bench", "cats_gemv_bench") and r["config_label"] == "default"]
+    equiv = any("ratio_to_dense_equiv" in r for r in cells)
+    rows = ["| kernel | shape | keep | µs | TB/s | × byte time | × dense cuBLAS |"
+            + (" × cuBLAS on the kept rows |" if equiv else "") + " run |",
+            "|---|---|---|---|---|---|---|" + ("---|" if equiv else "") + "---|"]
     for r in sorted(cells, key=lambda r: (r["kind"] != "sparse_gemv_bench", r["shape"], -r["keep_target"])):
         kernel = "input-sparse GEMV" if r["kind"] == "sparse_gemv_bench" else "CATS row-gather up"
         if r.get("pdl") not in (None, False, "off"):  # launched as a programmatic dependent
             kernel += f" (PDL {'early' if r['pdl'] in (True, 'early') else r['pdl']})"
         rows.append(f"| {kernel} | {r['shape']} {r['K']}→{r['N']} | {r['keep_target']:g} | {r['time_s'] * 1e6:.1f} "
                     f"| {r['tb_per_s']:.2f} | {r['ratio_to_byte_time']:.2f} | {r['speedup_vs_dense']:.2f} "
-                    f"| {_commit(r)} |")
+                    + (f"| {r['ratio_to_dense_equiv']:.2f} " if 'ratio_to_dense_equiv' in r else
+                       "|  " if equiv else "") + f"| {_commit(r)} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
@@ -140,13 +144,41 @@ def passkey_table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def kernel_group(name: str) -> str:
+    """The part of a decode step a kernel belongs to, from its name (for step profiles)."""
+    low = name.lower()
+    if "sparse_gemv" in low or "gather_gemv" in low:
+        return "sparse GEMV"
+    if "attention" in low or "_split_kernel" in low or "flash" in low:
+        return "attention"
+    if any(k in low for k in ("cublas", "nvjet", "gemv", "gemm", "cutlass", "splitkreduce")):
+        return "cuBLAS"
+    return "other"
+
+
+def profile_table(records: list[dict]) -> str:
+    """'proj_decode_bench' records with a kernel profile: device time per step by kernel group."""
+    profiled = [r for r in records if r["kind"] == "proj_decode_bench" and r.get("profile")]
+    groups = ["cuBLAS", "sparse GEMV", "attention", "other"]
+    rows = ["| mode | step ms | kernels ms | " + " | ".join(f"{g} ms" for g in groups) + " | launches | run |",
+            "|---|---|---|" + "---|" * len(groups) + "---|---|"]
+    for r in profiled:
+        by = dict.fromkeys(groups, 0.0)
+        for k in r["profile"]["kernels"]:
+            by[kernel_group(k["name"])] += k["us_per_step"]
+        launches = sum(k["calls_per_step"] for k in r["profile"]["kernels"])
+        rows.append(f"| {r['mode']} | {r['step_ms_median']:.3f} | {r['profile']['kernel_us_per_step'] / 1e3:.3f} | "
+                    + " | ".join(f"{by[g] / 1e3:.3f}" for g in groups) + f" | {launches:.0f} | {_commit(r)} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def speed_tables(paths) -> str:
     """Every table the given record files fill, separated by blank lines."""
     recs = load_records(paths)
     tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, kv_select_table,
-                                kv_decode_table, passkey_table)]
+                                kv_decode_table, passkey_table, profile_table)]
     return "\n\n".join(t for t in tables if t)
 
 
-__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "kv_decode_table", "kv_select_table",
-           "load_records", "passkey_table", "speed_tables"]
+__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "kernel_group", "kv_decode_table",
+           "kv_select_table", "load_records", "passkey_table", "profile_table", "speed_tables"]
