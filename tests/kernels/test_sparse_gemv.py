@@ -390,6 +390,21 @@ def test_segments_and_strided_slices_on_cuda():
 
 
 @gpu
+def test_compiled_kernel_fits_its_register_cap():
+    """ptxas honours the one-wave register budget: the default grid is resident at once."""
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    K, N = 4096, 14336
+    x, w_t, _ = make(K, N, torch.bfloat16, device="cuda", seed=9, bias=False)
+    cfg = default_config(K, N, torch.bfloat16, x.device)
+    sg._sparse_gemv_kernel.device_caches.clear()  # only this call's kernel (others may have other caps)
+    sparse_gemv(x, w_t, torch.tensor(0.5, device="cuda"), config=cfg)
+    cap = sg.max_registers(-(-N // cfg[0]) * cfg[2], cfg[3], x.device)
+    regs = [k.n_regs for cache in sg._sparse_gemv_kernel.device_caches.values() for k in cache[0].values()]
+    assert regs and max(regs) <= cap, (regs, cap)
+
+
+@gpu
 def test_swiglu_input_and_pdl_chain_on_cuda(monkeypatch):
     """silu(gate) * up formed in the load, in every dtype; then a chain of dependent calls
     launched with PDL and captured in a graph gives what the same chain gives without PDL."""
