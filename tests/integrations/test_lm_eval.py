@@ -218,3 +218,41 @@ def test_a_local_task_through_the_harness_under_the_registered_name(eng, tmp_pat
         scores = [lp for lp, _ in lm.loglikelihood(_instances("loglikelihood", pairs), disable_tqdm=True)]
         right += scores.index(max(scores)) == d["answer"]
     assert acc == right / len(DOCS)
+
+
+def _routing_table(eng, tmp_path, name: str, unseen: str) -> str:
+    """A calibrated table for eng's tokenizer with no scored ids: every token routes `unseen`."""
+    from sparsedecode.projection.routing import RoutingTable, tokenizer_fingerprint
+
+    V = eng.dims.vocab
+    table = RoutingTable(scores=torch.full((V,), float("nan")), count=torch.zeros(V, dtype=torch.long),
+                         model=eng.name, vocab=V, tokenizer=tokenizer_fingerprint(eng.tokenizer),
+                         thresholds={"method": "cats", "keep": 0.5}, text={"source": "none"}, unseen=unseen,
+                         tau=0.0, target=1.0 if unseen == "sparse" else 0.0)
+    return str(table.save(tmp_path / f"{name}.safetensors"))
+
+
+@needs_lm_eval
+def test_routing_sends_each_scored_position_dense_or_sparse_by_its_token(eng, tmp_path):
+    """routing=FILE with CATS thresholds: a table routing every token sparse scores as the
+    CATS engine does, one routing every token dense as the dense model does."""
+    from sparsedecode.errors import InputError
+    from sparsedecode.integrations.lm_eval import SparseLM
+
+    cats = Thresholds(values={f"layers.{i}.act": 0.05 for i in range(eng.dims.n_layers)}, method="cats",
+                      keep=0.5, model=eng.name, dims=eng.dims.to_dict(), keep_metric="act_keep")
+    path = str(cats.save(tmp_path / "cats.safetensors"))
+    ctx = eng.tokenizer("The quick brown fox jumps over the lazy", add_special_tokens=False)["input_ids"]
+    target = eng.tokenizer(" dog", add_special_tokens=False)["input_ids"]
+    dense = _reference(eng, ctx, target)[0]
+    (sparse, _), = SparseLM(engine=eng, thresholds=path)._loglikelihood_tokens([(None, ctx, target)],
+                                                                               disable_tqdm=True)
+    assert abs(sparse - dense) > 1e-3  # the CATS thresholds matter at this position
+    for unseen, want in (("sparse", sparse), ("dense", dense)):
+        lm = SparseLM(engine=eng, thresholds=path, routing=_routing_table(eng, tmp_path, unseen, unseen))
+        (lp, _), = lm._loglikelihood_tokens([(None, ctx, target)], disable_tqdm=True)
+        assert lp == pytest.approx(want, rel=1e-5, abs=1e-5), unseen
+        info = lm.get_model_info()["sparsedecode"]["routing"]
+        assert info["decode_steps_sparse"] == (1.0 if unseen == "sparse" else 0.0) and info["tau"] == 0.0
+    with pytest.raises(InputError, match="give thresholds=FILE"):
+        SparseLM(engine=eng, routing=_routing_table(eng, tmp_path, "s", "sparse"))

@@ -99,9 +99,7 @@ def generate(
             "kv": None if eng.kv is None else {
                 "method": eng.kv.method, "keep": eng.kv.keep, "mode": eng.kv.mode, "prompt_tokens": eng.kv.n,
                 "budget": eng.kv.budget, "select_s": round(eng.kv.select_s, 4)},
-            "routing": None if eng.routing is None else {
-                "table": routing, "tau": eng.routing.tau, "target": eng.routing.target,
-                "calibrated_fraction": eng.routing.routed, "decode_steps_sparse": _nan_none(eng.routed_fraction())},
+            "routing": eng.routing_summary(routing),
             "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
         }))
         return
@@ -120,10 +118,6 @@ def generate(
             f"{_pct(eng.routed_fraction())} of decode steps sparse")),
         err=True,
     )
-
-
-def _nan_none(x: float) -> float | None:
-    return None if x != x else round(x, 4)
 
 
 def _pct(x: float) -> str:

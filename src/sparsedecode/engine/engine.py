@@ -278,6 +278,17 @@ class Engine:
         `reset_routed`); nan before any step or without routing. Reads a device counter."""
         return float("nan") if self.router is None else self.router.fraction()
 
+    def routing_summary(self, table_file: str | None = None) -> dict | None:
+        """What routing does, for records: the table's file, tau, target, its calibrated
+        routed fraction and the fraction of decode steps routed sparse so far (None where
+        there is none yet); None without routing."""
+        if self.routing is None:
+            return None
+        steps = self.routed_fraction()
+        return {"table": table_file, "tau": self.routing.tau, "target": self.routing.target,
+                "calibrated_fraction": self.routing.routed,
+                "decode_steps_sparse": None if steps != steps else round(steps, 4)}
+
     def reset_routed(self) -> None:
         """Zero the routed-step counter."""
         if self.router is not None:

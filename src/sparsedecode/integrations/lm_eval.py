@@ -19,7 +19,9 @@ model_args=...)`, or pass `SparseLM(...)` itself as the model.
 
 model_args: `model` (known name, HF folder, hub id or .gguf; default smollm2-135m);
 `proj_keep` (uniform TEAL thresholds calibrated once and cached, as `eval ppl --proj-keep`)
-or `thresholds` (a file from `sparsedecode calibrate`); `kv` (snapkv or window) with
+or `thresholds` (a file from `sparsedecode calibrate`); `routing` (a calibrated table from
+`sparsedecode route build` + `route calibrate`, with cats or sats `thresholds`: each decode
+step runs the dense MLP or the CATS one by its input token, SATS paper §3.2); `kv` (snapkv or window) with
 `kv_keep` and `obs` (observation window, 64); `device`, `dtype`, `max_len` (cache and
 longest request, default min(model window, 4096)), `max_gen_toks` (256), `add_bos_token`.
 
@@ -62,6 +64,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from sparsedecode.errors import InputError
 
 NAME = "sparsedecode"
+
 log = logging.getLogger(__name__)
 
 
@@ -71,7 +74,8 @@ class SparseLM(TemplateLM):
     `engine` passes a loaded `Engine` instead of `model`."""
 
     def __init__(self, model: str = "smollm2-135m", proj_keep: float | None = None,
-                 thresholds: str | None = None, kv: str | None = None, kv_keep: float | None = None,
+                 thresholds: str | None = None, routing: str | None = None,
+                 kv: str | None = None, kv_keep: float | None = None,
                  obs: int = 64, device: str | None = None, dtype: str | None = None,
                  max_len: int | None = None, max_gen_toks: int = 256, add_bos_token: bool = False,
                  batch_size: int | str | None = None, max_batch_size: int | None = None,
@@ -89,6 +93,15 @@ class SparseLM(TemplateLM):
             raise InputError("give thresholds=FILE or proj_keep=K, not both")
         if (kv is None) != (kv_keep is None):
             raise InputError("the KV branch needs both kv=METHOD and kv_keep=K (e.g. kv=snapkv,kv_keep=0.3)")
+        table = None
+        if routing is not None:  # a bad or uncalibrated table fails before the model loads
+            from sparsedecode.projection.routing import RoutingTable
+
+            if thresholds is None:
+                raise InputError("routing=FILE chooses between the dense MLP and CATS thresholds: give "
+                                 "thresholds=FILE (a cats or sats file) too")
+            table = RoutingTable.load(routing)
+            table.sparse_of()
         if kv is not None:
             from sparsedecode.kv.select import get_selector
 
@@ -111,9 +124,10 @@ class SparseLM(TemplateLM):
 
             projection = cached_teal(engine, keep)
         self.thresholds = resolve_projection(engine, projection)
-        self.config = SparsityConfig(projection=self.thresholds, kv=self.kv)
-        # projections now; the KV selection per request, after its prefill (see _select)
-        engine.configure(SparsityConfig(projection=self.thresholds))
+        self.config = SparsityConfig(projection=self.thresholds, kv=self.kv, routing=table)
+        self.routing_file = routing
+        # projections and routing now; the KV selection per request, after its prefill (see _select)
+        engine.configure(SparsityConfig(projection=self.thresholds, routing=table))
         self.tokenizer = engine.tokenizer
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = bool(add_bos_token)
@@ -159,6 +173,7 @@ class SparseLM(TemplateLM):
             "projection": None if th is None else {"method": th.method, "keep": th.keep},
             "kv": None if self.kv is None else {"method": self.kv.method, "keep": self.kv.keep,
                                                 "params": dict(self.kv.params)},
+            "routing": self.engine.routing_summary(self.routing_file),
             "kv_dense_fallbacks": self.kv_dense_fallbacks,
         }}
 
