@@ -65,6 +65,18 @@ def test_label_names_selector_fields_set_away_from_their_defaults():
     assert label(rec) == "snapkv 0.2"
 
 
+def test_eval_commands_print_the_tables_label(capsys):
+    """`sparsedecode eval multikey` prints a record's configuration as the table labels it."""
+    import json
+    from pathlib import Path
+
+    from sparsedecode.cli import eval_retrieval
+
+    path = Path(__file__).parents[2] / "benchmarks/records/cpu/retrieval/multikey_snapkv0.2max.json"
+    eval_retrieval._show(json.loads(path.read_text()), None)
+    assert "configuration: snapkv 0.2 (pool_kind max) (mode sel)\n" in capsys.readouterr().out
+
+
 def test_records_of_different_runs_are_refused(tmp_path):
     a = _rec("passkey", None, ["correct"] * 4, ["correct"] * 4)
     b = _rec("passkey", ("snapkv", 0.2), ["correct"] * 4, ["correct"] * 4)

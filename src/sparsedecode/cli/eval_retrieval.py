@@ -179,23 +179,15 @@ def _run(eng, test, path, thresholds, keep, kv_config, text_file, **kw) -> dict:
     return rec
 
 
-def _label(cfg: dict) -> str:
-    parts = [cfg["mode"]]
-    if cfg["projection"]:
-        parts.append(f"projection {cfg['projection']['method']} keep {cfg['projection']['keep']:g}")
-    if cfg["kv"]:
-        parts.append(f"kv {cfg['kv']['method']} keep {cfg['kv']['keep']:g}")
-    if cfg["variant"]:
-        parts.append(cfg["variant"])
-    return ", ".join(parts)
-
-
 def _show(rec: dict, out: str | None) -> None:
     test = rec["test"].replace("_", "-")
     typer.echo(f"{rec['model']['name']}, {test}: {rec['context']:,}-token prompts"
                f"{'' if rec['chat_template'] else ' (no chat template: plain text)'}, "
                f"{rec['trials']} trials per depth, {rec['new']} new tokens")
-    typer.echo(f"configuration: {_label(rec['config'])}")
+    from sparsedecode.report.retrieval_table import label
+
+    mode, name = rec["config"]["mode"], label(rec)
+    typer.echo(f"configuration: {name}" + ("" if name == mode else f" (mode {mode})"))
     window = rec["config"]["kv"] is not None and rec["config"]["kv"]["method"] == "window"
     kept = all(p["configured"].get("needle_kept") for p in rec["placements"])
     typer.echo(f"{'depth':>6}  {'dense':>6}  {'config':>6}  {'distr.':>6}" + ("  in window" if window else "")
