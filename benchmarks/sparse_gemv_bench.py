@@ -60,7 +60,12 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          # stages 5: stages 4 with a program's warps splitting the rows (fewer partial adds);
          # 16 warps per SM fill the register file at 16-row tiles, 32 at 8-row tiles
          (256, 16, "p8", 2, 5), (256, 16, "p4", 4, 5), (256, 16, "p2", 8, 5), (256, 8, "p16", 2, 5),
-         (256, 8, "p8", 4, 5), (256, 8, "p4", 8, 5), (256, 16, "p6", 2, 5), (256, 16, "p3", 4, 5)]
+         (256, 8, "p8", 4, 5), (256, 8, "p4", 8, 5), (256, 16, "p6", 2, 5), (256, 16, "p3", 4, 5),
+         # stages 6: stages 4 unrolled by two tiles (no weight tile copied at the back edge)
+         (256, 16, "p16", 1, 6), (256, 16, "p12", 1, 6),
+         # stages 7: stages 4 with a uniform branch around each dropped row's arithmetic (Nsight
+         # Compute: stages 4 is issue-bound at low keep, 62% SM throughput at keep 0 on gate_up)
+         (256, 8, "p16", 1, 7), (256, 8, "p12", 1, 7), (256, 16, "p8", 1, 7), (512, 8, "p8", 1, 7)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -107,7 +112,7 @@ def sweep_config(K: int, N: int, block_n: int, block_k: int, size: str, warps: i
         want = max(1, round(int(size[1:]) * sms / -(-N // block_n)))
     else:
         want = -(-K // int(size[1:]))
-    tile = block_k * (warps if stages == 5 else 1)  # rows per iteration
+    tile = block_k * (warps if stages == 5 else 2 if stages == 6 else 1)  # rows per iteration
     return block_n, block_k, sg._splits(K, tile, want), warps, stages
 
 
@@ -225,7 +230,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
     variants = [("default", default)]
     if args.sweep:
         variants += [(sweep_label(*c), sweep_config(K, N, *c)) for c in SWEEP
-                     if args.sweep_stages is None or c[4] == args.sweep_stages]
+                     if args.sweep_stages is None or c[4] in args.sweep_stages]
     for keep in args.keeps:
         if args.pattern == "even" and keep < 1.0:
             x, t_val = even_input(K, keep, dev, dtype, gen)
@@ -285,8 +290,9 @@ def main() -> None:
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
-    ap.add_argument("--sweep-stages", type=int, choices=(1, 2, 3, 4, 5),
-                    help="sweep only the SWEEP configs of this loop variant (3: compact, 4: two tiles in flight)")
+    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 2, 3, 4, 5, 6, 7),
+                    help="sweep only the SWEEP configs of these loop variants (3: compact, 4: two tiles in "
+                    "flight, 5: warps split the rows, 6: 4 unrolled by two tiles, 7: dropped rows skipped)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

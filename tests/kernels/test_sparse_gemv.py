@@ -192,7 +192,7 @@ def _interpreter_worker() -> None:
     x, w_t, b = make(577, 203, torch.bfloat16, seed=3)  # 4 tiles of BLOCK_N=64, the last of 11 columns
     for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
         # stages 2: x loaded an iteration ahead; 4: two tiles in flight
-        for stages, block_k in ((1, 16), (2, 16), (1, 8), (4, 16), (4, 8), (5, 16), (5, 8)):
+        for stages, block_k in ((1, 16), (2, 16), (1, 8), (4, 16), (4, 8), (5, 16), (5, 8), (6, 16), (7, 16), (7, 8)):
             y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, block_k, splits, 4, stages))
             fails += check(y, x, w_t, threshold_for(x, 0.3), b,
                            f"kernel splits={splits} stages={stages} BLOCK_K={block_k}", 2.0**-7)
@@ -231,7 +231,8 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, 
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu, WARPS_K=warps_k,
-                  WARPS_LEAD=sg._WARPS_LEAD if warps_lead is None else warps_lead, PDL=pdl, PDL_TRIGGER=True)
+                  WARPS_LEAD=sg._WARPS_LEAD if warps_lead is None else warps_lead, PAIRS=False, ROWSKIP=False,
+                  PDL=pdl, PDL_TRIGGER=True)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names

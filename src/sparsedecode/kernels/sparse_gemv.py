@@ -322,6 +322,24 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _sum_kept_rows(acc, w, x, t, M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """acc + the sum over the M rows of w (M, BLOCK_N) with |x| > t of x * w, row by row:
+        the keep test is the same for every lane of the warp, so a dropped row is a uniform
+        branch around its conversions and multiply-adds (stages 7). The tile is halved by
+        register-level splits (each thread holds all M rows of its columns)."""
+        if M == 1:
+            xr = tl.reshape(x, ())
+            if tl.abs(xr) > t:
+                acc += tl.reshape(w, (BLOCK_N,)).to(tl.float32) * xr
+        else:
+            H: tl.constexpr = M // 2
+            w_lo, w_hi = tl.split(tl.permute(tl.reshape(w, (2, H, BLOCK_N)), (1, 2, 0)))
+            x_lo, x_hi = tl.split(tl.permute(tl.reshape(x, (2, H)), (1, 0)))
+            acc = _sum_kept_rows(acc, w_lo, x_lo, t, H, BLOCK_N)
+            acc = _sum_kept_rows(acc, w_hi, x_hi, t, H, BLOCK_N)
+        return acc
+
+    @triton.jit
     def _load_tile(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr):
         """The (BLOCK_K, BLOCK_N) weight tile of rows whose |x| > t (and in range): masked rows
         issue no load."""
@@ -340,7 +358,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
         SEG_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
         Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr, DBUF: tl.constexpr,
-        U, GLU: tl.constexpr, WARPS_K: tl.constexpr, WARPS_LEAD: tl.constexpr, PDL: tl.constexpr,
+        U, GLU: tl.constexpr, WARPS_K: tl.constexpr, WARPS_LEAD: tl.constexpr, PAIRS: tl.constexpr,
+        ROWSKIP: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
@@ -414,6 +433,32 @@ if triton is not None:
             _finish_splits(Acc, Count, Bias, Y, tl.sum(acc2, axis=0), offs_n, mask_n, pid_n, num_splits,
                            HAS_BIAS)
             return
+        if PAIRS and not (NSEG > 1 and not SEG_ALIGNED):
+            # Stages 6: stages 4 unrolled by two tiles, A and B. Nsight Compute showed stages 4
+            # issue-bound at low keep (62% SM throughput at keep 0 on gate_up): its loop carries
+            # tile i + 1 into the next iteration while tile i is still being summed, so both are
+            # live at the back edge and every iteration copies the whole weight tile to the
+            # loop-carried registers (IMAD.MOV: 30% of its instructions). Here tile A is loaded
+            # again only after its sum, so its registers are reused in place, and tile B lives
+            # within one iteration; two tiles are still in flight while the other is summed.
+            ar = tl.arange(0, BLOCK_K)
+            x_a = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU)
+            w_a = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_a, t0, offs_n, mask_n, stride_wk, EVEN_N)
+            x_b = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU)
+            for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, 2 * BLOCK_K):  # k0: tile B of this iteration
+                offs_b = k0 + ar
+                w_b = _load_tile(W, offs_b, offs_b < k_hi, x_b, t0, offs_n, mask_n, stride_wk, EVEN_N)
+                offs_a = offs_b + BLOCK_K  # the next tile A
+                x_a2 = _load_x(X + offs_a, U + offs_a, offs_a < k_hi, GLU)
+                acc += tl.sum(w_a.to(tl.float32) * x_a[:, None], axis=0)  # tile A, k0 - BLOCK_K
+                w_a = _load_tile(W, offs_a, offs_a < k_hi, x_a2, t0, offs_n, mask_n, stride_wk, EVEN_N)
+                x_b2 = _load_x(X + offs_a + BLOCK_K, U + offs_a + BLOCK_K, offs_a + BLOCK_K < k_hi, GLU)
+                acc += tl.sum(w_b.to(tl.float32) * x_b[:, None], axis=0)  # tile B, k0
+                x_a, x_b = x_a2, x_b2
+            # the last tile A (past k_hi when the split holds an even number of tiles: all masked)
+            acc += tl.sum(w_a.to(tl.float32) * x_a[:, None], axis=0)
+            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+            return
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
             # slice loaded an iteration earlier, so the loads wait on nothing) and the x slice
@@ -427,7 +472,10 @@ if triton is not None:
                 offs_k = k0 + ar
                 w_n = _load_tile(W, offs_k, offs_k < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU)
-                acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # tile k0 - BLOCK_K
+                if ROWSKIP:  # dropped rows skipped by uniform branches (stages 7)
+                    acc = _sum_kept_rows(acc, w_c, x_c, t0, BLOCK_K, BLOCK_N)
+                else:
+                    acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
             return
@@ -472,7 +520,7 @@ def _sparse_gemv_op(
     K, N = w_t.shape
     if not block_n:
         block_n, block_k, splits, num_warps, stages = default_config(K, N, x.dtype, x.device)
-    tile = block_k * (num_warps if stages == 5 else 1)  # rows one iteration covers
+    tile = block_k * (num_warps if stages == 5 else 2 if stages == 6 else 1)  # rows one iteration covers
     splits = _splits(K, tile, splits)
     if ws_acc is None or ws_count is None:
         ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
@@ -495,7 +543,9 @@ def _sparse_gemv_op(
     # compact: each program's list of kept rows (written before it is read; no zeroing)
     scratch = torch.empty(n_tiles * splits * _pow2(rows), device=x.device, dtype=torch.int32) if compact else ws_acc
     _sparse_gemv_kernel[(n_tiles, splits)](*args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2,
-                                           COMPACT=compact, RPS=_pow2(rows), DBUF=stages in (4, 5), **common)
+                                           COMPACT=compact, RPS=_pow2(rows), DBUF=stages in (4, 5, 7), PAIRS=stages == 6,
+                                           ROWSKIP=stages == 7,
+                                           **common)
     return y
 
 
@@ -532,7 +582,8 @@ def sparse_gemv(
     `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead; stages 3
     lists each split's kept rows first and loops over full tiles of them; stages 4 keeps two
     tiles' weight loads in flight, the next x slice two tiles ahead; stages 5 is stages 4 with
-    the num_warps warps of a program splitting each tile's rows, summed once at the end).
+    the num_warps warps of a program splitting each tile's rows, summed once at the end; stages 6
+    is stages 4 unrolled by two tiles, so no weight tile is copied at the loop's back edge).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -570,9 +621,10 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if stages not in (1, 2, 3, 4, 5):
+        if stages not in (1, 2, 3, 4, 5, 6, 7):
             raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
-                             f"(two tiles in flight) or 5 (4 with warps splitting the rows); got {stages}")
+                             f"(two tiles in flight), 5 (4 with warps splitting the rows) or 6 (4 unrolled "
+                             f"by two tiles) or 7 (4 skipping dropped rows' arithmetic); got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
