@@ -70,6 +70,10 @@ NUM_WARPS = 1
 # down) at keeps 0.5 and 0.3, except gate|up at 0.3 (4% slower), and took the llama-3.1-8b
 # decode step from 84.2% (records h200/sparse_gemv_20261130T095127Z, where every stages-4
 # config failed to compile) to 85.9% of its byte bound (records h200/sparse_gemv_20261130T095622Z).
+# Stages 6 (unrolled by two tiles) and 7 (a uniform branch around each dropped row's arithmetic)
+# were written after Nsight Compute found this loop instruction-bound at keep 0 (records
+# h200/sparse_gemv_20261130T1325Z_ncu_sass); neither beat it on the decode step's shapes at keeps
+# 0.5 and 0.3 but on o (records h200/sparse_gemv_20261130T1333Z_stages67).
 NUM_STAGES = 4
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
