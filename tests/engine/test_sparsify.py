@@ -116,3 +116,40 @@ def test_switching_files_and_back_to_dense_leaves_nothing_behind():
         assert any(isinstance(m, CatsMLP) for m in mods) == (name == "cats"), name
         assert any(isinstance(m, SparseLinear) for m in mods) == (name != "dense"), name  # CATS's down
     assert all(type(layer.mlp).__name__ == "FeedForward" for layer in eng.model.layers)
+
+
+def test_a_file_with_the_installed_sites_updates_thresholds_in_place():
+    """TEAL 0.02 then 0.05, CATS 0.01 then 0.03, and ff-only after all seven sites: each decodes
+    as on a fresh engine; files with the installed sites keep the installed modules (no weight
+    laid out again), a file with other sites lays the projections out again."""
+    from sparsedecode.projection.cats_runtime import CatsMLP
+    from sparsedecode.projection.sparse_linear import sparse_modules
+
+    ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(3))
+    proto = _engine()
+
+    def cats(t):
+        return Thresholds(values={f"layers.{i}.act": t for i in range(2)}, method="cats", keep=0.5,
+                          model=proto.name, dims=proto.dims.to_dict(), keep_metric="act_keep")
+
+    def fresh(th):
+        e = _engine()
+        e.sparsify(th)
+        return _decode(e, ids)
+
+    eng = _engine()
+    eng.sparsify(_thresholds(eng, 0.02))
+    mods = sparse_modules(eng.model)
+    eng.sparsify(_thresholds(eng, 0.05))
+    assert all(a is b for a, b in zip(sparse_modules(eng.model), mods, strict=True)), "same sites: same modules"
+    torch.testing.assert_close(_decode(eng, ids), fresh(_thresholds(eng, 0.05)), rtol=0, atol=0)
+    ff = _thresholds(eng, 0.05, sites=("gate", "up", "down"))
+    eng.sparsify(ff)  # other sites: q, k, v, o dense again
+    assert len(sparse_modules(eng.model)) == 2 * 3
+    torch.testing.assert_close(_decode(eng, ids), fresh(ff), rtol=0, atol=0)
+
+    eng.sparsify(cats(0.01))
+    mlps = [layer.mlp for layer in eng.model.layers]
+    eng.sparsify(cats(0.03))
+    assert [layer.mlp for layer in eng.model.layers] == mlps and all(isinstance(m, CatsMLP) for m in mlps)
+    torch.testing.assert_close(_decode(eng, ids), fresh(cats(0.03)), rtol=0, atol=0)

@@ -204,7 +204,8 @@ class Engine:
         threshold `thresholds` (a `Thresholds` or a path to one) holds reads only the weight
         rows of input channels above it; a CATS file (sites 'act') drops MLP channels with
         |SiLU(gate)| at or below its threshold (`projection.cats_runtime`). Prefill stays
-        dense. Thresholds of other dims are refused. The decode step is compiled and
+        dense. Thresholds of other dims are refused. A file with the sites of the one
+        installed only updates the thresholds in place. The decode step is compiled and
         captured again on its next call."""
         from sparsedecode.projection.cats_runtime import cats_
         from sparsedecode.projection.sparse_linear import sparsify_
@@ -215,7 +216,10 @@ class Engine:
         sites = set(th.sites)
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
-        self._dense_projections()  # from the dense model: nothing of an earlier file stays
+        if self.thresholds is None or set(self.thresholds.sites) != sites:
+            self._dense_projections()  # from the dense model: nothing of an earlier file stays
+        # else the same sites are sparse already: their thresholds are set in place below, and
+        # no weight is laid out again (a sweep over keeps costs no copies)
         if ACT_SITE in sites:
             for mlp in cats_(self.model, th.values):
                 mlp.set_router(self.router)  # routing, if on, follows the new thresholds
