@@ -85,6 +85,8 @@ def main() -> None:
                     help="sparse GEMV tile configs from sparse_gemv_bench.py --choose (else the built-in ones)")
     ap.add_argument("--max-registers", type=int, help="cap the sparse GEMV's registers per thread below the "
                     "one-wave budget (sparse_gemv.REGISTER_CAP)")
+    ap.add_argument("--evict-first", action="store_true",
+                    help="sparse GEMV weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run STEPS replays under the PyTorch profiler and keep each kernel's device time "
                          "per step in the record (where the step's time goes)")
@@ -98,6 +100,7 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; pick from default, plain, pdl, swiglu, pdl+swiglu")
     sg.REGISTER_CAP = a.max_registers
+    sg.WEIGHTS_EVICT_FIRST = a.evict_first
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
@@ -118,7 +121,7 @@ def main() -> None:
             "fill": "random", "calibration": {"method": a.method, "greedy": False,
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
-            "register_cap": a.max_registers,
+            "register_cap": a.max_registers, "evict_first": a.evict_first,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 
     def prepare() -> None:

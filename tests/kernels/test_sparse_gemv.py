@@ -218,7 +218,7 @@ def test_triton_kernel_under_interpreter():
 
 
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, pdl=False, glu=False,
-                        warps_lead=None):
+                        warps_lead=None, evict=""):
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -232,7 +232,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu, WARPS_K=warps_k,
                   WARPS_LEAD=sg._WARPS_LEAD if warps_lead is None else warps_lead, PAIRS=False, ROWSKIP=False,
-                  PDL=pdl, PDL_TRIGGER=True)
+                  EVICT=evict, PDL=pdl, PDL_TRIGGER=True)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names
@@ -298,6 +298,11 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     pdl = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, pdl=True).asm["ptx"]
     assert "griddepcontrol.wait" in pdl and pdl.index("griddepcontrol.wait") < pdl.index("ld.global")
     assert "griddepcontrol" not in ptx4, "without PDL the kernel must not wait on a grid dependency"
+    # the evict-first hint reaches every weight load, and only with WEIGHTS_EVICT_FIRST
+    ev = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, evict="evict_first").asm["ptx"]
+    hinted = re.findall(r"ld\.global[.\w:]*L1::evict_first[.\w:]*\.v4\.b32", ev)
+    assert len(hinted) == 2 * per_thread, f"{len(hinted)} evict-first weight loads, expected {2 * per_thread}"
+    assert "evict_first" not in ptx4
 
 
 def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[str]:

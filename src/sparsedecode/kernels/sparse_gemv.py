@@ -93,6 +93,10 @@ PROGRAMS_PER_SM = 16
 # with it against 3.247 ms without (records h200/sparse_gemv_20261130T1305Z).
 PDL = False
 PDL_TRIGGER = True  # with PDL, signal the next kernel at the start (else as each program exits)
+# True: weight loads carry the evict-first cache hint (each weight byte is read once per step, so
+# the hint keeps x, the workspace and the next kernel's data in L2; TEAL's kernel uses such
+# hints). Off until measured: `sparse_gemv_bench.py --evict-first`.
+WEIGHTS_EVICT_FIRST = False
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -315,14 +319,14 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
-    def _load_tile3(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr):
+    def _load_tile3(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
         """`_load_tile` of a (BLOCK_K, WARPS_K, BLOCK_N) tile: rows (BLOCK_K, WARPS_K)."""
         keep = (tl.abs(x) > t) & in_k
         ptr = W + rows[:, :, None] * stride_wk + offs_n[None, None, :]
         if EVEN_N:
-            w = tl.load(ptr, mask=keep[:, :, None], other=0.0)
+            w = tl.load(ptr, mask=keep[:, :, None], other=0.0, eviction_policy=EVICT)
         else:
-            w = tl.load(ptr, mask=keep[:, :, None] & mask_n[None, None, :], other=0.0)
+            w = tl.load(ptr, mask=keep[:, :, None] & mask_n[None, None, :], other=0.0, eviction_policy=EVICT)
         return w
 
     @triton.jit
@@ -344,15 +348,15 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _load_tile(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr):
+    def _load_tile(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
         """The (BLOCK_K, BLOCK_N) weight tile of rows whose |x| > t (and in range): masked rows
-        issue no load."""
+        issue no load. EVICT: the loads' cache eviction policy ('' or 'evict_first')."""
         keep = (tl.abs(x) > t) & in_k
         ptr = W + rows[:, None] * stride_wk + offs_n[None, :]
         if EVEN_N:
-            w = tl.load(ptr, mask=keep[:, None], other=0.0)
+            w = tl.load(ptr, mask=keep[:, None], other=0.0, eviction_policy=EVICT)
         else:
-            w = tl.load(ptr, mask=keep[:, None] & mask_n[None, :], other=0.0)
+            w = tl.load(ptr, mask=keep[:, None] & mask_n[None, :], other=0.0, eviction_policy=EVICT)
         return w
 
     @triton.jit
@@ -363,7 +367,7 @@ if triton is not None:
         SEG_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
         Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr, DBUF: tl.constexpr,
         U, GLU: tl.constexpr, WARPS_K: tl.constexpr, WARPS_LEAD: tl.constexpr, PAIRS: tl.constexpr,
-        ROWSKIP: tl.constexpr, PDL: tl.constexpr,
+        ROWSKIP: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
@@ -410,7 +414,8 @@ if triton is not None:
                     row_mask = in_j[:, None]
                 else:
                     row_mask = in_j[:, None] & mask_n[None, :]
-                w = tl.load(W + rows[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
+                w = tl.load(W + rows[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0,
+                            eviction_policy=EVICT)
                 acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
             _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
             return
@@ -425,12 +430,12 @@ if triton is not None:
             else:  # tile (BLOCK_K, WARPS_K, BLOCK_N): warp w holds rows k * WARPS_K + w
                 ar2 = tl.arange(0, BLOCK_K)[:, None] * WARPS_K + tl.arange(0, WARPS_K)[None, :]
             x_c = _load_x(X + k_lo + ar2, U + k_lo + ar2, k_lo + ar2 < k_hi, GLU)
-            w_c = _load_tile3(W, k_lo + ar2, k_lo + ar2 < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N)
+            w_c = _load_tile3(W, k_lo + ar2, k_lo + ar2 < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
             x_n = _load_x(X + k_lo + TILE + ar2, U + k_lo + TILE + ar2, k_lo + TILE + ar2 < k_hi, GLU)
             acc2 = tl.zeros([WARPS_K, BLOCK_N], dtype=tl.float32)
             for k0 in range(k_lo + TILE, k_hi + TILE, TILE):  # k0: the tile loaded now
                 rows2 = k0 + ar2
-                w_n = _load_tile3(W, rows2, rows2 < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N)
+                w_n = _load_tile3(W, rows2, rows2 < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
                 x_nn = _load_x(X + rows2 + TILE, U + rows2 + TILE, rows2 + TILE < k_hi, GLU)
                 acc2 += tl.sum(w_c.to(tl.float32) * x_c[:, :, None], axis=1 if WARPS_LEAD else 0)  # tile k0 - TILE
                 x_c, w_c, x_n = x_n, w_n, x_nn
@@ -447,15 +452,15 @@ if triton is not None:
             # within one iteration; two tiles are still in flight while the other is summed.
             ar = tl.arange(0, BLOCK_K)
             x_a = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU)
-            w_a = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_a, t0, offs_n, mask_n, stride_wk, EVEN_N)
+            w_a = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_a, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
             x_b = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, 2 * BLOCK_K):  # k0: tile B of this iteration
                 offs_b = k0 + ar
-                w_b = _load_tile(W, offs_b, offs_b < k_hi, x_b, t0, offs_n, mask_n, stride_wk, EVEN_N)
+                w_b = _load_tile(W, offs_b, offs_b < k_hi, x_b, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
                 offs_a = offs_b + BLOCK_K  # the next tile A
                 x_a2 = _load_x(X + offs_a, U + offs_a, offs_a < k_hi, GLU)
                 acc += tl.sum(w_a.to(tl.float32) * x_a[:, None], axis=0)  # tile A, k0 - BLOCK_K
-                w_a = _load_tile(W, offs_a, offs_a < k_hi, x_a2, t0, offs_n, mask_n, stride_wk, EVEN_N)
+                w_a = _load_tile(W, offs_a, offs_a < k_hi, x_a2, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
                 x_b2 = _load_x(X + offs_a + BLOCK_K, U + offs_a + BLOCK_K, offs_a + BLOCK_K < k_hi, GLU)
                 acc += tl.sum(w_b.to(tl.float32) * x_b[:, None], axis=0)  # tile B, k0
                 x_a, x_b = x_a2, x_b2
@@ -470,11 +475,11 @@ if triton is not None:
             # nothing in flight while its x slice comes from L2 and while it sums.
             ar = tl.arange(0, BLOCK_K)
             x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU)
-            w_c = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N)
+            w_c = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
             x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
-                w_n = _load_tile(W, offs_k, offs_k < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N)
+                w_n = _load_tile(W, offs_k, offs_k < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU)
                 if ROWSKIP:  # dropped rows skipped by uniform branches (stages 7)
                     acc = _sum_kept_rows(acc, w_c, x_c, t0, BLOCK_K, BLOCK_N)
@@ -503,7 +508,8 @@ if triton is not None:
                 else:
                     row_mask = keep[:, None] & mask_n[None, :]
             # Masked lanes issue no load: a dropped row moves no bytes.
-            w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
+            w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0,
+                        eviction_policy=EVICT)
             # Summed over the tile's rows at once: with BLOCK_N = 512 B * num_warps each thread
             # holds all BLOCK_K rows of its 8 columns, so this is in-thread adds and the
             # accumulator costs 8 registers, leaving registers for loads in flight.
@@ -541,7 +547,8 @@ def _sparse_gemv_op(
     common = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
                   HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1,
                   U=up if up is not None else x, GLU=up is not None, WARPS_K=num_warps if stages == 5 else 1,
-                  WARPS_LEAD=_WARPS_LEAD, PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
+                  WARPS_LEAD=_WARPS_LEAD, EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "",
+                  PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
                   **cap, **({"launch_pdl": True} if pdl else {}))
     compact = stages == 3
     # compact: each program's list of kept rows (written before it is read; no zeroing)
