@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import JsonOpt, emit_json
+from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, emit_json
 from sparsedecode.errors import InputError
 
 bench_app = typer.Typer(help="Timing: one cell of the App. A protocol in this process.",
@@ -42,8 +42,8 @@ def cell(
     steps: Annotated[int, typer.Option("--steps", help="Decode steps per repeat.")] = 50,
     fill: Annotated[str, typer.Option("--fill", help="prefill (dense prefill of the stream) or random (seeded K/V).")] = "prefill",
     compile_mode: Annotated[str, typer.Option("--compile-mode", help="torch.compile mode on CUDA ('' = default).")] = "",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     text_file: Annotated[str | None, typer.Option("--text-file", help="Token stream and calibration text: a file, or a folder with wiki.test.raw / wiki.valid.raw.")] = None,
     calib_tokens: Annotated[str, typer.Option("--calib-tokens", help="Projection calibration tokens.")] = "2048",
     obs: Annotated[int, typer.Option("--obs", help="Observation window of the selection (tokens).")] = 64,

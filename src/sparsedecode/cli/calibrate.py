@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import FfOnlyOpt, JsonOpt, emit_json
+from sparsedecode.cli.common import DeviceOpt, DtypeOpt, FfOnlyOpt, JsonOpt, emit_json
 from sparsedecode.errors import InputError
 
 
@@ -32,8 +32,8 @@ def calibrate(
     text_file: Annotated[str | None, typer.Option("--text-file", help="Calibration text: a file, or a folder with wiki.valid.raw.")] = None,
     tokens: Annotated[str, typer.Option("--tokens", help="Calibration tokens (e.g. 8K).")] = "8K",
     eval_tokens: Annotated[str, typer.Option("--eval-tokens", help="Held-out tokens for the realized keep (0 skips).")] = "4K",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Calibrate thresholds on text, save them, and report the realized keep on held-out text."""

@@ -22,7 +22,7 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import JsonOpt, emit_json
+from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, emit_json
 from sparsedecode.errors import InputError
 
 eval_app = typer.Typer(help="Quality: perplexity protocols with paired bootstrap intervals.",
@@ -44,8 +44,6 @@ ResamplesOpt = Annotated[int, typer.Option("--resamples", help="Paired bootstrap
 KvParamOpt = Annotated[list[str] | None, typer.Option("--kv-param", help="A KV selector field KEY=VALUE, repeatable (e.g. pool_kind=max, pool_width=5, sinks=8).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Bootstrap seed.")]
 LevelOpt = Annotated[float, typer.Option("--level", help="Interval level.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
 
 
 @eval_app.command("ppl")

@@ -23,10 +23,8 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli.common import JsonOpt, emit_json, parse_float
+from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, emit_json, parse_float
 from sparsedecode.cli.eval import (
-    DeviceOpt,
-    DtypeOpt,
     KvParamOpt,
     ModelOpt,
     _check_sparsity,

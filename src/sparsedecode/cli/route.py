@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import JsonOpt, emit_json, parse_float
+from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, emit_json, parse_float
 from sparsedecode.errors import InputError
 
 route_app = typer.Typer(
@@ -44,8 +44,8 @@ def build(
     tokens: Annotated[str, typer.Option("--tokens", help="Routing tokens (e.g. 16K).")] = "16K",
     window: Annotated[str, typer.Option("--window", help="Tokens per teacher-forced window.")] = "2K",
     unseen: Annotated[str, typer.Option("--unseen", help="Path of ids absent from the routing text: dense or sparse.")] = "dense",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Score every token id on routing text: mean excess loss of the CATS path over dense."""
