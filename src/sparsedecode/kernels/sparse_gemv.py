@@ -245,6 +245,12 @@ def max_registers(programs: int, num_warps: int, device) -> int:
     return max(32, min(255, regs))
 
 
+def rows_per_iteration(block_k: int, num_warps: int, stages: int) -> int:
+    """Rows one loop iteration of a program covers: BLOCK_K, times the warps that split a tile's
+    rows (stages 5), or two tiles (stages 6); splits hold whole multiples of it."""
+    return block_k * (num_warps if stages == 5 else 2 if stages == 6 else 1)
+
+
 def _rows_per_split(K: int, block_k: int, splits: int) -> int:
     per = -(-K // splits)  # ceil(K / splits)
     return -(-per // block_k) * block_k  # rounded up to whole BLOCK_K tiles
@@ -530,7 +536,7 @@ def _sparse_gemv_op(
     K, N = w_t.shape
     if not block_n:
         block_n, block_k, splits, num_warps, stages = default_config(K, N, x.dtype, x.device)
-    tile = block_k * (num_warps if stages == 5 else 2 if stages == 6 else 1)  # rows one iteration covers
+    tile = rows_per_iteration(block_k, num_warps, stages)
     splits = _splits(K, tile, splits)
     if ws_acc is None or ws_count is None:
         ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
