@@ -449,13 +449,14 @@ if triton is not None:
                            HAS_BIAS)
             return
         if PAIRS and not (NSEG > 1 and not SEG_ALIGNED):
-            # Stages 6: stages 4 unrolled by two tiles, A and B. Nsight Compute showed stages 4
-            # issue-bound at low keep (62% SM throughput at keep 0 on gate_up): its loop carries
-            # tile i + 1 into the next iteration while tile i is still being summed, so both are
-            # live at the back edge and every iteration copies the whole weight tile to the
-            # loop-carried registers (IMAD.MOV: 30% of its instructions). Here tile A is loaded
-            # again only after its sum, so its registers are reused in place, and tile B lives
-            # within one iteration; two tiles are still in flight while the other is summed.
+            # Stages 6: stages 4 unrolled by two tiles, A and B, written after Nsight Compute
+            # showed stages 4 issue-bound at low keep (62% SM throughput at keep 0 on gate_up)
+            # on the guess that its loop copies the carried weight tile at the back edge. The
+            # SASS showed otherwise: its IMADs (30% of instructions) are mostly IMAD.U32, the bf16
+            # to float32 unpack, with 20 moves in the whole kernel. Tile A is loaded again only
+            # after its sum and tile B lives within one iteration; two tiles are still in flight
+            # while the other is summed. Slower than stages 4 but on o at keep 0.3 (records
+            # h200/sparse_gemv_20261130T1333Z_stages67).
             ar = tl.arange(0, BLOCK_K)
             x_a = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU)
             w_a = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_a, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
