@@ -64,7 +64,6 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from sparsedecode.errors import InputError
 
 NAME = "sparsedecode"
-
 log = logging.getLogger(__name__)
 
 
