@@ -65,7 +65,11 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          (256, 16, "p16", 1, 6), (256, 16, "p12", 1, 6),
          # stages 7: stages 4 with a uniform branch around each dropped row's arithmetic (Nsight
          # Compute: stages 4 is issue-bound at low keep, 62% SM throughput at keep 0 on gate_up)
-         (256, 8, "p16", 1, 7), (256, 8, "p12", 1, 7), (256, 16, "p8", 1, 7), (512, 8, "p8", 1, 7)]
+         (256, 8, "p16", 1, 7), (256, 8, "p12", 1, 7), (256, 16, "p8", 1, 7), (512, 8, "p8", 1, 7),
+         # stages 8: stages 3's kept-row list with stages 4's two tiles in flight, so the loop's
+         # instructions scale with the keep (sm_90 compile: 16-row tiles spill at 16 per SM)
+         (256, 8, "p16", 1, 8), (256, 8, "p12", 1, 8), (256, 8, "p24", 1, 8), (512, 4, "p16", 1, 8),
+         (256, 4, "p24", 1, 8), (256, 4, "p32", 1, 8), (256, 16, "p8", 1, 8)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -290,9 +294,10 @@ def main() -> None:
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
-    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 2, 3, 4, 5, 6, 7),
+    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 2, 3, 4, 5, 6, 7, 8),
                     help="sweep only the SWEEP configs of these loop variants (3: compact, 4: two tiles in "
-                    "flight, 5: warps split the rows, 6: 4 unrolled by two tiles, 7: dropped rows skipped)")
+                    "flight, 5: warps split the rows, 6: 4 unrolled by two tiles, 7: dropped rows skipped, "
+                    "8: 3's kept-row list with 4's two tiles in flight)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

@@ -191,16 +191,18 @@ def _interpreter_worker() -> None:
                 fails.append(f"{dtype} {K}x{N}: the workspace is not back at zero after the calls")
     x, w_t, b = make(577, 203, torch.bfloat16, seed=3)  # 4 tiles of BLOCK_N=64, the last of 11 columns
     for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
-        # stages 2: x loaded an iteration ahead; 4: two tiles in flight
-        for stages, block_k in ((1, 16), (2, 16), (1, 8), (4, 16), (4, 8), (5, 16), (5, 8), (6, 16), (7, 16), (7, 8)):
+        # stages 2: x loaded an iteration ahead; 4: two tiles in flight; 8: a kept-row list, two
+        # tiles in flight (19 splits: splits whose rows are all dropped, an empty list)
+        for stages, block_k in ((1, 16), (2, 16), (1, 8), (4, 16), (4, 8), (5, 16), (5, 8), (6, 16), (7, 16), (7, 8),
+                                (8, 16), (8, 8)):
             y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, block_k, splits, 4, stages))
             fails += check(y, x, w_t, threshold_for(x, 0.3), b,
                            f"kernel splits={splits} stages={stages} BLOCK_K={block_k}", 2.0**-7)
             n += 1
     fails += _segment_cases()
-    n += 12
+    n += 15
     fails += _swiglu_cases()
-    n += 12
+    n += 16
     dense = F.linear(x, w_t.t(), b)
     fails += [m for m in [mismatch(sparse_gemv(x, w_t, 0.0, b), dense, 0.05, "threshold 0 vs F.linear")] if m]
     y = sparse_gemv(x, w_t, math.inf, b)
@@ -317,7 +319,7 @@ def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[s
             t = threshold_for(h, 0.4)
             want = sparse_gemv_ref(h, w_t, t, b)
             ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
-            for config in (None, (64, 16, 3, 1, 4), (64, 8, 2, 2, 5)):
+            for config in (None, (64, 16, 3, 1, 4), (64, 8, 2, 2, 5), (64, 16, 3, 1, 8)):
                 got = sparse_gemv(gate, w_t, torch.tensor(t, device=device), b, config=config, up=up)
                 fails += [m for m in [mismatch(got, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
                                                f"swiglu {dtype} {K}x{N} config={config}")] if m]
@@ -337,7 +339,7 @@ def _segment_cases(device="cpu") -> list[str]:
         want = sparse_gemv_segments_ref(x, w_t, thr, widths, b)
         ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
         what = f"segments {widths} {dtype} BLOCK_N={block_n}"
-        for stages in (1, 2, 4):  # stages 4 falls back to the plain loop off the tile grid
+        for stages in (1, 2, 4, 8):  # stages 4 and 8 fall back to the plain loop off the tile grid
             y = sparse_gemv(x, w_t, thr, b, segments=widths, config=(block_n, 16, 5, 1, stages))
             fails += [m for m in [mismatch(y, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
                                            f"{what} stages={stages}")] if m]
@@ -366,6 +368,36 @@ def test_kernel_on_cuda(keep, K, N, dtype):
         fails = check(y, x, w_t, t, b, f"cuda kernel {K}x{N} keep={keep} {dtype}")
         assert not fails, "\n".join(fails)
     assert ws[0].abs().sum().item() == 0 and ws[1].abs().sum().item() == 0
+
+
+@gpu
+@pytest.mark.parametrize("config", [(256, 8, 37, 1, 8), (512, 4, 20, 1, 8), (256, 4, 50, 1, 8)], ids=str)
+def test_kept_row_list_configs_on_cuda(config):
+    """Stages 8 (each program lists its split's kept rows, then streams them two tiles at a
+    time) against float64 on the issue's shapes, and in a graph whose threshold moves."""
+    fails = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for K, N in ((577, 1537), (4096, 14336), (14336, 4096)):
+            x, w_t, b = make(K, N, dtype, device="cuda", seed=K + N + 1)
+            ws = workspace(N, "cuda")
+            for keep in (0.05, 0.3, 0.5, 1.0):
+                t = threshold_for(x, keep)
+                y = sparse_gemv(x, w_t, torch.tensor(t, device="cuda"), b, ws=ws, config=config)
+                fails += check(y, x, w_t, t, b, f"stages 8 {config} {K}x{N} keep={keep} {dtype}")
+            if ws[0].abs().sum().item() or ws[1].abs().sum().item():
+                fails.append(f"{config} {K}x{N}: the workspace is not back at zero")
+    x, w_t, b = make(4096, 14336, torch.bfloat16, device="cuda", seed=4)
+    thr, ws = torch.tensor(0.0, device="cuda"), workspace(14336, "cuda")
+    sparse_gemv(x, w_t, thr, b, ws=ws, config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_gemv(x, w_t, thr, b, ws=ws, config=config)
+    for keep in (1.0, 0.3, 0.05, 0.5):
+        thr.fill_(threshold_for(x, keep))
+        graph.replay()
+        torch.cuda.synchronize()
+        fails += check(out, x, w_t, threshold_for(x, keep), b, f"stages 8 {config} graph replay keep={keep}")
+    assert not fails, "\n".join(fails)
 
 
 @gpu

@@ -101,7 +101,7 @@ WEIGHTS_EVICT_FIRST = False
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16  # smallest BLOCK_N (and default BLOCK_K); workspace() sizes its counters for it
-MIN_BLOCK_K = 8  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
+MIN_BLOCK_K = 4  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
 
 
 # Stages 5 lays a tile out so the warps split its rows and each warp sums its own in-thread.
@@ -397,6 +397,47 @@ if triton is not None:
         k_lo = pid_k * rows_per_split
         k_hi = tl.minimum(k_lo + rows_per_split, K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if COMPACT and DBUF and not (NSEG > 1 and not SEG_ALIGNED):
+            # Stages 8: the kept-row list of stages 3 with the two-tiles-in-flight loop of stages 4.
+            # Stages 4 converts and multiplies every row of its split, kept or not (a dropped row
+            # is a predicated-off load of zeros), and Nsight Compute found it bound by issue at
+            # low keep; here the loop runs over kept rows only, so its instructions scale with
+            # the keep as its bytes do, and each tile is full of kept rows.
+            offs_r = k_lo + tl.arange(0, RPS)  # (RPS,)
+            in_r = offs_r < k_hi
+            xr = _load_x(X + offs_r, U + offs_r, in_r, GLU)
+            kept = (tl.abs(xr) > t0) & in_r
+            rank = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+            n_kept = tl.sum(kept.to(tl.int32), axis=0)
+            base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * (2 * RPS)
+            # the rows and their x (float32 bits) at the row's rank; a row is scaled by stride_wk
+            # in the loop, where the launcher's divisibility hint on it keeps the loads vectors
+            tl.store(base + rank, offs_r, mask=kept)
+            tl.store(base + RPS + rank, xr.to(tl.int32, bitcast=True), mask=kept)
+            tl.debug_barrier()  # the list is written before any lane reads it
+            ar = tl.arange(0, BLOCK_K)
+            in_c = ar < n_kept
+            off_c = tl.load(base + ar, mask=in_c, other=0)
+            x_c = tl.load(base + RPS + ar, mask=in_c, other=0).to(tl.float32, bitcast=True)
+            w_c = tl.load(W + off_c[:, None] * stride_wk + offs_n[None, :],
+                          mask=in_c[:, None] if EVEN_N else in_c[:, None] & mask_n[None, :], other=0.0,
+                          eviction_policy=EVICT)
+            in_n = BLOCK_K + ar < n_kept
+            off_n = tl.load(base + BLOCK_K + ar, mask=in_n, other=0)
+            x_n = tl.load(base + RPS + BLOCK_K + ar, mask=in_n, other=0).to(tl.float32, bitcast=True)
+            for j0 in range(BLOCK_K, n_kept + BLOCK_K, BLOCK_K):  # j0: the tile loaded now
+                in_j = j0 + ar < n_kept
+                w_n = tl.load(W + off_n[:, None] * stride_wk + offs_n[None, :],
+                              mask=in_j[:, None] if EVEN_N else in_j[:, None] & mask_n[None, :], other=0.0,
+                              eviction_policy=EVICT)
+                in_nn = j0 + BLOCK_K + ar < n_kept
+                off_nn = tl.load(base + j0 + BLOCK_K + ar, mask=in_nn, other=0)
+                x_nn = tl.load(base + RPS + j0 + BLOCK_K + ar, mask=in_nn, other=0).to(tl.float32, bitcast=True)
+                acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # tile j0 - BLOCK_K
+                x_c, w_c, off_n, x_n = x_n, w_n, off_nn, x_nn
+            acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # the last tile (all zeros if empty)
+            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+            return
         if COMPACT and not (NSEG > 1 and not SEG_ALIGNED):
             # The kept rows of this split, listed first: their ranks by a prefix sum, each
             # row index stored at its rank in the program's own scratch (L2), read back
@@ -557,11 +598,14 @@ def _sparse_gemv_op(
                   WARPS_LEAD=_WARPS_LEAD, EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "",
                   PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
                   **cap, **({"launch_pdl": True} if pdl else {}))
-    compact = stages == 3
-    # compact: each program's list of kept rows (written before it is read; no zeroing)
-    scratch = torch.empty(n_tiles * splits * _pow2(rows), device=x.device, dtype=torch.int32) if compact else ws_acc
+    compact = stages in (3, 8)
+    # compact: each program's list of kept rows (stages 8: and of their x), written before it is
+    # read, so never zeroed
+    scratch = (torch.empty(n_tiles * splits * _pow2(rows) * (2 if stages == 8 else 1), device=x.device,
+                           dtype=torch.int32) if compact else ws_acc)
     _sparse_gemv_kernel[(n_tiles, splits)](*args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2,
-                                           COMPACT=compact, RPS=_pow2(rows), DBUF=stages in (4, 5, 7), PAIRS=stages == 6,
+                                           COMPACT=compact, RPS=_pow2(rows), DBUF=stages in (4, 5, 7, 8),
+                                           PAIRS=stages == 6,
                                            ROWSKIP=stages == 7,
                                            **common)
     return y
@@ -601,7 +645,8 @@ def sparse_gemv(
     lists each split's kept rows first and loops over full tiles of them; stages 4 keeps two
     tiles' weight loads in flight, the next x slice two tiles ahead; stages 5 is stages 4 with
     the num_warps warps of a program splitting each tile's rows, summed once at the end; stages 6
-    is stages 4 unrolled by two tiles, so no weight tile is copied at the loop's back edge).
+    is stages 4 unrolled by two tiles, so no weight tile is copied at the loop's back edge; stages 8
+    is stages 3's kept-row list looped over with stages 4's two tiles in flight).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -639,10 +684,11 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if stages not in (1, 2, 3, 4, 5, 6, 7):
+        if stages not in (1, 2, 3, 4, 5, 6, 7, 8):
             raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
-                             f"(two tiles in flight), 5 (4 with warps splitting the rows) or 6 (4 unrolled "
-                             f"by two tiles) or 7 (4 skipping dropped rows' arithmetic); got {stages}")
+                             f"(two tiles in flight), 5 (4 with warps splitting the rows), 6 (4 unrolled "
+                             f"by two tiles), 7 (4 skipping dropped rows' arithmetic) or 8 (3's list with "
+                             f"4's two tiles in flight); got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
