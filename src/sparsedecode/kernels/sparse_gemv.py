@@ -97,6 +97,10 @@ PDL_TRIGGER = True  # with PDL, signal the next kernel at the start (else as eac
 # the hint keeps x, the workspace and the next kernel's data in L2; TEAL's kernel uses such
 # hints). Off until measured: `sparse_gemv_bench.py --evict-first`.
 WEIGHTS_EVICT_FIRST = False
+# True: stages 4 and 8 read bf16 weights as int32 pairs and widen them with integer ops
+# (`_sum_tile`), about one instruction per element fewer than Triton's bf16 conversion. Off
+# until measured on the H200 (`sparse_gemv_bench.py --bf16-pairs`).
+BF16_PAIRS = False
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -366,6 +370,39 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N, BITS: tl.constexpr, COLS: tl.constexpr):
+        """(pointer, column offsets, column mask, row stride) the weight loads use: W's columns,
+        or with BITS its bf16 columns as COLS int32 pairs (N and the row stride even)."""
+        if BITS:
+            offs = pid_n * COLS + tl.arange(0, COLS)
+            return W.to(tl.pointer_type(tl.int32)), offs, offs < N // 2, stride_w32
+        else:
+            return W, offs_n, mask_n, stride_wk
+
+    @triton.jit
+    def _columns(acc, acc_hi, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The tile's BLOCK_N column sums in order: with BITS, the even and odd columns interleaved."""
+        if BITS:
+            return tl.reshape(tl.join(acc, acc_hi), [BLOCK_N])
+        else:
+            return acc
+
+    @triton.jit
+    def _sum_tile(acc, acc_hi, w, x, BITS: tl.constexpr):
+        """acc (+ acc_hi) plus the tile's sum over rows of x * w in float32. With BITS, w is bf16
+        weights read as int32 pairs (column 2j in the low half of word j): a bf16 is the top half
+        of its float32, so the low column is the word shifted left by 16 and the high one the
+        word with its low half cleared, one integer instruction per element where the bf16
+        conversion took about two (a byte permute to extract, then the shift; sm_90 SASS).
+        acc holds the even columns and acc_hi the odd ones."""
+        if BITS:
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+            return acc + tl.sum(lo * x[:, None], axis=0), acc_hi + tl.sum(hi * x[:, None], axis=0)
+        else:
+            return acc + tl.sum(w.to(tl.float32) * x[:, None], axis=0), acc_hi
+
+    @triton.jit
     def _sparse_gemv_kernel(
         X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2,
         rows_per_split, num_splits,
@@ -374,7 +411,7 @@ if triton is not None:
         Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr, DBUF: tl.constexpr,
         U, GLU: tl.constexpr, WARPS_K: tl.constexpr, WARPS_LEAD: tl.constexpr, PAIRS: tl.constexpr,
         ROWSKIP: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
-        PDL_TRIGGER: tl.constexpr,
+        PDL_TRIGGER: tl.constexpr, stride_w32, BITS: tl.constexpr, COLS: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the launch and this prologue overlap its tail
@@ -415,28 +452,33 @@ if triton is not None:
             tl.store(base + rank, offs_r, mask=kept)
             tl.store(base + RPS + rank, xr.to(tl.int32, bitcast=True), mask=kept)
             tl.debug_barrier()  # the list is written before any lane reads it
+            Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N,
+                                                      BITS, COLS)
+            acc_l = tl.zeros([COLS], dtype=tl.float32)
+            acc_h = tl.zeros([COLS], dtype=tl.float32)
             ar = tl.arange(0, BLOCK_K)
             in_c = ar < n_kept
             off_c = tl.load(base + ar, mask=in_c, other=0)
             x_c = tl.load(base + RPS + ar, mask=in_c, other=0).to(tl.float32, bitcast=True)
-            w_c = tl.load(W + off_c[:, None] * stride_wk + offs_n[None, :],
-                          mask=in_c[:, None] if EVEN_N else in_c[:, None] & mask_n[None, :], other=0.0,
+            w_c = tl.load(Wl + off_c[:, None] * stride_l + offs_l[None, :],
+                          mask=in_c[:, None] if EVEN_N else in_c[:, None] & mask_l[None, :], other=0.0,
                           eviction_policy=EVICT)
             in_n = BLOCK_K + ar < n_kept
             off_n = tl.load(base + BLOCK_K + ar, mask=in_n, other=0)
             x_n = tl.load(base + RPS + BLOCK_K + ar, mask=in_n, other=0).to(tl.float32, bitcast=True)
             for j0 in range(BLOCK_K, n_kept + BLOCK_K, BLOCK_K):  # j0: the tile loaded now
                 in_j = j0 + ar < n_kept
-                w_n = tl.load(W + off_n[:, None] * stride_wk + offs_n[None, :],
-                              mask=in_j[:, None] if EVEN_N else in_j[:, None] & mask_n[None, :], other=0.0,
+                w_n = tl.load(Wl + off_n[:, None] * stride_l + offs_l[None, :],
+                              mask=in_j[:, None] if EVEN_N else in_j[:, None] & mask_l[None, :], other=0.0,
                               eviction_policy=EVICT)
                 in_nn = j0 + BLOCK_K + ar < n_kept
                 off_nn = tl.load(base + j0 + BLOCK_K + ar, mask=in_nn, other=0)
                 x_nn = tl.load(base + RPS + j0 + BLOCK_K + ar, mask=in_nn, other=0).to(tl.float32, bitcast=True)
-                acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # tile j0 - BLOCK_K
+                acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile j0 - BLOCK_K
                 x_c, w_c, off_n, x_n = x_n, w_n, off_nn, x_nn
-            acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # the last tile (all zeros if empty)
-            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+            acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # the last tile (all zeros if empty)
+            _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
+                           num_splits, HAS_BIAS)
             return
         if COMPACT and not (NSEG > 1 and not SEG_ALIGNED):
             # The kept rows of this split, listed first: their ranks by a prefix sum, each
@@ -521,20 +563,25 @@ if triton is not None:
             # slice loaded an iteration earlier, so the loads wait on nothing) and the x slice
             # of tile i + 2, and only then sums tile i. The plain loop leaves a warp with
             # nothing in flight while its x slice comes from L2 and while it sums.
+            Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N,
+                                                      BITS and not ROWSKIP, COLS)
+            acc_l = tl.zeros([COLS], dtype=tl.float32)
+            acc_h = tl.zeros([COLS], dtype=tl.float32)
             ar = tl.arange(0, BLOCK_K)
             x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU)
-            w_c = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
+            w_c = _load_tile(Wl, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
             x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
-                w_n = _load_tile(W, offs_k, offs_k < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
+                w_n = _load_tile(Wl, offs_k, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU)
                 if ROWSKIP:  # dropped rows skipped by uniform branches (stages 7)
-                    acc = _sum_kept_rows(acc, w_c, x_c, t0, BLOCK_K, BLOCK_N)
+                    acc_l = _sum_kept_rows(acc_l, w_c, x_c, t0, BLOCK_K, BLOCK_N)
                 else:
-                    acc += tl.sum(w_c.to(tl.float32) * x_c[:, None], axis=0)  # tile k0 - BLOCK_K
+                    acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
-            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+            _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS and not ROWSKIP, BLOCK_N), offs_n,
+                           mask_n, pid_n, num_splits, HAS_BIAS)
             return
         if PREFETCH:  # the x slice of the next iteration is in flight with this one's weights
             ar = tl.arange(0, BLOCK_K)
@@ -603,7 +650,12 @@ def _sparse_gemv_op(
     # read, so never zeroed
     scratch = (torch.empty(n_tiles * splits * _pow2(rows) * (2 if stages == 8 else 1), device=x.device,
                            dtype=torch.int32) if compact else ws_acc)
+    # bf16 read as int32 pairs (stages 4 and 8): N, the row stride and the base 4-byte aligned
+    bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and stages in (4, 8) and N % 2 == 0
+            and w_t.stride(0) % 2 == 0 and w_t.data_ptr() % 4 == 0)
     _sparse_gemv_kernel[(n_tiles, splits)](*args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2,
+                                           stride_w32=w_t.stride(0) // 2, BITS=bits,
+                                           COLS=block_n // 2 if bits else block_n,
                                            COMPACT=compact, RPS=_pow2(rows), DBUF=stages in (4, 5, 7, 8),
                                            PAIRS=stages == 6,
                                            ROWSKIP=stages == 7,
