@@ -87,6 +87,8 @@ def main() -> None:
                     "one-wave budget (sparse_gemv.REGISTER_CAP)")
     ap.add_argument("--evict-first", action="store_true",
                     help="sparse GEMV weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
+    ap.add_argument("--bf16-pairs", action="store_true",
+                    help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run STEPS replays under the PyTorch profiler and keep each kernel's device time "
                          "per step in the record (where the step's time goes)")
@@ -101,6 +103,7 @@ def main() -> None:
         raise SystemExit(f"--variants: unknown {bad}; pick from default, plain, pdl, swiglu, pdl+swiglu")
     sg.REGISTER_CAP = a.max_registers
     sg.WEIGHTS_EVICT_FIRST = a.evict_first
+    sg.BF16_PAIRS = a.bf16_pairs
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
@@ -121,7 +124,7 @@ def main() -> None:
             "fill": "random", "calibration": {"method": a.method, "greedy": False,
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
-            "register_cap": a.max_registers, "evict_first": a.evict_first,
+            "register_cap": a.max_registers, "evict_first": a.evict_first, "bf16_pairs": a.bf16_pairs,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 
     def prepare() -> None:

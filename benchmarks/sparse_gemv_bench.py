@@ -69,7 +69,11 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          # stages 8: stages 3's kept-row list with stages 4's two tiles in flight, so the loop's
          # instructions scale with the keep (sm_90 compile: 16-row tiles spill at 16 per SM)
          (256, 8, "p16", 1, 8), (256, 8, "p12", 1, 8), (256, 8, "p24", 1, 8), (512, 4, "p16", 1, 8),
-         (256, 4, "p24", 1, 8), (256, 4, "p32", 1, 8), (256, 16, "p8", 1, 8)]
+         (256, 4, "p24", 1, 8), (256, 4, "p32", 1, 8), (256, 16, "p8", 1, 8),
+         # stages 9: each tile summed on the tensor cores (wgmma), weights pipelined as cp.async in
+         # shared memory (3 tiles in flight: 96 KB at 256 x 64, so 2 programs per SM)
+         (256, 64, "p2", 4, 9), (128, 64, "p4", 4, 9), (256, 32, "p3", 4, 9), (128, 128, "p2", 4, 9),
+         (128, 32, "p6", 4, 9), (64, 64, "p8", 4, 9)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -260,7 +264,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "keep_target": keep, "threshold": t_val, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
                 "config_label": label, "pdl": args.pdl, "register_cap": args.max_registers,
-                "evict_first": args.evict_first,
+                "evict_first": args.evict_first, "bf16_pairs": args.bf16_pairs,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
@@ -294,10 +298,10 @@ def main() -> None:
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
-    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 2, 3, 4, 5, 6, 7, 8),
+    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 2, 3, 4, 5, 6, 7, 8, 9),
                     help="sweep only the SWEEP configs of these loop variants (3: compact, 4: two tiles in "
                     "flight, 5: warps split the rows, 6: 4 unrolled by two tiles, 7: dropped rows skipped, "
-                    "8: 3's kept-row list with 4's two tiles in flight)")
+                    "8: 3's kept-row list with 4's two tiles in flight, 9: tensor cores)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")
@@ -306,6 +310,8 @@ def main() -> None:
                     "of the call before; 'early' signals the next call at the start, 'exit' as programs exit")
     ap.add_argument("--evict-first", action="store_true",
                     help="weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
+    ap.add_argument("--bf16-pairs", action="store_true",
+                    help="stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS)")
     ap.add_argument("--max-registers", type=int, help="cap the kernel's registers per thread below the one-wave "
                     "budget (sparse_gemv.REGISTER_CAP)")
     ap.add_argument("--probe", action="store_true",
@@ -320,6 +326,7 @@ def main() -> None:
     sg.PDL, sg.PDL_TRIGGER = args.pdl != "off", args.pdl == "early"
     sg.REGISTER_CAP = args.max_registers
     sg.WEIGHTS_EVICT_FIRST = args.evict_first
+    sg.BF16_PAIRS = args.bf16_pairs
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
     for name in args.shapes:

@@ -199,6 +199,8 @@ def _interpreter_worker() -> None:
             fails += check(y, x, w_t, threshold_for(x, 0.3), b,
                            f"kernel splits={splits} stages={stages} BLOCK_K={block_k}", 2.0**-7)
             n += 1
+    fails += _pairs_and_tensor_core_cases()
+    n += 18
     fails += _segment_cases()
     n += 15
     fails += _swiglu_cases()
@@ -326,6 +328,41 @@ def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[s
     return fails
 
 
+def _pairs_and_tensor_core_cases() -> list[str]:
+    """BF16_PAIRS (stages 4 and 8 widen bf16 read as int32 pairs) gives bit for bit what Triton's
+    conversion gives, on even N (pairs) and odd N (no pairs); stages 9 (tensor cores) in float16
+    against float64 (the interpreter's bfloat16 tl.dot is wrong: bfloat16 runs on CUDA)."""
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    fails = []
+    for K, N in ((301, 130), (577, 203)):
+        x, w_t, b = make(K, N, torch.bfloat16, seed=K)
+        t = threshold_for(x, 0.4)
+        for config in ((64, 16, 5, 1, 4), (16, 4, 7, 1, 8), (128, 8, 2, 1, 8)):
+            sg.BF16_PAIRS = False
+            want = sparse_gemv(x, w_t, t, b, config=config)
+            sg.BF16_PAIRS = True
+            try:
+                got = sparse_gemv(x, w_t, t, b, config=config)
+            finally:
+                sg.BF16_PAIRS = False
+            if not torch.equal(got, want):
+                fails.append(f"BF16_PAIRS {K}x{N} {config}: differs from the bf16 conversion")
+    for K, N in ((301, 200), (577, 256)):
+        x, w_t, b = make(K, N, torch.float16, seed=N)
+        for keep, config in ((0.05, (64, 16, 5, 4, 9)), (0.4, (128, 32, 3, 4, 9)), (1.0, (64, 64, 1, 4, 9)),
+                             (0.4, (64, 16, 19, 4, 9)), (0.3, (64, 32, 2, 4, 9)), (0.7, (256, 16, 4, 4, 9))):
+            t = threshold_for(x, keep)
+            fails += check(sparse_gemv(x, w_t, t, b, config=config), x, w_t, t, b,
+                           f"stages 9 {K}x{N} keep={keep} {config}")
+    try:
+        sparse_gemv(x.float(), w_t.float(), 0.1, config=(64, 16, 2, 4, 9))
+        fails.append("stages 9 must refuse float32 (tf32 tensor cores would round the weights)")
+    except InputError as e:
+        fails += [] if "bfloat16 or float16" in str(e) else [f"stages 9 float32: unclear error {e}"]
+    return fails
+
+
 def _segment_cases(device="cpu") -> list[str]:
     """Column slices of a concatenated weight (row stride > N) and segmented calls, each block
     with its own threshold: block bounds on and off the BLOCK_N grid, 2 and 3 blocks."""
@@ -371,10 +408,18 @@ def test_kernel_on_cuda(keep, K, N, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("config", [(256, 8, 37, 1, 8), (512, 4, 20, 1, 8), (256, 4, 50, 1, 8)], ids=str)
-def test_kept_row_list_configs_on_cuda(config):
+@pytest.mark.parametrize("pairs", [False, True], ids=["bf16", "pairs"])
+@pytest.mark.parametrize("config", [(256, 8, 37, 1, 8), (512, 4, 20, 1, 8), (256, 4, 50, 1, 8), (256, 16, 37, 1, 4),
+                                    (256, 64, 5, 4, 9), (128, 32, 20, 4, 9)], ids=str)
+def test_loop_configs_on_cuda(config, pairs, monkeypatch):
     """Stages 8 (each program lists its split's kept rows, then streams them two tiles at a
-    time) against float64 on the issue's shapes, and in a graph whose threshold moves."""
+    time), stages 4 and 8 with BF16_PAIRS, and stages 9 (tensor cores) against float64 on the
+    issue's shapes, and in a graph whose threshold moves."""
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    if pairs and config[4] not in (4, 8):
+        pytest.skip("BF16_PAIRS applies to stages 4 and 8")
+    monkeypatch.setattr(sg, "BF16_PAIRS", pairs)
     fails = []
     for dtype in (torch.bfloat16, torch.float16):
         for K, N in ((577, 1537), (4096, 14336), (14336, 4096)):
@@ -383,7 +428,7 @@ def test_kept_row_list_configs_on_cuda(config):
             for keep in (0.05, 0.3, 0.5, 1.0):
                 t = threshold_for(x, keep)
                 y = sparse_gemv(x, w_t, torch.tensor(t, device="cuda"), b, ws=ws, config=config)
-                fails += check(y, x, w_t, t, b, f"stages 8 {config} {K}x{N} keep={keep} {dtype}")
+                fails += check(y, x, w_t, t, b, f"{config} {K}x{N} keep={keep} {dtype}")
             if ws[0].abs().sum().item() or ws[1].abs().sum().item():
                 fails.append(f"{config} {K}x{N}: the workspace is not back at zero")
     x, w_t, b = make(4096, 14336, torch.bfloat16, device="cuda", seed=4)
@@ -396,7 +441,7 @@ def test_kept_row_list_configs_on_cuda(config):
         thr.fill_(threshold_for(x, keep))
         graph.replay()
         torch.cuda.synchronize()
-        fails += check(out, x, w_t, threshold_for(x, keep), b, f"stages 8 {config} graph replay keep={keep}")
+        fails += check(out, x, w_t, threshold_for(x, keep), b, f"{config} graph replay keep={keep}")
     assert not fails, "\n".join(fails)
 
 

@@ -101,6 +101,7 @@ WEIGHTS_EVICT_FIRST = False
 # (`_sum_tile`), about one instruction per element fewer than Triton's bf16 conversion. Off
 # until measured on the H200 (`sparse_gemv_bench.py --bf16-pairs`).
 BF16_PAIRS = False
+TC_PIPELINE = 3  # stages 9: weight tiles in flight (cp.async pipeline depth)
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -612,6 +613,44 @@ if triton is not None:
         _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _sparse_gemv_tc_kernel(
+        X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2, rows_per_split, num_splits,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
+        HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PIPELINE: tl.constexpr,
+    ):
+        """Stages 9: the tile's products on the tensor cores. y_tile = w_tile^T x as a wgmma of
+        (BLOCK_N, BLOCK_K) by (BLOCK_K, 16), x in column 0 and zeros elsewhere: the padding
+        costs tensor-core arithmetic, which idles in a GEMV, and leaves no per-element
+        conversion or multiply-add to issue (Nsight Compute found stages 4 issue-bound at low
+        keep). Triton pipelines the masked weight loads as cp.async with zero fill, so a dropped
+        row still moves no bytes and the tiles in flight sit in shared memory, not registers."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        t = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
+        k_lo = pid_k * rows_per_split
+        k_hi = tl.minimum(k_lo + rows_per_split, K)
+        offs_c = tl.arange(0, 16)
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=PIPELINE):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            in_k = offs_k < k_hi
+            x = tl.load(X + offs_k, mask=in_k, other=0.0)
+            keep = (tl.abs(x.to(tl.float32)) > t) & in_k
+            if EVEN_N:
+                row_mask = keep[:, None]
+            else:
+                row_mask = keep[:, None] & mask_n[None, :]
+            w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
+            xb = tl.where(offs_c[None, :] == 0, tl.where(keep, x, 0.0)[:, None], 0.0).to(W.dtype.element_ty)
+            acc = tl.dot(tl.trans(w), xb, acc)  # (BLOCK_N, 16), column 0 the partial
+        _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+
+
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
 def _sparse_gemv_op(
     x: Tensor, w_t: Tensor, thr_ts: list[Tensor], thr_f: float, bounds: list[int], bias: Tensor | None,
@@ -645,6 +684,12 @@ def _sparse_gemv_op(
                   WARPS_LEAD=_WARPS_LEAD, EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "",
                   PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
                   **cap, **({"launch_pdl": True} if pdl else {}))
+    if stages == 9:
+        _sparse_gemv_tc_kernel[(n_tiles, splits)](
+            *args, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
+            HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, PIPELINE=TC_PIPELINE, num_warps=num_warps,
+            num_stages=TC_PIPELINE)
+        return y
     compact = stages in (3, 8)
     # compact: each program's list of kept rows (stages 8: and of their x), written before it is
     # read, so never zeroed
@@ -667,6 +712,11 @@ def _sparse_gemv_op(
 def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, block_n, block_k, splits, num_warps, stages,
       up=None):
     return x.new_empty(w_t.shape[1])
+
+
+def _bounds(segments: list[int]) -> list[int]:
+    """Column bounds between the blocks of a segmented weight."""
+    return [sum(segments[:j + 1]) for j in range(len(segments) - 1)]
 
 
 def sparse_gemv(
@@ -698,7 +748,8 @@ def sparse_gemv(
     tiles' weight loads in flight, the next x slice two tiles ahead; stages 5 is stages 4 with
     the num_warps warps of a program splitting each tile's rows, summed once at the end; stages 6
     is stages 4 unrolled by two tiles, so no weight tile is copied at the loop's back edge; stages 8
-    is stages 3's kept-row list looped over with stages 4's two tiles in flight).
+    is stages 3's kept-row list looped over with stages 4's two tiles in flight; stages 9 sums each
+    tile on the tensor cores, x padded to 16 columns, its weight loads pipelined by Triton).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -736,11 +787,16 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if stages not in (1, 2, 3, 4, 5, 6, 7, 8):
+        if stages == 9 and (x.dtype == torch.float32 or up is not None or block_n < 64 or block_k < 16
+                            or (segments is not None and any(b % block_n for b in _bounds(segments)))):
+            raise InputError(f"stages 9 (tensor cores) runs bfloat16 or float16, without up=, with BLOCK_N >= 64, "
+                             f"BLOCK_K >= 16 and segment bounds on the BLOCK_N grid; got {config} for "
+                             f"{x.dtype}, segments {segments}")
+        if stages not in (1, 2, 3, 4, 5, 6, 7, 8, 9):
             raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
                              f"(two tiles in flight), 5 (4 with warps splitting the rows), 6 (4 unrolled "
                              f"by two tiles), 7 (4 skipping dropped rows' arithmetic) or 8 (3's list with "
-                             f"4's two tiles in flight); got {stages}")
+                             f"4's two tiles in flight) or 9 (tensor cores); got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
@@ -750,7 +806,7 @@ def sparse_gemv(
         thr_ts, thr_f = [t.reshape(()) for t in thresholds], 0.0
     else:
         thr_ts, thr_f = [], float(thresholds[0])
-    bounds = [] if segments is None else [sum(segments[:j + 1]) for j in range(len(segments) - 1)]
+    bounds = [] if segments is None else _bounds(segments)
     y = _sparse_gemv_op(x.reshape(K), w_t, thr_ts, thr_f, bounds, bias, *(ws or (None, None)),
                         *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K))
     return y.reshape(*x.shape[:-1], N)
