@@ -73,7 +73,11 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          # stages 9: each tile summed on the tensor cores (wgmma), weights pipelined as cp.async in
          # shared memory (3 tiles in flight: 96 KB at 256 x 64, so 2 programs per SM)
          (256, 64, "p2", 4, 9), (128, 64, "p4", 4, 9), (256, 32, "p3", 4, 9), (128, 128, "p2", 4, 9),
-         (128, 32, "p6", 4, 9), (64, 64, "p8", 4, 9)]
+         (128, 32, "p6", 4, 9), (64, 64, "p8", 4, 9),
+         # stages 10: stages 9 over a kept-row list (stages 9 lost at keeps 0.5 and 0.3: a tile in
+         # flight holds dropped rows too; records h200/sparse_gemv_20261130T1513Z_tensor_cores)
+         (128, 64, "p2", 4, 10), (128, 64, "p4", 4, 10), (256, 64, "p2", 4, 10), (128, 32, "p4", 4, 10),
+         (64, 64, "p4", 4, 10), (128, 128, "p2", 4, 10), (64, 32, "p8", 4, 10)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -298,10 +302,10 @@ def main() -> None:
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
-    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 2, 3, 4, 5, 6, 7, 8, 9),
+    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=tuple(range(1, 11)),
                     help="sweep only the SWEEP configs of these loop variants (3: compact, 4: two tiles in "
                     "flight, 5: warps split the rows, 6: 4 unrolled by two tiles, 7: dropped rows skipped, "
-                    "8: 3's kept-row list with 4's two tiles in flight, 9: tensor cores)")
+                    "8: 3's kept-row list with 4's two tiles in flight, 9: tensor cores, 10: 9 over a kept-row list)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

@@ -200,7 +200,7 @@ def _interpreter_worker() -> None:
                            f"kernel splits={splits} stages={stages} BLOCK_K={block_k}", 2.0**-7)
             n += 1
     fails += _pairs_and_tensor_core_cases()
-    n += 18
+    n += 26
     fails += _segment_cases()
     n += 15
     fails += _swiglu_cases()
@@ -330,7 +330,7 @@ def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[s
 
 def _pairs_and_tensor_core_cases() -> list[str]:
     """BF16_PAIRS (stages 4 and 8 widen bf16 read as int32 pairs) gives bit for bit what Triton's
-    conversion gives, on even N (pairs) and odd N (no pairs); stages 9 (tensor cores) in float16
+    conversion gives, on even N (pairs) and odd N (no pairs); stages 9 and 10 (tensor cores) in float16
     against float64 (the interpreter's bfloat16 tl.dot is wrong: bfloat16 runs on CUDA)."""
     from sparsedecode.kernels import sparse_gemv as sg
 
@@ -351,10 +351,12 @@ def _pairs_and_tensor_core_cases() -> list[str]:
     for K, N in ((301, 200), (577, 256)):
         x, w_t, b = make(K, N, torch.float16, seed=N)
         for keep, config in ((0.05, (64, 16, 5, 4, 9)), (0.4, (128, 32, 3, 4, 9)), (1.0, (64, 64, 1, 4, 9)),
-                             (0.4, (64, 16, 19, 4, 9)), (0.3, (64, 32, 2, 4, 9)), (0.7, (256, 16, 4, 4, 9))):
+                             (0.4, (64, 16, 19, 4, 9)), (0.3, (64, 32, 2, 4, 9)), (0.7, (256, 16, 4, 4, 9)),
+                             (0.05, (64, 16, 5, 4, 10)), (0.4, (128, 32, 3, 4, 10)), (1.0, (64, 64, 1, 4, 10)),
+                             (0.3, (64, 16, 19, 4, 10))):
             t = threshold_for(x, keep)
             fails += check(sparse_gemv(x, w_t, t, b, config=config), x, w_t, t, b,
-                           f"stages 9 {K}x{N} keep={keep} {config}")
+                           f"stages {config[4]} {K}x{N} keep={keep} {config}")
     try:
         sparse_gemv(x.float(), w_t.float(), 0.1, config=(64, 16, 2, 4, 9))
         fails.append("stages 9 must refuse float32 (tf32 tensor cores would round the weights)")
@@ -410,7 +412,8 @@ def test_kernel_on_cuda(keep, K, N, dtype):
 @gpu
 @pytest.mark.parametrize("pairs", [False, True], ids=["bf16", "pairs"])
 @pytest.mark.parametrize("config", [(256, 8, 37, 1, 8), (512, 4, 20, 1, 8), (256, 4, 50, 1, 8), (256, 16, 37, 1, 4),
-                                    (256, 64, 5, 4, 9), (128, 32, 20, 4, 9)], ids=str)
+                                    (256, 64, 5, 4, 9), (128, 32, 20, 4, 9), (128, 64, 3, 4, 10),
+                                    (64, 16, 40, 4, 10)], ids=str)
 def test_loop_configs_on_cuda(config, pairs, monkeypatch):
     """Stages 8 (each program lists its split's kept rows, then streams them two tiles at a
     time), stages 4 and 8 with BF16_PAIRS, and stages 9 (tensor cores) against float64 on the

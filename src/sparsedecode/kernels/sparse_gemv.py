@@ -650,6 +650,49 @@ if triton is not None:
             acc = tl.dot(tl.trans(w), xb, acc)  # (BLOCK_N, 16), column 0 the partial
         _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
 
+    @triton.jit
+    def _sparse_gemv_tc_list_kernel(
+        X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2, rows_per_split, num_splits,
+        Scratch, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
+        HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PIPELINE: tl.constexpr, RPS: tl.constexpr,
+    ):
+        """Stages 10: stages 9 over the split's kept rows only. At low keep stages 9 is bound by
+        its pipeline, not by bytes: a tile in flight holds dropped rows too, so a program moves
+        keep x its tile per round trip. Here each program lists its kept rows and their x first
+        (ranks by a prefix sum, stored at their ranks in its own scratch, as stages 8), and every
+        tile the pipeline gathers (cp.async, row indices from the list) is full of kept rows."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        t = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
+        k_lo = pid_k * rows_per_split
+        offs_r = k_lo + tl.arange(0, RPS)
+        in_r = offs_r < tl.minimum(k_lo + rows_per_split, K)
+        xr = tl.load(X + offs_r, mask=in_r, other=0.0)
+        kept = (tl.abs(xr.to(tl.float32)) > t) & in_r
+        rank = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+        n_kept = tl.sum(kept.to(tl.int32), axis=0)
+        base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * (2 * RPS)
+        tl.store(base + rank, offs_r, mask=kept)
+        tl.store(base + RPS + rank, xr.to(tl.float32).to(tl.int32, bitcast=True), mask=kept)
+        tl.debug_barrier()  # the list is written before any thread reads it
+        offs_c = tl.arange(0, 16)
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+        for j0 in tl.range(0, n_kept, BLOCK_K, num_stages=PIPELINE):
+            offs_j = j0 + tl.arange(0, BLOCK_K)
+            in_j = offs_j < n_kept
+            rows = tl.load(base + offs_j, mask=in_j, other=0)
+            xk = tl.load(base + RPS + offs_j, mask=in_j, other=0).to(tl.float32, bitcast=True)
+            if EVEN_N:
+                row_mask = in_j[:, None]
+            else:
+                row_mask = in_j[:, None] & mask_n[None, :]
+            w = tl.load(W + rows[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
+            xb = tl.where(offs_c[None, :] == 0, xk[:, None], 0.0).to(W.dtype.element_ty)
+            acc = tl.dot(tl.trans(w), xb, acc)  # (BLOCK_N, 16), column 0 the partial
+        _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
 def _sparse_gemv_op(
@@ -684,11 +727,15 @@ def _sparse_gemv_op(
                   WARPS_LEAD=_WARPS_LEAD, EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "",
                   PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
                   **cap, **({"launch_pdl": True} if pdl else {}))
-    if stages == 9:
-        _sparse_gemv_tc_kernel[(n_tiles, splits)](
-            *args, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
-            HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, PIPELINE=TC_PIPELINE, num_warps=num_warps,
-            num_stages=TC_PIPELINE)
+    if stages in (9, 10):
+        tc = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
+                  HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, PIPELINE=TC_PIPELINE, num_warps=num_warps,
+                  num_stages=TC_PIPELINE)
+        if stages == 9:
+            _sparse_gemv_tc_kernel[(n_tiles, splits)](*args, **tc)
+        else:  # each program's list of kept rows and their x, written before it is read
+            scratch = torch.empty(n_tiles * splits * 2 * _pow2(rows), device=x.device, dtype=torch.int32)
+            _sparse_gemv_tc_list_kernel[(n_tiles, splits)](*args, scratch, RPS=_pow2(rows), **tc)
         return y
     compact = stages in (3, 8)
     # compact: each program's list of kept rows (stages 8: and of their x), written before it is
@@ -749,7 +796,8 @@ def sparse_gemv(
     the num_warps warps of a program splitting each tile's rows, summed once at the end; stages 6
     is stages 4 unrolled by two tiles, so no weight tile is copied at the loop's back edge; stages 8
     is stages 3's kept-row list looped over with stages 4's two tiles in flight; stages 9 sums each
-    tile on the tensor cores, x padded to 16 columns, its weight loads pipelined by Triton).
+    tile on the tensor cores, x padded to 16 columns, its weight loads pipelined by Triton; stages
+    10 is stages 9 over stages 8's kept-row list).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -787,16 +835,17 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if stages == 9 and (x.dtype == torch.float32 or up is not None or block_n < 64 or block_k < 16
+        if stages in (9, 10) and (x.dtype == torch.float32 or up is not None or block_n < 64 or block_k < 16
                             or (segments is not None and any(b % block_n for b in _bounds(segments)))):
-            raise InputError(f"stages 9 (tensor cores) runs bfloat16 or float16, without up=, with BLOCK_N >= 64, "
+            raise InputError(f"stages 9 and 10 (tensor cores) run bfloat16 or float16, without up=, with BLOCK_N >= 64, "
                              f"BLOCK_K >= 16 and segment bounds on the BLOCK_N grid; got {config} for "
                              f"{x.dtype}, segments {segments}")
-        if stages not in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+        if stages not in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
             raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
                              f"(two tiles in flight), 5 (4 with warps splitting the rows), 6 (4 unrolled "
                              f"by two tiles), 7 (4 skipping dropped rows' arithmetic) or 8 (3's list with "
-                             f"4's two tiles in flight) or 9 (tensor cores); got {stages}")
+                             f"4's two tiles in flight), 9 (tensor cores) or 10 (9 over a kept-row list); "
+                             f"got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
