@@ -27,6 +27,7 @@ from dense_decode_h200 import summary, time_steps  # benchmarks/ is the script's
 
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
+from sparsedecode.kernels import decode_attention
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.projection import sparse_linear
 from sparsedecode.projection.calibrate import get_calibrator
@@ -87,8 +88,11 @@ def main() -> None:
                     "one-wave budget (sparse_gemv.REGISTER_CAP)")
     ap.add_argument("--evict-first", action="store_true",
                     help="sparse GEMV weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
-    ap.add_argument("--bf16-pairs", action="store_true",
-                    help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS)")
+    ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
+                    help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS; "
+                         "default: the module's)")
+    ap.add_argument("--attn-min-split-keys", type=int,
+                    help="fewest keys per split-K attention split (decode_attention.MIN_SPLIT_KEYS)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run STEPS replays under the PyTorch profiler and keep each kernel's device time "
                          "per step in the record (where the step's time goes)")
@@ -103,7 +107,9 @@ def main() -> None:
         raise SystemExit(f"--variants: unknown {bad}; pick from default, plain, pdl, swiglu, pdl+swiglu")
     sg.REGISTER_CAP = a.max_registers
     sg.WEIGHTS_EVICT_FIRST = a.evict_first
-    sg.BF16_PAIRS = a.bf16_pairs
+    if a.bf16_pairs is not None:
+        sg.BF16_PAIRS = a.bf16_pairs
+    decode_attention.MIN_SPLIT_KEYS = a.attn_min_split_keys
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
@@ -124,7 +130,8 @@ def main() -> None:
             "fill": "random", "calibration": {"method": a.method, "greedy": False,
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
-            "register_cap": a.max_registers, "evict_first": a.evict_first, "bf16_pairs": a.bf16_pairs,
+            "register_cap": a.max_registers, "evict_first": a.evict_first, "bf16_pairs": sg.BF16_PAIRS,
+            "attn_min_split_keys": a.attn_min_split_keys,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 
     def prepare() -> None:

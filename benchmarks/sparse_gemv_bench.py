@@ -268,7 +268,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "keep_target": keep, "threshold": t_val, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
                 "config_label": label, "pdl": args.pdl, "register_cap": args.max_registers,
-                "evict_first": args.evict_first, "bf16_pairs": args.bf16_pairs,
+                "evict_first": args.evict_first, "bf16_pairs": sg.BF16_PAIRS,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
@@ -314,8 +314,9 @@ def main() -> None:
                     "of the call before; 'early' signals the next call at the start, 'exit' as programs exit")
     ap.add_argument("--evict-first", action="store_true",
                     help="weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
-    ap.add_argument("--bf16-pairs", action="store_true",
-                    help="stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS)")
+    ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
+                    help="stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS; default: the "
+                    "module's)")
     ap.add_argument("--max-registers", type=int, help="cap the kernel's registers per thread below the one-wave "
                     "budget (sparse_gemv.REGISTER_CAP)")
     ap.add_argument("--probe", action="store_true",
@@ -330,7 +331,8 @@ def main() -> None:
     sg.PDL, sg.PDL_TRIGGER = args.pdl != "off", args.pdl == "early"
     sg.REGISTER_CAP = args.max_registers
     sg.WEIGHTS_EVICT_FIRST = args.evict_first
-    sg.BF16_PAIRS = args.bf16_pairs
+    if args.bf16_pairs is not None:
+        sg.BF16_PAIRS = args.bf16_pairs
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
     for name in args.shapes:

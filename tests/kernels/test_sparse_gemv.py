@@ -222,7 +222,7 @@ def test_triton_kernel_under_interpreter():
 
 
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, pdl=False, glu=False,
-                        warps_lead=None, evict=""):
+                        warps_lead=None, evict="", bits=False):
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -236,13 +236,13 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu, WARPS_K=warps_k,
                   WARPS_LEAD=sg._WARPS_LEAD if warps_lead is None else warps_lead, PAIRS=False, ROWSKIP=False,
-                  EVICT=evict, PDL=pdl, PDL_TRIGGER=True)
+                  EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})
-    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk")]  # what the launcher specialises
+    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "stride_w32")]  # what the launcher specialises
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     try:
@@ -307,6 +307,13 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     hinted = re.findall(r"ld\.global[.\w:]*L1::evict_first[.\w:]*\.v4\.b32", ev)
     assert len(hinted) == 2 * per_thread, f"{len(hinted)} evict-first weight loads, expected {2 * per_thread}"
     assert "evict_first" not in ptx4
+    if dtype == torch.bfloat16:  # BF16_PAIRS: the same predicated vectors, widened by shift and mask
+        pairs = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, bits=True).asm["ptx"]
+        vecp = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", pairs, re.M)
+        assert len(vecp) == 2 * per_thread and all(p for p, *_ in vecp)
+        # only x is converted (8 weights per lane and row in ptx4, one x)
+        assert pairs.count("cvt.f32.bf16") * 4 < ptx4.count("cvt.f32.bf16"), "pairs must not convert bf16 weights"
+        assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 16", pairs) and "and.b32" in pairs
 
 
 def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[str]:
@@ -339,13 +346,14 @@ def _pairs_and_tensor_core_cases() -> list[str]:
         x, w_t, b = make(K, N, torch.bfloat16, seed=K)
         t = threshold_for(x, 0.4)
         for config in ((64, 16, 5, 1, 4), (16, 4, 7, 1, 8), (128, 8, 2, 1, 8)):
-            sg.BF16_PAIRS = False
-            want = sparse_gemv(x, w_t, t, b, config=config)
-            sg.BF16_PAIRS = True
+            default = sg.BF16_PAIRS
             try:
+                sg.BF16_PAIRS = False
+                want = sparse_gemv(x, w_t, t, b, config=config)
+                sg.BF16_PAIRS = True
                 got = sparse_gemv(x, w_t, t, b, config=config)
             finally:
-                sg.BF16_PAIRS = False
+                sg.BF16_PAIRS = default
             if not torch.equal(got, want):
                 fails.append(f"BF16_PAIRS {K}x{N} {config}: differs from the bf16 conversion")
     for K, N in ((301, 200), (577, 256)):

@@ -72,6 +72,10 @@ MERGE_TILE = 8192
 # splits) and 4.11 TB/s for 3 per SM; one even wave with long chunks beats more, shorter
 # ones whose tail and merge cost more than the extra loads in flight gain.
 PROGRAMS_PER_SM = 2
+# Fewest keys a split covers at full allocation (None: BLOCK_N): at short contexts fewer, longer
+# splits leave the fused merge fewer partials to read. For timing (`proj_decode_h200.py
+# --attn-min-split-keys`); the default stays until measured.
+MIN_SPLIT_KEYS: int | None = None
 CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -123,7 +127,7 @@ def default_num_splits(T: int, batch_heads: int, device: torch.device, block_n: 
         splits = -(-target // batch_heads)
     else:
         splits = CPU_SPLITS
-    return max(1, min(splits, -(-T // block_n), MAX_SPLITS))
+    return max(1, min(splits, -(-T // max(block_n, MIN_SPLIT_KEYS or 0)), MAX_SPLITS))
 
 
 @functools.cache
