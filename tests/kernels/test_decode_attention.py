@@ -110,6 +110,19 @@ def test_split_k_ref_lse_and_splits(num_splits, dtype):
     assert not msgs, "\n".join(msgs)
 
 
+def test_split_count_keeps_long_splits_at_short_allocations(monkeypatch):
+    """On 132 SMs with 8 KV heads: 33 splits at 128K, but splits of at least MIN_SPLIT_KEYS keys at
+    2K (17, measured faster on the H200 than 33 or 9), and the old count without the floor."""
+    from sparsedecode.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    assert da.default_num_splits(131072 + 64, 8, dev) == 33
+    assert da.default_num_splits(2048 + 64, 8, dev) == -(-2112 // da.MIN_SPLIT_KEYS) == 17
+    monkeypatch.setattr(da, "MIN_SPLIT_KEYS", None)
+    assert da.default_num_splits(2048 + 64, 8, dev) == 33
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_merge_of_disjoint_ranges_equals_union(dtype):
     """A window reads sinks [0, 4) and recent entries [600, 1000) in place; merged (App. A)."""

@@ -137,6 +137,9 @@ def test_default_config_fills_an_h200_in_one_wave(monkeypatch):
         assert 0.75 * sg.PROGRAMS_PER_SM * 132 <= programs <= sg.PROGRAMS_PER_SM * 132, (K, N, splits)
         assert (splits - 1) * sg._rows_per_split(K, block_k, splits) < K
     assert default_config(13, 7, torch.float16, torch.device("cpu"))[:2] == (16, 16)
+    # the built-in H200 pick for the o projection: stages 8 (a kept-row list)
+    assert default_config(4096, 4096, torch.bfloat16, torch.device("cuda", 0))[4] == 8
+    assert default_config(4096, 4096, torch.float16, torch.device("cuda", 0))[4] == sg.NUM_STAGES
 
 
 def test_register_cap_keeps_the_default_grid_in_one_wave(monkeypatch):

@@ -72,10 +72,12 @@ MERGE_TILE = 8192
 # splits) and 4.11 TB/s for 3 per SM; one even wave with long chunks beats more, shorter
 # ones whose tail and merge cost more than the extra loads in flight gain.
 PROGRAMS_PER_SM = 2
-# Fewest keys a split covers at full allocation (None: BLOCK_N): at short contexts fewer, longer
-# splits leave the fused merge fewer partials to read. For timing (`proj_decode_h200.py
-# --attn-min-split-keys`); the default stays until measured.
-MIN_SPLIT_KEYS: int | None = None
+# Fewest keys a split covers at full allocation: at short contexts fewer, longer splits leave the
+# fused merge fewer partials to read. On the H200 at 2K (allocation 2112, 8 KV heads) 17 splits
+# took 8.4 us a call against 9.3-9.4 us for 33 and 9, and 11.9-15.5 us for 5 and 3 (records
+# h200/sparse_gemv_20261130T1525Z_attn_splits/attn); long allocations keep PROGRAMS_PER_SM's
+# count (33 at 128K). `proj_decode_h200.py --attn-min-split-keys` overrides it for timing.
+MIN_SPLIT_KEYS: int | None = 128
 CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
