@@ -73,7 +73,13 @@ NUM_WARPS = 1
 # Stages 6 (unrolled by two tiles) and 7 (a uniform branch around each dropped row's arithmetic)
 # were written after Nsight Compute found this loop instruction-bound at keep 0 (records
 # h200/sparse_gemv_20261130T1325Z_ncu_sass); neither beat it on the decode step's shapes at keeps
-# 0.5 and 0.3 but on o (records h200/sparse_gemv_20261130T1333Z_stages67).
+# 0.5 and 0.3 but on o (records h200/sparse_gemv_20261130T1333Z_stages67). Stages 8 (stages 3's
+# kept-row list with two tiles in flight: instructions scale with the keep) wins on o only and is
+# its built-in config (TUNED); on gate_up and down its 8-row tiles (16 spill) hold fewer rows in
+# flight and the fullest split sets the time (records h200/sparse_gemv_20261130T1455Z_kept_row_list).
+# Stages 9 (tensor cores, cp.async pipeline in shared memory) and 10 (9 over a kept-row list) lost
+# at keeps 0.5 and 0.3 on every shape (records h200/sparse_gemv_20261130T1513Z_tensor_cores,
+# h200/sparse_gemv_20261130T1519Z_tc_list).
 NUM_STAGES = 4
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
