@@ -92,7 +92,8 @@ def main() -> None:
                     help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS; "
                          "default: the module's)")
     ap.add_argument("--attn-min-split-keys", type=int,
-                    help="fewest keys per split-K attention split (decode_attention.MIN_SPLIT_KEYS)")
+                    help="fewest keys per split-K attention split (decode_attention.MIN_SPLIT_KEYS; default: "
+                         "the module's)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run STEPS replays under the PyTorch profiler and keep each kernel's device time "
                          "per step in the record (where the step's time goes)")
@@ -109,7 +110,8 @@ def main() -> None:
     sg.WEIGHTS_EVICT_FIRST = a.evict_first
     if a.bf16_pairs is not None:
         sg.BF16_PAIRS = a.bf16_pairs
-    decode_attention.MIN_SPLIT_KEYS = a.attn_min_split_keys
+    if a.attn_min_split_keys is not None:
+        decode_attention.MIN_SPLIT_KEYS = a.attn_min_split_keys
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
@@ -131,7 +133,7 @@ def main() -> None:
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
             "register_cap": a.max_registers, "evict_first": a.evict_first, "bf16_pairs": sg.BF16_PAIRS,
-            "attn_min_split_keys": a.attn_min_split_keys,
+            "attn_min_split_keys": decode_attention.MIN_SPLIT_KEYS,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 
     def prepare() -> None:
