@@ -110,7 +110,8 @@ WEIGHTS_EVICT_FIRST = False
 # the llama-3.1-8b step at keep 0.5 from 84.0% to 85.0% of its byte bound in the same session
 # (records h200/sparse_gemv_20261130T1513Z_tensor_cores).
 BF16_PAIRS = True
-TC_PIPELINE = 3  # stages 9: weight tiles in flight (cp.async pipeline depth)
+TC_PIPELINE = 3  # stages 9 and 10: weight tiles in flight (cp.async pipeline depth)
+LIST_PIPELINE = 4  # stages 11: weight tiles in flight (cp.async pipeline depth); not yet measured
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -386,6 +387,54 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _list_kept_rows(X, U, Scratch, k_lo, k_hi, t, pid_n, pid_k, RPS: tl.constexpr, GLU: tl.constexpr):
+        """(list base, kept count) of rows [k_lo, k_hi) with |x| > t: their ranks by a prefix sum,
+        each row index stored at its rank in the program's own scratch (2 * RPS int32, in L2) and
+        its x (float32 bits) at RPS + rank. Written before it returns, so no zeroing is needed."""
+        offs_r = k_lo + tl.arange(0, RPS)  # (RPS,)
+        in_r = offs_r < k_hi
+        xr = _load_x(X + offs_r, U + offs_r, in_r, GLU)
+        kept = (tl.abs(xr) > t) & in_r
+        rank = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+        n_kept = tl.sum(kept.to(tl.int32), axis=0)
+        base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * (2 * RPS)
+        # rows are scaled by the row stride where they are read, where the launcher's
+        # divisibility hint on the stride keeps the weight loads vectors
+        tl.store(base + rank, offs_r, mask=kept)
+        tl.store(base + RPS + rank, xr.to(tl.int32, bitcast=True), mask=kept)
+        tl.debug_barrier()  # the list is written before any thread reads it
+        return base, n_kept
+
+    @triton.jit
+    def _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2, rows_per_split,
+                      BLOCK_N: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr, RPS: tl.constexpr):
+        """(pid_n, columns, column mask, list base, kept count) of a stages 10 or 11 program: its
+        column tile, and the kept-row list of its split at its tile's threshold."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        t = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
+        k_lo = pid_k * rows_per_split
+        base, n_kept = _list_kept_rows(X, X, Scratch, k_lo, tl.minimum(k_lo + rows_per_split, K), t, pid_n, pid_k,
+                                       RPS, False)
+        return pid_n, offs_n, offs_n < N, base, n_kept
+
+    @triton.jit
+    def _load_list_tile(base, j0, n_kept, Wl, stride_l, offs_l, mask_l, RPS: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_N: tl.constexpr):
+        """The weight tile (BLOCK_K, columns) of list entries [j0, j0 + BLOCK_K) and their x in
+        float32; entries past n_kept load nothing (zeros)."""
+        offs_j = j0 + tl.arange(0, BLOCK_K)
+        in_j = offs_j < n_kept
+        rows = tl.load(base + offs_j, mask=in_j, other=0)
+        xk = tl.load(base + RPS + offs_j, mask=in_j, other=0).to(tl.float32, bitcast=True)
+        if EVEN_N:
+            row_mask = in_j[:, None]
+        else:
+            row_mask = in_j[:, None] & mask_l[None, :]
+        return tl.load(Wl + rows[:, None] * stride_l + offs_l[None, :], mask=row_mask, other=0.0), xk
+
+    @triton.jit
     def _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N, BITS: tl.constexpr, COLS: tl.constexpr):
         """(pointer, column offsets, column mask, row stride) the weight loads use: W's columns,
         or with BITS its bf16 columns as COLS int32 pairs (N and the row stride even)."""
@@ -456,18 +505,7 @@ if triton is not None:
             # is a predicated-off load of zeros), and Nsight Compute found it bound by issue at
             # low keep; here the loop runs over kept rows only, so its instructions scale with
             # the keep as its bytes do, and each tile is full of kept rows.
-            offs_r = k_lo + tl.arange(0, RPS)  # (RPS,)
-            in_r = offs_r < k_hi
-            xr = _load_x(X + offs_r, U + offs_r, in_r, GLU)
-            kept = (tl.abs(xr) > t0) & in_r
-            rank = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-            n_kept = tl.sum(kept.to(tl.int32), axis=0)
-            base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * (2 * RPS)
-            # the rows and their x (float32 bits) at the row's rank; a row is scaled by stride_wk
-            # in the loop, where the launcher's divisibility hint on it keeps the loads vectors
-            tl.store(base + rank, offs_r, mask=kept)
-            tl.store(base + RPS + rank, xr.to(tl.int32, bitcast=True), mask=kept)
-            tl.debug_barrier()  # the list is written before any lane reads it
+            base, n_kept = _list_kept_rows(X, U, Scratch, k_lo, k_hi, t0, pid_n, pid_k, RPS, GLU)
             Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N,
                                                       BITS, COLS)
             acc_l = tl.zeros([COLS], dtype=tl.float32)
@@ -676,37 +714,39 @@ if triton is not None:
         keep x its tile per round trip. Here each program lists its kept rows and their x first
         (ranks by a prefix sum, stored at their ranks in its own scratch, as stages 8), and every
         tile the pipeline gathers (cp.async, row indices from the list) is full of kept rows."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        t = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
-        k_lo = pid_k * rows_per_split
-        offs_r = k_lo + tl.arange(0, RPS)
-        in_r = offs_r < tl.minimum(k_lo + rows_per_split, K)
-        xr = tl.load(X + offs_r, mask=in_r, other=0.0)
-        kept = (tl.abs(xr.to(tl.float32)) > t) & in_r
-        rank = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-        n_kept = tl.sum(kept.to(tl.int32), axis=0)
-        base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * (2 * RPS)
-        tl.store(base + rank, offs_r, mask=kept)
-        tl.store(base + RPS + rank, xr.to(tl.float32).to(tl.int32, bitcast=True), mask=kept)
-        tl.debug_barrier()  # the list is written before any thread reads it
+        pid_n, offs_n, mask_n, base, n_kept = _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2,
+                                                            rows_per_split, BLOCK_N, THR_T, NSEG, RPS)
         offs_c = tl.arange(0, 16)
         acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         for j0 in tl.range(0, n_kept, BLOCK_K, num_stages=PIPELINE):
-            offs_j = j0 + tl.arange(0, BLOCK_K)
-            in_j = offs_j < n_kept
-            rows = tl.load(base + offs_j, mask=in_j, other=0)
-            xk = tl.load(base + RPS + offs_j, mask=in_j, other=0).to(tl.float32, bitcast=True)
-            if EVEN_N:
-                row_mask = in_j[:, None]
-            else:
-                row_mask = in_j[:, None] & mask_n[None, :]
-            w = tl.load(W + rows[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
+            w, xk = _load_list_tile(base, j0, n_kept, W, stride_wk, offs_n, mask_n, RPS, BLOCK_K, EVEN_N)
             xb = tl.where(offs_c[None, :] == 0, xk[:, None], 0.0).to(W.dtype.element_ty)
             acc = tl.dot(tl.trans(w), xb, acc)  # (BLOCK_N, 16), column 0 the partial
         _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+
+    @triton.jit
+    def _sparse_gemv_list_pipe_kernel(
+        X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2, rows_per_split, num_splits,
+        Scratch, stride_w32, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr,
+        NSEG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PIPELINE: tl.constexpr,
+        RPS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr,
+    ):
+        """Stages 11: the kept-row list of stages 8, gathered by a cp.async pipeline PIPELINE tiles
+        deep into shared memory, the products on the CUDA cores (bf16 widened as int32 pairs with
+        BITS). Stages 8 holds its tiles in flight in registers (8-row tiles; 16 spill) and stages
+        9 and 10 fill pipeline slots with dropped rows or cost a tensor-core tile per slot; here
+        every slot is kept rows and shared memory, not registers, bounds the rows in flight.
+        The warps of a program split its columns, so the sum over rows stays in-thread."""
+        pid_n, offs_n, mask_n, base, n_kept = _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2,
+                                                            rows_per_split, BLOCK_N, THR_T, NSEG, RPS)
+        Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N, BITS, COLS)
+        acc_l = tl.zeros([COLS], dtype=tl.float32)
+        acc_h = tl.zeros([COLS], dtype=tl.float32)
+        for j0 in tl.range(0, n_kept, BLOCK_K, num_stages=PIPELINE):
+            w, xk = _load_list_tile(base, j0, n_kept, Wl, stride_l, offs_l, mask_l, RPS, BLOCK_K, EVEN_N)
+            acc_l, acc_h = _sum_tile(acc_l, acc_h, w, xk, BITS)
+        _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
+                       num_splits, HAS_BIAS)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -742,6 +782,16 @@ def _sparse_gemv_op(
                   WARPS_LEAD=_WARPS_LEAD, EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "",
                   PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
                   **cap, **({"launch_pdl": True} if pdl else {}))
+    if stages == 11:
+        bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and N % 2 == 0 and w_t.stride(0) % 2 == 0
+                and w_t.data_ptr() % 4 == 0)
+        scratch = torch.empty(n_tiles * splits * 2 * _pow2(rows), device=x.device, dtype=torch.int32)
+        _sparse_gemv_list_pipe_kernel[(n_tiles, splits)](
+            *args, scratch, w_t.stride(0) // 2, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts),
+            NSEG=max(1, len(thr_ts)), HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, PIPELINE=LIST_PIPELINE,
+            RPS=_pow2(rows), BITS=bits, COLS=block_n // 2 if bits else block_n, num_warps=num_warps,
+            num_stages=LIST_PIPELINE)
+        return y
     if stages in (9, 10):
         tc = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
                   HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, PIPELINE=TC_PIPELINE, num_warps=num_warps,
@@ -812,7 +862,8 @@ def sparse_gemv(
     is stages 4 unrolled by two tiles, so no weight tile is copied at the loop's back edge; stages 8
     is stages 3's kept-row list looped over with stages 4's two tiles in flight; stages 9 sums each
     tile on the tensor cores, x padded to 16 columns, its weight loads pipelined by Triton; stages
-    10 is stages 9 over stages 8's kept-row list).
+    10 is stages 9 over stages 8's kept-row list; stages 11 gathers stages 8's kept-row list through
+    a cp.async pipeline into shared memory and sums on the CUDA cores).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -855,12 +906,15 @@ def sparse_gemv(
             raise InputError(f"stages 9 and 10 (tensor cores) run bfloat16 or float16, without up=, with BLOCK_N >= 64, "
                              f"BLOCK_K >= 16 and segment bounds on the BLOCK_N grid; got {config} for "
                              f"{x.dtype}, segments {segments}")
-        if stages not in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
+        if stages == 11 and (up is not None or (segments is not None and any(b % block_n for b in _bounds(segments)))):
+            raise InputError(f"stages 11 runs without up= and with segment bounds on the BLOCK_N grid; got {config}, "
+                             f"segments {segments}")
+        if stages not in range(1, 12):
             raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
                              f"(two tiles in flight), 5 (4 with warps splitting the rows), 6 (4 unrolled "
                              f"by two tiles), 7 (4 skipping dropped rows' arithmetic) or 8 (3's list with "
-                             f"4's two tiles in flight), 9 (tensor cores) or 10 (9 over a kept-row list); "
-                             f"got {stages}")
+                             f"4's two tiles in flight), 9 (tensor cores), 10 (9 over a kept-row list) or "
+                             f"11 (a kept-row list gathered by a cp.async pipeline); got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
