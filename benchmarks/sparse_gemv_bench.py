@@ -81,7 +81,11 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          # stages 11: a kept-row list gathered by a cp.async pipeline (sparse_gemv.LIST_PIPELINE
          # tiles deep) into shared memory, products on the CUDA cores; not yet measured
          (1024, 16, "p2", 4, 11), (512, 16, "p4", 2, 11), (512, 32, "p2", 2, 11), (256, 16, "p8", 1, 11),
-         (256, 32, "p4", 1, 11), (256, 16, "p12", 1, 11), (1024, 8, "p3", 4, 11)]
+         (256, 32, "p4", 1, 11), (256, 16, "p12", 1, 11), (1024, 8, "p3", 4, 11),
+         # stages 12: stages 11 with all kept rows dealt out evenly over the splits (the fullest
+         # split set the time of stages 8); not yet measured
+         (1024, 16, "p2", 4, 12), (512, 16, "p4", 2, 12), (256, 16, "p8", 1, 12), (256, 32, "p4", 1, 12),
+         (1024, 8, "p3", 4, 12)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -306,11 +310,11 @@ def main() -> None:
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
-    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=tuple(range(1, 12)),
+    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=tuple(range(1, 13)),
                     help="sweep only the SWEEP configs of these loop variants (3: compact, 4: two tiles in "
                     "flight, 5: warps split the rows, 6: 4 unrolled by two tiles, 7: dropped rows skipped, "
                     "8: 3's kept-row list with 4's two tiles in flight, 9: tensor cores, 10: 9 over a kept-row list, "
-                    "11: a kept-row list through a cp.async pipeline)")
+                    "11: a kept-row list through a cp.async pipeline, 12: 11 with the kept rows dealt out evenly)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 4 on the H200 (not yet run): stages 11 (a kept-row list gathered by a cp.async pipeline into
-# shared memory, products on the CUDA cores) against the defaults on the issue's two shapes and the
+# shared memory, products on the CUDA cores) and 12 (11 with the kept rows dealt out evenly over the
+# splits) against the defaults on the issue's two shapes and the
 # decode step's four at keeps 1, 0.5 and 0.3, the fastest per shape at 0.5 and 0.3 in chosen.json;
 # then the llama-3.1-8b step (keep 0.5, 2K) with all of the current defaults (the attention floor of
 # 128 keys per split included, which the last step runs missed) and with the picks.
@@ -14,9 +15,9 @@ python3 -m pytest -q "$here/../tests/kernels/test_sparse_gemv.py" -k "loop_confi
 echo "tests: rc=$? $(tail -1 "$OUT/tests.log") [$(($(date +%s) - start)) s]"
 grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -5
 python3 "$here/sparse_gemv_bench.py" --out "$OUT/gemv" --shapes gate_up down gate_up2 qkv q_o --keeps 1 0.5 0.3 \
-  --sweep --sweep-stages 11 --choose "$OUT/chosen.json" > "$OUT/gemv.log" 2>&1
+  --sweep --sweep-stages 11 12 --choose "$OUT/chosen.json" > "$OUT/gemv.log" 2>&1
 echo "gemv: rc=$? [$(($(date +%s) - start)) s]"
-grep -E "^(gate_up|down|gate_up2|qkv|q_o) +keep=(0\.[35]) +(default|.*s11) " "$OUT/gemv.log" | cut -c1-75
+grep -E "^(gate_up|down|gate_up2|qkv|q_o) +keep=(0\.[35]) +(default|.*s1[12]) " "$OUT/gemv.log" | cut -c1-75
 python3 -c "import json; [print('chosen', r['shape'], r['label']) for r in json.load(open('$OUT/chosen.json'))]"
 for v in default chosen; do
   cfg=(); [ $v = chosen ] && cfg=(--gemv-configs "$OUT/chosen.json")

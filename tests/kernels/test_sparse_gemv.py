@@ -203,7 +203,7 @@ def _interpreter_worker() -> None:
                            f"kernel splits={splits} stages={stages} BLOCK_K={block_k}", 2.0**-7)
             n += 1
     fails += _pairs_and_tensor_core_cases()
-    n += 38
+    n += 44
     fails += _segment_cases()
     n += 15
     fails += _swiglu_cases()
@@ -321,10 +321,11 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_kept_row_list_pipeline_uses_cp_async_on_hopper():
-    """Stages 11 compiled for sm_90 (no GPU needed): the kept rows' weight tiles are gathered by
-    cp.async into shared memory (the pipeline that holds rows in flight without registers), as
-    16-byte copies, and the products are not on the tensor cores."""
+@pytest.mark.parametrize("balance", [False, True], ids=["stages11", "stages12"])
+def test_kept_row_list_pipeline_uses_cp_async_on_hopper(balance):
+    """Stages 11 and 12 compiled for sm_90 (no GPU needed): the kept rows' weight tiles are
+    gathered by cp.async into shared memory (the pipeline that holds rows in flight without
+    registers), as 16-byte copies, and the products are not on the tensor cores."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -335,7 +336,7 @@ def test_kept_row_list_pipeline_uses_cp_async_on_hopper():
 
     fn = sg._sparse_gemv_list_pipe_kernel
     consts = dict(BLOCK_N=512, BLOCK_K=16, THR_T=True, NSEG=1, HAS_BIAS=False, EVEN_N=True, PIPELINE=4, RPS=256,
-                  BITS=True, COLS=256)
+                  BITS=True, COLS=256, BALANCE=balance)
     types = dict(X="*bf16", W="*bf16", Bias="*bf16", Y="*bf16", Thr0="*fp32", Thr1="*fp32", Thr2="*fp32",
                  Acc="*fp32", Count="*i32", thr_f="fp32", Scratch="*i32")
     names = fn.arg_names
@@ -419,6 +420,14 @@ def _pairs_and_tensor_core_cases() -> list[str]:
                 sg.BF16_PAIRS = default
             fails += check(y, x, w_t, t, b, f"stages 11 {dtype} pairs={pairs} keep={keep} {config}",
                            2.0**-7 if dtype == torch.bfloat16 else 0.0)
+    # stages 12 (stages 11 with all kept rows dealt out evenly over the splits): x longer than one
+    # 1024-element scan chunk, splits with one or no kept row, one split
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w_t, b = make(2500, 64, dtype, seed=12)
+        for keep, config in ((0.02, (32, 4, 40, 1, 12)), (0.3, (64, 16, 7, 1, 12)), (1.0, (64, 16, 1, 1, 12))):
+            t = threshold_for(x, keep)
+            fails += check(sparse_gemv(x, w_t, t, b, config=config), x, w_t, t, b,
+                           f"stages 12 {dtype} keep={keep} {config}", 2.0**-7 if dtype == torch.bfloat16 else 0.0)
     try:
         sparse_gemv(x.float(), w_t.float(), 0.1, config=(64, 16, 2, 4, 9))
         fails.append("stages 9 must refuse float32 (tf32 tensor cores would round the weights)")
@@ -475,15 +484,16 @@ def test_kernel_on_cuda(keep, K, N, dtype):
 @pytest.mark.parametrize("pairs", [False, True], ids=["bf16", "pairs"])
 @pytest.mark.parametrize("config", [(256, 8, 37, 1, 8), (512, 4, 20, 1, 8), (256, 4, 50, 1, 8), (256, 16, 37, 1, 4),
                                     (256, 64, 5, 4, 9), (128, 32, 20, 4, 9), (128, 64, 3, 4, 10),
-                                    (64, 16, 40, 4, 10), (1024, 16, 19, 4, 11), (256, 16, 50, 1, 11)], ids=str)
+                                    (64, 16, 40, 4, 10), (1024, 16, 19, 4, 11), (256, 16, 50, 1, 11),
+                                    (1024, 16, 19, 4, 12), (256, 16, 50, 1, 12)], ids=str)
 def test_loop_configs_on_cuda(config, pairs, monkeypatch):
     """Stages 8 (each program lists its split's kept rows, then streams them two tiles at a
     time), stages 4 and 8 with BF16_PAIRS, and stages 9 (tensor cores) against float64 on the
     issue's shapes, and in a graph whose threshold moves."""
     from sparsedecode.kernels import sparse_gemv as sg
 
-    if pairs and config[4] not in (4, 8, 11):
-        pytest.skip("BF16_PAIRS applies to stages 4, 8 and 11")
+    if pairs and config[4] not in (4, 8, 11, 12):
+        pytest.skip("BF16_PAIRS applies to stages 4, 8, 11 and 12")
     monkeypatch.setattr(sg, "BF16_PAIRS", pairs)
     fails = []
     for dtype in (torch.bfloat16, torch.float16):

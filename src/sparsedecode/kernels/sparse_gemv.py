@@ -406,17 +406,50 @@ if triton is not None:
         return base, n_kept
 
     @triton.jit
-    def _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2, rows_per_split,
-                      BLOCK_N: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr, RPS: tl.constexpr):
-        """(pid_n, columns, column mask, list base, kept count) of a stages 10 or 11 program: its
-        column tile, and the kept-row list of its split at its tile's threshold."""
+    def _list_kept_rows_balanced(X, Scratch, K, t, pid_n, pid_k, num_splits, RPS: tl.constexpr,
+                                 CHUNK: tl.constexpr):
+        """`_list_kept_rows` with the kept rows of all K dealt out evenly: split s lists those of
+        ranks [s n / S, (s + 1) n / S) among the n kept rows, so every split of a column tile has
+        the same count within one and no split's fullness sets the call's time. Each program
+        scans all of x twice (count, then rank), CHUNK at a time (x is K elements in L2)."""
+        n_total = 0
+        for c0 in range(0, K, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            x = tl.load(X + offs, mask=offs < K, other=0.0).to(tl.float32)
+            n_total += tl.sum(((tl.abs(x) > t) & (offs < K)).to(tl.int32), axis=0)
+        lo = pid_k * n_total // num_splits
+        hi = (pid_k + 1) * n_total // num_splits
+        base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * (2 * RPS)
+        seen = 0
+        for c0 in range(0, K, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            x = tl.load(X + offs, mask=offs < K, other=0.0).to(tl.float32)
+            kept = (tl.abs(x) > t) & (offs < K)
+            rank = seen + tl.cumsum(kept.to(tl.int32), axis=0) - 1
+            mine = kept & (rank >= lo) & (rank < hi)
+            tl.store(base + rank - lo, offs, mask=mine)
+            tl.store(base + RPS + rank - lo, x.to(tl.int32, bitcast=True), mask=mine)
+            seen += tl.sum(kept.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the list is written before any thread reads it
+        return base, hi - lo
+
+    @triton.jit
+    def _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2, rows_per_split, num_splits,
+                      BLOCK_N: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr, RPS: tl.constexpr,
+                      BALANCE: tl.constexpr):
+        """(pid_n, columns, column mask, list base, kept count) of a stages 10, 11 or 12 program: its
+        column tile, and the kept-row list of its split at its tile's threshold (with BALANCE, its
+        even share of all kept rows)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         t = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
-        k_lo = pid_k * rows_per_split
-        base, n_kept = _list_kept_rows(X, X, Scratch, k_lo, tl.minimum(k_lo + rows_per_split, K), t, pid_n, pid_k,
-                                       RPS, False)
+        if BALANCE:
+            base, n_kept = _list_kept_rows_balanced(X, Scratch, K, t, pid_n, pid_k, num_splits, RPS, 1024)
+        else:
+            k_lo = pid_k * rows_per_split
+            base, n_kept = _list_kept_rows(X, X, Scratch, k_lo, tl.minimum(k_lo + rows_per_split, K), t, pid_n,
+                                           pid_k, RPS, False)
         return pid_n, offs_n, offs_n < N, base, n_kept
 
     @triton.jit
@@ -715,7 +748,8 @@ if triton is not None:
         (ranks by a prefix sum, stored at their ranks in its own scratch, as stages 8), and every
         tile the pipeline gathers (cp.async, row indices from the list) is full of kept rows."""
         pid_n, offs_n, mask_n, base, n_kept = _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2,
-                                                            rows_per_split, BLOCK_N, THR_T, NSEG, RPS)
+                                                            rows_per_split, num_splits, BLOCK_N, THR_T, NSEG, RPS,
+                                                            False)
         offs_c = tl.arange(0, 16)
         acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
         for j0 in tl.range(0, n_kept, BLOCK_K, num_stages=PIPELINE):
@@ -729,16 +763,17 @@ if triton is not None:
         X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2, rows_per_split, num_splits,
         Scratch, stride_w32, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr,
         NSEG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PIPELINE: tl.constexpr,
-        RPS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr,
+        RPS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, BALANCE: tl.constexpr,
     ):
-        """Stages 11: the kept-row list of stages 8, gathered by a cp.async pipeline PIPELINE tiles
+        """Stages 11 (12 with BALANCE: the kept rows dealt out evenly over the splits): the kept-row list of stages 8, gathered by a cp.async pipeline PIPELINE tiles
         deep into shared memory, the products on the CUDA cores (bf16 widened as int32 pairs with
         BITS). Stages 8 holds its tiles in flight in registers (8-row tiles; 16 spill) and stages
         9 and 10 fill pipeline slots with dropped rows or cost a tensor-core tile per slot; here
         every slot is kept rows and shared memory, not registers, bounds the rows in flight.
         The warps of a program split its columns, so the sum over rows stays in-thread."""
         pid_n, offs_n, mask_n, base, n_kept = _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2,
-                                                            rows_per_split, BLOCK_N, THR_T, NSEG, RPS)
+                                                            rows_per_split, num_splits, BLOCK_N, THR_T, NSEG, RPS,
+                                                            BALANCE)
         Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N, BITS, COLS)
         acc_l = tl.zeros([COLS], dtype=tl.float32)
         acc_h = tl.zeros([COLS], dtype=tl.float32)
@@ -782,15 +817,15 @@ def _sparse_gemv_op(
                   WARPS_LEAD=_WARPS_LEAD, EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "",
                   PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
                   **cap, **({"launch_pdl": True} if pdl else {}))
-    if stages == 11:
+    if stages in (11, 12):
         bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and N % 2 == 0 and w_t.stride(0) % 2 == 0
                 and w_t.data_ptr() % 4 == 0)
         scratch = torch.empty(n_tiles * splits * 2 * _pow2(rows), device=x.device, dtype=torch.int32)
         _sparse_gemv_list_pipe_kernel[(n_tiles, splits)](
             *args, scratch, w_t.stride(0) // 2, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts),
             NSEG=max(1, len(thr_ts)), HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, PIPELINE=LIST_PIPELINE,
-            RPS=_pow2(rows), BITS=bits, COLS=block_n // 2 if bits else block_n, num_warps=num_warps,
-            num_stages=LIST_PIPELINE)
+            RPS=_pow2(rows), BITS=bits, COLS=block_n // 2 if bits else block_n, BALANCE=stages == 12,
+            num_warps=num_warps, num_stages=LIST_PIPELINE)
         return y
     if stages in (9, 10):
         tc = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
@@ -863,7 +898,8 @@ def sparse_gemv(
     is stages 3's kept-row list looped over with stages 4's two tiles in flight; stages 9 sums each
     tile on the tensor cores, x padded to 16 columns, its weight loads pipelined by Triton; stages
     10 is stages 9 over stages 8's kept-row list; stages 11 gathers stages 8's kept-row list through
-    a cp.async pipeline into shared memory and sums on the CUDA cores).
+    a cp.async pipeline into shared memory and sums on the CUDA cores; stages 12 is stages 11 with
+    all kept rows dealt out evenly over the splits).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -906,15 +942,16 @@ def sparse_gemv(
             raise InputError(f"stages 9 and 10 (tensor cores) run bfloat16 or float16, without up=, with BLOCK_N >= 64, "
                              f"BLOCK_K >= 16 and segment bounds on the BLOCK_N grid; got {config} for "
                              f"{x.dtype}, segments {segments}")
-        if stages == 11 and (up is not None or (segments is not None and any(b % block_n for b in _bounds(segments)))):
-            raise InputError(f"stages 11 runs without up= and with segment bounds on the BLOCK_N grid; got {config}, "
+        if stages in (11, 12) and (up is not None or (segments is not None and any(b % block_n for b in _bounds(segments)))):
+            raise InputError(f"stages 11 and 12 run without up= and with segment bounds on the BLOCK_N grid; got {config}, "
                              f"segments {segments}")
-        if stages not in range(1, 12):
+        if stages not in range(1, 13):
             raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
                              f"(two tiles in flight), 5 (4 with warps splitting the rows), 6 (4 unrolled "
                              f"by two tiles), 7 (4 skipping dropped rows' arithmetic) or 8 (3's list with "
                              f"4's two tiles in flight), 9 (tensor cores), 10 (9 over a kept-row list) or "
-                             f"11 (a kept-row list gathered by a cp.async pipeline); got {stages}")
+                             f"11 (a kept-row list gathered by a cp.async pipeline) or 12 (11 with the kept rows "
+                             f"dealt out evenly over the splits); got {stages}")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
