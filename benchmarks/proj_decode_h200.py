@@ -27,7 +27,7 @@ from dense_decode_h200 import summary, time_steps  # benchmarks/ is the script's
 
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
-from sparsedecode.kernels import decode_attention
+from sparsedecode.kernels import decode_attention, override
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.projection import sparse_linear
 from sparsedecode.projection.calibrate import get_calibrator
@@ -86,7 +86,7 @@ def main() -> None:
                     help="sparse GEMV tile configs from sparse_gemv_bench.py --choose (else the built-in ones)")
     ap.add_argument("--max-registers", type=int, help="cap the sparse GEMV's registers per thread below the "
                     "one-wave budget (sparse_gemv.REGISTER_CAP)")
-    ap.add_argument("--evict-first", action="store_true",
+    ap.add_argument("--evict-first", action=argparse.BooleanOptionalAction, default=None,
                     help="sparse GEMV weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
     ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
                     help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS; "
@@ -106,12 +106,8 @@ def main() -> None:
     bad = [v for v in variants if v not in ("default", "plain", "pdl", "swiglu", "pdl+swiglu")]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; pick from default, plain, pdl, swiglu, pdl+swiglu")
-    sg.REGISTER_CAP = a.max_registers
-    sg.WEIGHTS_EVICT_FIRST = a.evict_first
-    if a.bf16_pairs is not None:
-        sg.BF16_PAIRS = a.bf16_pairs
-    if a.attn_min_split_keys is not None:
-        decode_attention.MIN_SPLIT_KEYS = a.attn_min_split_keys
+    knobs = override(sg, REGISTER_CAP=a.max_registers, WEIGHTS_EVICT_FIRST=a.evict_first, BF16_PAIRS=a.bf16_pairs)
+    knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys)
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
@@ -132,8 +128,8 @@ def main() -> None:
             "fill": "random", "calibration": {"method": a.method, "greedy": False,
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
-            "register_cap": a.max_registers, "evict_first": a.evict_first, "bf16_pairs": sg.BF16_PAIRS,
-            "attn_min_split_keys": decode_attention.MIN_SPLIT_KEYS,
+            "register_cap": knobs["REGISTER_CAP"], "evict_first": knobs["WEIGHTS_EVICT_FIRST"],
+            "bf16_pairs": knobs["BF16_PAIRS"], "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"],
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 
     def prepare() -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sparsedecode.kernels import override
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.records import stamp, write_record
 
@@ -275,8 +276,8 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "kind": "sparse_gemv_bench", "shape": name, "K": K, "N": N, "dtype": "bfloat16",
                 "keep_target": keep, "threshold": t_val, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
-                "config_label": label, "pdl": args.pdl, "register_cap": args.max_registers,
-                "evict_first": args.evict_first, "bf16_pairs": sg.BF16_PAIRS,
+                "config_label": label, "pdl": args.pdl, "register_cap": sg.REGISTER_CAP,
+                "evict_first": sg.WEIGHTS_EVICT_FIRST, "bf16_pairs": sg.BF16_PAIRS,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
@@ -321,7 +322,7 @@ def main() -> None:
     ap.add_argument("--pdl", choices=("off", "exit", "early"), default="off",
                     help="programmatic dependent launch (sparse_gemv.PDL): each call's launch overlaps the tail "
                     "of the call before; 'early' signals the next call at the start, 'exit' as programs exit")
-    ap.add_argument("--evict-first", action="store_true",
+    ap.add_argument("--evict-first", action=argparse.BooleanOptionalAction, default=None,
                     help="weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
     ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
                     help="stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS; default: the "
@@ -338,10 +339,7 @@ def main() -> None:
     if args.tuned:
         print(f"{sg.load_tuned(args.tuned)} tuned configs from {args.tuned}")
     sg.PDL, sg.PDL_TRIGGER = args.pdl != "off", args.pdl == "early"
-    sg.REGISTER_CAP = args.max_registers
-    sg.WEIGHTS_EVICT_FIRST = args.evict_first
-    if args.bf16_pairs is not None:
-        sg.BF16_PAIRS = args.bf16_pairs
+    override(sg, REGISTER_CAP=args.max_registers, WEIGHTS_EVICT_FIRST=args.evict_first, BF16_PAIRS=args.bf16_pairs)
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
     for name in args.shapes:
