@@ -103,7 +103,7 @@ PDL_TRIGGER = True  # with PDL, signal the next kernel at the start (else as eac
 # the hint keeps x, the workspace and the next kernel's data in L2; TEAL's kernel uses such
 # hints). Off until measured: `sparse_gemv_bench.py --evict-first`.
 WEIGHTS_EVICT_FIRST = False
-# True: stages 4 and 8 read bf16 weights as int32 pairs and widen them with integer ops
+# True: stages 4, 8, 11 and 12 read bf16 weights as int32 pairs and widen them with integer ops
 # (`_sum_tile`), about one instruction per element fewer than Triton's bf16 conversion (the sm_90
 # stages 4 loop 13% shorter). On the H200 it took gate_up, down, gate|up and q|k|v at keep 0.3
 # from 15.0, 14.8, 25.8 and 9.1 us to 14.0, 13.7, 23.9 and 8.8 (keep 0.5: 0.0-0.6 us less), and
@@ -807,51 +807,40 @@ def _sparse_gemv_op(
     b1, b2 = (list(bounds) + [N, N])[:2]
     rows = _rows_per_split(K, tile, splits)
     aligned = all(b % block_n == 0 for b in bounds)
-    pdl = PDL and x.is_cuda and not _interpreting()
-    cap = {"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)} if x.is_cuda and not _interpreting() else {}
     args = (x, w_t, bias if bias is not None else x, *thr, y, ws_acc, ws_count, thr_f, K, N, w_t.stride(0),
             b1, b2, rows, splits)
-    common = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
-                  HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=1,
-                  U=up if up is not None else x, GLU=up is not None, WARPS_K=num_warps if stages == 5 else 1,
-                  WARPS_LEAD=_WARPS_LEAD, EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "",
-                  PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
-                  **cap, **({"launch_pdl": True} if pdl else {}))
-    if stages in (11, 12):
-        bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and N % 2 == 0 and w_t.stride(0) % 2 == 0
-                and w_t.data_ptr() % 4 == 0)
-        scratch = torch.empty(n_tiles * splits * 2 * _pow2(rows), device=x.device, dtype=torch.int32)
-        _sparse_gemv_list_pipe_kernel[(n_tiles, splits)](
-            *args, scratch, w_t.stride(0) // 2, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts),
-            NSEG=max(1, len(thr_ts)), HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, PIPELINE=LIST_PIPELINE,
-            RPS=_pow2(rows), BITS=bits, COLS=block_n // 2 if bits else block_n, BALANCE=stages == 12,
-            num_warps=num_warps, num_stages=LIST_PIPELINE)
-        return y
-    if stages in (9, 10):
-        tc = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
-                  HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, PIPELINE=TC_PIPELINE, num_warps=num_warps,
-                  num_stages=TC_PIPELINE)
-        if stages == 9:
-            _sparse_gemv_tc_kernel[(n_tiles, splits)](*args, **tc)
-        else:  # each program's list of kept rows and their x, written before it is read
-            scratch = torch.empty(n_tiles * splits * 2 * _pow2(rows), device=x.device, dtype=torch.int32)
-            _sparse_gemv_tc_list_kernel[(n_tiles, splits)](*args, scratch, RPS=_pow2(rows), **tc)
-        return y
-    compact = stages in (3, 8)
-    # compact: each program's list of kept rows (stages 8: and of their x), written before it is
-    # read, so never zeroed
-    scratch = (torch.empty(n_tiles * splits * _pow2(rows) * (2 if stages == 8 else 1), device=x.device,
-                           dtype=torch.int32) if compact else ws_acc)
-    # bf16 read as int32 pairs (stages 4 and 8): N, the row stride and the base 4-byte aligned
-    bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and stages in (4, 8) and N % 2 == 0
+    # the meta-parameters every kernel takes
+    shape = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
+                 HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps)
+    # each program's list of kept rows (stages 3), or of kept rows and their x (8, 10, 11, 12),
+    # written before it is read, so never zeroed
+    lists = {3: 1, 8: 2, 10: 2, 11: 2, 12: 2}.get(stages, 0)
+    scratch = (torch.empty(n_tiles * splits * _pow2(rows) * lists, device=x.device, dtype=torch.int32) if lists
+               else ws_acc)
+    # bf16 read as int32 pairs (stages 4, 8, 11, 12): N, the row stride and the base 4-byte aligned
+    bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and stages in (4, 8, 11, 12) and N % 2 == 0
             and w_t.stride(0) % 2 == 0 and w_t.data_ptr() % 4 == 0)
-    _sparse_gemv_kernel[(n_tiles, splits)](*args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2,
-                                           stride_w32=w_t.stride(0) // 2, BITS=bits,
-                                           COLS=block_n // 2 if bits else block_n,
-                                           COMPACT=compact, RPS=_pow2(rows), DBUF=stages in (4, 5, 7, 8),
-                                           PAIRS=stages == 6,
-                                           ROWSKIP=stages == 7,
-                                           **common)
+    cols = block_n // 2 if bits else block_n
+    if stages in (11, 12):
+        _sparse_gemv_list_pipe_kernel[(n_tiles, splits)](
+            *args, scratch, w_t.stride(0) // 2, PIPELINE=LIST_PIPELINE, RPS=_pow2(rows), BITS=bits, COLS=cols,
+            BALANCE=stages == 12, num_stages=LIST_PIPELINE, **shape)
+    elif stages == 9:
+        _sparse_gemv_tc_kernel[(n_tiles, splits)](*args, PIPELINE=TC_PIPELINE, num_stages=TC_PIPELINE, **shape)
+    elif stages == 10:
+        _sparse_gemv_tc_list_kernel[(n_tiles, splits)](*args, scratch, RPS=_pow2(rows), PIPELINE=TC_PIPELINE,
+                                                       num_stages=TC_PIPELINE, **shape)
+    else:
+        pdl = PDL and x.is_cuda and not _interpreting()
+        cap = ({"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)}
+               if x.is_cuda and not _interpreting() else {})
+        _sparse_gemv_kernel[(n_tiles, splits)](
+            *args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2, stride_w32=w_t.stride(0) // 2,
+            BITS=bits, COLS=cols, COMPACT=stages in (3, 8), RPS=_pow2(rows), DBUF=stages in (4, 5, 7, 8),
+            PAIRS=stages == 6, ROWSKIP=stages == 7, num_stages=1, U=up if up is not None else x, GLU=up is not None,
+            WARPS_K=num_warps if stages == 5 else 1, WARPS_LEAD=_WARPS_LEAD,
+            EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "", PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
+            **cap, **({"launch_pdl": True} if pdl else {}), **shape)
     return y
 
 
