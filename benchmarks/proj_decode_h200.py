@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from dense_decode_h200 import summary, time_steps  # benchmarks/ is the script's folder
+from sparse_gemv_bench import add_knob_args, apply_knobs
 
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
@@ -84,13 +85,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--gemv-configs", type=Path,
                     help="sparse GEMV tile configs from sparse_gemv_bench.py --choose (else the built-in ones)")
-    ap.add_argument("--max-registers", type=int, help="cap the sparse GEMV's registers per thread below the "
-                    "one-wave budget (sparse_gemv.REGISTER_CAP)")
-    ap.add_argument("--evict-first", action=argparse.BooleanOptionalAction, default=None,
-                    help="sparse GEMV weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
-    ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
-                    help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS; "
-                         "default: the module's)")
+    add_knob_args(ap)
     ap.add_argument("--attn-min-split-keys", type=int,
                     help="fewest keys per split-K attention split (decode_attention.MIN_SPLIT_KEYS; default: "
                          "the module's)")
@@ -106,7 +101,7 @@ def main() -> None:
     bad = [v for v in variants if v not in ("default", "plain", "pdl", "swiglu", "pdl+swiglu")]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; pick from default, plain, pdl, swiglu, pdl+swiglu")
-    knobs = override(sg, REGISTER_CAP=a.max_registers, WEIGHTS_EVICT_FIRST=a.evict_first, BF16_PAIRS=a.bf16_pairs)
+    knobs = apply_knobs(a)
     knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys)
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")

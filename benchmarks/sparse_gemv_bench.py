@@ -90,6 +90,24 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
 COMBINED = "sparse_gemv_records.json"
 
 
+def add_knob_args(ap: argparse.ArgumentParser) -> None:
+    """The sparse GEMV's module knobs as flags (this benchmark's and proj_decode_h200.py's); each
+    left out keeps the module's default (`apply_knobs`)."""
+    ap.add_argument("--max-registers", type=int, help="cap the sparse GEMV's registers per thread below the "
+                    "one-wave budget (sparse_gemv.REGISTER_CAP)")
+    ap.add_argument("--evict-first", action=argparse.BooleanOptionalAction, default=None,
+                    help="sparse GEMV weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
+    ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
+                    help="sparse GEMV stages 4, 8, 11 and 12 read bf16 weights as int32 pairs "
+                    "(sparse_gemv.BF16_PAIRS; default: the module's)")
+
+
+def apply_knobs(args) -> dict:
+    """Set the knobs of `add_knob_args` that were given; their effective values, for the record."""
+    return override(sg, REGISTER_CAP=args.max_registers, WEIGHTS_EVICT_FIRST=args.evict_first,
+                    BF16_PAIRS=args.bf16_pairs)
+
+
 def time_graph(fn, args_list, reps: int) -> list[float]:
     """Per-call seconds of `reps` replays of one graph that calls fn(*args) for each args."""
     stream = torch.cuda.Stream()
@@ -322,13 +340,7 @@ def main() -> None:
     ap.add_argument("--pdl", choices=("off", "exit", "early"), default="off",
                     help="programmatic dependent launch (sparse_gemv.PDL): each call's launch overlaps the tail "
                     "of the call before; 'early' signals the next call at the start, 'exit' as programs exit")
-    ap.add_argument("--evict-first", action=argparse.BooleanOptionalAction, default=None,
-                    help="weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
-    ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
-                    help="stages 4 and 8 read bf16 weights as int32 pairs (sparse_gemv.BF16_PAIRS; default: the "
-                    "module's)")
-    ap.add_argument("--max-registers", type=int, help="cap the kernel's registers per thread below the one-wave "
-                    "budget (sparse_gemv.REGISTER_CAP)")
+    add_knob_args(ap)
     ap.add_argument("--probe", action="store_true",
                     help="also time an empty kernel on each shape's default grid (the fixed cost of a launch)")
     args = ap.parse_args()
@@ -339,7 +351,7 @@ def main() -> None:
     if args.tuned:
         print(f"{sg.load_tuned(args.tuned)} tuned configs from {args.tuned}")
     sg.PDL, sg.PDL_TRIGGER = args.pdl != "off", args.pdl == "early"
-    override(sg, REGISTER_CAP=args.max_registers, WEIGHTS_EVICT_FIRST=args.evict_first, BF16_PAIRS=args.bf16_pairs)
+    apply_knobs(args)
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
     for name in args.shapes:
