@@ -375,26 +375,29 @@ def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[s
     return fails
 
 
+def _with_pairs(pairs: bool, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with sparse_gemv.BF16_PAIRS set to `pairs`, restored after."""
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    default, sg.BF16_PAIRS = sg.BF16_PAIRS, pairs
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        sg.BF16_PAIRS = default
+
+
 def _pairs_and_tensor_core_cases() -> list[str]:
     """BF16_PAIRS (stages 4 and 8 widen bf16 read as int32 pairs) gives bit for bit what Triton's
     conversion gives, on even N (pairs) and odd N (no pairs); stages 9 and 10 (tensor cores) in float16
     against float64 (the interpreter's bfloat16 tl.dot is wrong: bfloat16 runs on CUDA); stages 11
     (a kept-row list through a cp.async pipeline) in every dtype, with and without pairs."""
-    from sparsedecode.kernels import sparse_gemv as sg
-
     fails = []
     for K, N in ((301, 130), (577, 203)):
         x, w_t, b = make(K, N, torch.bfloat16, seed=K)
         t = threshold_for(x, 0.4)
         for config in ((64, 16, 5, 1, 4), (16, 4, 7, 1, 8), (128, 8, 2, 1, 8)):
-            default = sg.BF16_PAIRS
-            try:
-                sg.BF16_PAIRS = False
-                want = sparse_gemv(x, w_t, t, b, config=config)
-                sg.BF16_PAIRS = True
-                got = sparse_gemv(x, w_t, t, b, config=config)
-            finally:
-                sg.BF16_PAIRS = default
+            want = _with_pairs(False, sparse_gemv, x, w_t, t, b, config=config)
+            got = _with_pairs(True, sparse_gemv, x, w_t, t, b, config=config)
             if not torch.equal(got, want):
                 fails.append(f"BF16_PAIRS {K}x{N} {config}: differs from the bf16 conversion")
     for K, N in ((301, 200), (577, 256)):
@@ -412,12 +415,7 @@ def _pairs_and_tensor_core_cases() -> list[str]:
         x, w_t, b = make(K, N, dtype, seed=11)
         for keep, config in ((0.05, (64, 16, 5, 1, 11)), (0.4, (128, 8, 19, 2, 11)), (1.0, (32, 4, 3, 1, 11))):
             t = threshold_for(x, keep)
-            default = sg.BF16_PAIRS
-            try:
-                sg.BF16_PAIRS = pairs
-                y = sparse_gemv(x, w_t, t, b, config=config)
-            finally:
-                sg.BF16_PAIRS = default
+            y = _with_pairs(pairs, sparse_gemv, x, w_t, t, b, config=config)
             fails += check(y, x, w_t, t, b, f"stages 11 {dtype} pairs={pairs} keep={keep} {config}",
                            2.0**-7 if dtype == torch.bfloat16 else 0.0)
     # stages 12 (stages 11 with all kept rows dealt out evenly over the splits): x longer than one
