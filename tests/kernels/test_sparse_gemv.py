@@ -239,9 +239,10 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, warps_k=1, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, PREFETCH=False, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu, WARPS_K=warps_k,
                   WARPS_LEAD=sg._WARPS_LEAD if warps_lead is None else warps_lead, PAIRS=False, ROWSKIP=False,
-                  EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n)
+                  EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n,
+                  RESID=False, NORM=False, SS_BLOCK=1)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
-                 Count="*i32", thr_f="fp32", Scratch="*i32")
+                 Count="*i32", thr_f="fp32", Scratch="*i32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})
@@ -373,6 +374,82 @@ def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[s
                 fails += [m for m in [mismatch(got, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
                                                f"swiglu {dtype} {K}x{N} config={config}")] if m]
     return fails
+
+
+def _norm_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[str]:
+    """The fused RMSNorm of a decoder layer: a producer call with residual= returns residual +
+    its output (rounded as eager rounds proj, then the sum) and per-tile sums of squares that
+    add up to the new stream's; a consumer call with norm= equals the masked reference on
+    rms_norm of that stream, single and segmented (on and off the BLOCK_N grid), on stages 1, 3,
+    4 and 8; the embedding's stream through `sumsq`. bfloat16 runs on CUDA (the interpreter
+    truncates where PyTorch rounds)."""
+    from sparsedecode.kernels.sparse_gemv import sparse_gemv_segments_ref, sumsq
+    from sparsedecode.models.decoder import rms_norm
+
+    fails = []
+    for dtype in dtypes:
+        ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
+        x, w_t, b = make(301, 200, dtype, device=device, seed=5)  # the producer: 4 tiles of 64, the last short
+        res = make(200, 1, dtype, device=device, seed=6)[0]
+        t = threshold_for(x, 0.4)
+        want = sparse_gemv_ref(x, w_t, t, b) + res  # eager: the projection rounded, then the sum
+        for config in ((64, 16, 3, 1, 4), (64, 8, 5, 1, 8), (64, 16, 2, 1, 1)):
+            y, ss = sparse_gemv(x, w_t, torch.tensor(t, device=device), b, config=config, residual=res)
+            what = f"residual {dtype} config={config}"
+            fails += [m for m in [mismatch(y, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype], what)] if m]
+            total = y.float().pow(2).sum().item()
+            if ss.numel() != 4 or abs(ss.sum().item() - total) > 1e-5 * total:
+                fails.append(f"{what}: tile sums of squares {ss.tolist()} do not add up to {total}")
+        nw = (1.0 + 0.3 * make(200, 1, torch.float32, seed=7)[0].reshape(200)).to(device, dtype)
+        h = rms_norm(y, nw, 1e-5)
+        w2, b2 = make(200, 72, dtype, device=device, seed=8)[1:]
+        for keep in (0.3, 1.0):
+            t2 = threshold_for(h, keep)
+            want2 = sparse_gemv_ref(h, w2, t2, b2)
+            tol = 2 * ulp * want2.abs().max().item() + FLOOR[dtype]
+            for config in ((32, 16, 3, 1, 4), (32, 8, 4, 1, 8), (16, 16, 2, 1, 3), (32, 16, 3, 1, 1), None):
+                for partials in ("tiles", "sumsq"):
+                    got = sparse_gemv(y, w2, torch.tensor(t2, device=device), b2, config=config,
+                                      norm=(nw, ss if partials == "tiles" else sumsq(y), 1e-5))
+                    fails += [m for m in [mismatch(got, want2, tol, f"norm {dtype} keep={keep} {config} {partials}")]
+                              if m]
+        widths = [96, 64, 40]  # q|k|v-like: off the 64 grid at 160, on the 32 grid
+        w3 = make(200, sum(widths), dtype, device=device, seed=9)[1]
+        thr = [torch.tensor(threshold_for(h, k), device=device) for k in (0.2, 0.5, 1.0)]
+        want3 = sparse_gemv_segments_ref(h, w3, thr, widths)
+        for block_n in (32, 64):
+            got = sparse_gemv(y, w3, thr, segments=widths, config=(block_n, 16, 3, 1, 4), norm=(nw, ss, 1e-5))
+            fails += [m for m in [mismatch(got, want3, 2 * ulp * want3.abs().max().item() + FLOOR[dtype],
+                                           f"norm segments {dtype} BLOCK_N={block_n}")] if m]
+    # a layer's chain (residual, then norm) under torch.compile: the op's fake shapes its two outputs
+    chain = torch.compile(lambda x, r, nw: sparse_gemv(y, w2, 0.0, norm=(nw, sparse_gemv(x, w_t, 0.0, residual=r)[1],
+                                                                         1e-5)), backend="aot_eager", fullgraph=True)
+    want4 = sparse_gemv(y, w2, 0.0, norm=(nw, sparse_gemv(x, w_t, 0.0, residual=res)[1], 1e-5))
+    fails += [m for m in [mismatch(chain(x, res, nw), want4, 2 * ulp * want4.abs().max().item() + FLOOR[dtype],
+                                   "residual then norm under torch.compile(fullgraph=True)")] if m]
+    for bad, needle in (((nw.double(), ss, 1e-5), "norm weight"), ((nw, ss.double(), 1e-5), "sums of squares")):
+        try:
+            sparse_gemv(y, w2, 0.1, norm=bad)
+            fails.append(f"a bad norm= ({needle}) must raise")
+        except InputError as e:
+            fails += [] if needle in str(e) else [f"bad norm= ({needle}): unclear error {e}"]
+    try:
+        sparse_gemv(y, w2, 0.1, config=(32, 16, 3, 1, 11), norm=(nw, ss, 1e-5))
+        fails.append("stages 11 must refuse norm=")
+    except InputError as e:
+        fails += [] if "stages 1 to 8" in str(e) else [f"stages 11 norm=: unclear error {e}"]
+    return fails
+
+
+def _norm_worker() -> None:
+    """`_norm_cases` under TRITON_INTERPRET=1 (a subprocess)."""
+    print(json.dumps({"fails": _norm_cases()}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_norm_and_residual_under_interpreter():
+    report = run_interpreted(__file__, "_norm_worker")
+    assert not report["fails"], "\n".join(report["fails"])
 
 
 def _with_pairs(pairs: bool, fn, *args, **kwargs):
@@ -515,6 +592,12 @@ def test_loop_configs_on_cuda(config, pairs, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         fails += check(out, x, w_t, threshold_for(x, keep), b, f"{config} graph replay keep={keep}")
+    assert not fails, "\n".join(fails)
+
+
+@gpu
+def test_fused_norm_and_residual_on_cuda():
+    fails = _norm_cases(device="cuda", dtypes=(torch.bfloat16, torch.float16, torch.float32))
     assert not fails, "\n".join(fails)
 
 

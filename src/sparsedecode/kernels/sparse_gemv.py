@@ -312,9 +312,15 @@ if triton is not None:
         return t
 
     @triton.jit
-    def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr):
+    def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
+                       Res, SsOut, RESID: tl.constexpr):
         """Add this split's fp32 partial of a column tile; the last split to arrive writes
-        the sum (+ bias) to Y and leaves the workspace and the tile's counter at zero."""
+        the sum (+ bias) to Y and leaves the workspace and the tile's counter at zero.
+
+        With RESID, Y is the residual stream after the projection: the sum rounded to Y's
+        dtype, plus the residual at Res, rounded again (as eager `x + proj(h)` rounds), and
+        the tile's sum of squares of those rounded values goes to SsOut[tile], so the next
+        RMSNorm needs no reduction kernel (`sparse_gemv(norm=...)` reads the partials)."""
         tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
         # All lanes' partial adds precede the release of the arrival count (bar.sync, then a
         # release atomic, which is cumulative); the last arrival acquires it and so sees them.
@@ -327,23 +333,44 @@ if triton is not None:
                                    sem="relaxed").to(tl.float32, bitcast=True)
             if HAS_BIAS:
                 total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if RESID:
+                total = total.to(Y.dtype.element_ty).to(tl.float32) + tl.load(
+                    Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                sq = total.to(Y.dtype.element_ty).to(tl.float32)
+                tl.store(SsOut + tile, tl.sum(tl.where(mask_n, sq * sq, 0.0), axis=0))
             tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=mask_n)
             tl.atomic_xchg(Count + tile, 0, sem="relaxed")
 
     @triton.jit
-    def _load_x(Xp, Up, mask, GLU: tl.constexpr):
+    def _load_x(Xp, Up, mask, GLU: tl.constexpr, r, NORM: tl.constexpr):
         """The input at pointers Xp in float32; with GLU, silu(x) * u with u at Up (SwiGLU's
         down input), each product rounded to x's dtype as eager PyTorch rounds silu(gate) and
-        then * up. Callers form the pointers as scalar base + offsets (64-bit adds, not a
-        multiply-add per element: on Triton 3.6 that form took 21 fewer registers and ran
-        slower)."""
+        then * up; with NORM, RMSNorm's output w * (x * r) with its weight w at Up and r the
+        reciprocal root mean square (`_norm_scale`), x * r rounded to x's dtype before the
+        weight and the product rounded again, as `models.decoder.RMSNorm` rounds. Callers form
+        the pointers as scalar base + offsets (64-bit adds, not a multiply-add per element: on
+        Triton 3.6 that form took 21 fewer registers and ran slower)."""
         x = tl.load(Xp, mask=mask, other=0.0)
         if GLU:
             g = x.to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(Xp.dtype.element_ty).to(tl.float32)
             u = tl.load(Up, mask=mask, other=0.0).to(tl.float32)
             x = (s * u).to(Xp.dtype.element_ty)
+        if NORM:
+            h = (x.to(tl.float32) * r).to(Xp.dtype.element_ty).to(tl.float32)
+            x = (tl.load(Up, mask=mask, other=0.0).to(tl.float32) * h).to(Xp.dtype.element_ty)
         return x.to(tl.float32)
+
+    @triton.jit
+    def _norm_scale(SsIn, n_ss, K, eps, NORM: tl.constexpr, SS_BLOCK: tl.constexpr):
+        """RMSNorm's 1 / sqrt(mean(x^2) + eps) from the n_ss partial sums of squares the
+        producing projection left (`_finish_splits` with RESID); 1.0 without NORM."""
+        if NORM:
+            offs = tl.arange(0, SS_BLOCK)
+            ss = tl.sum(tl.load(SsIn + offs, mask=offs < n_ss, other=0.0), axis=0)
+            return 1.0 / tl.sqrt_rn(ss / K + eps)
+        else:
+            return 1.0
 
     @triton.jit
     def _load_tile3(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
@@ -387,13 +414,14 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _list_kept_rows(X, U, Scratch, k_lo, k_hi, t, pid_n, pid_k, RPS: tl.constexpr, GLU: tl.constexpr):
+    def _list_kept_rows(X, U, Scratch, k_lo, k_hi, t, pid_n, pid_k, RPS: tl.constexpr, GLU: tl.constexpr,
+                        r_norm, NORM: tl.constexpr):
         """(list base, kept count) of rows [k_lo, k_hi) with |x| > t: their ranks by a prefix sum,
         each row index stored at its rank in the program's own scratch (2 * RPS int32, in L2) and
         its x (float32 bits) at RPS + rank. Written before it returns, so no zeroing is needed."""
         offs_r = k_lo + tl.arange(0, RPS)  # (RPS,)
         in_r = offs_r < k_hi
-        xr = _load_x(X + offs_r, U + offs_r, in_r, GLU)
+        xr = _load_x(X + offs_r, U + offs_r, in_r, GLU, r_norm, NORM)
         kept = (tl.abs(xr) > t) & in_r
         rank = tl.cumsum(kept.to(tl.int32), axis=0) - 1
         n_kept = tl.sum(kept.to(tl.int32), axis=0)
@@ -449,7 +477,7 @@ if triton is not None:
         else:
             k_lo = pid_k * rows_per_split
             base, n_kept = _list_kept_rows(X, X, Scratch, k_lo, tl.minimum(k_lo + rows_per_split, K), t, pid_n,
-                                           pid_k, RPS, False)
+                                           pid_k, RPS, False, 1.0, False)
         return pid_n, offs_n, offs_n < N, base, n_kept
 
     @triton.jit
@@ -510,6 +538,7 @@ if triton is not None:
         U, GLU: tl.constexpr, WARPS_K: tl.constexpr, WARPS_LEAD: tl.constexpr, PAIRS: tl.constexpr,
         ROWSKIP: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr, stride_w32, BITS: tl.constexpr, COLS: tl.constexpr,
+        Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the launch and this prologue overlap its tail
@@ -522,6 +551,8 @@ if triton is not None:
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         mask_n = offs_n < N
+        # With NORM, x is the residual stream and the input is its RMSNorm, formed in each x load
+        r_norm = _norm_scale(SsIn, n_ss, K, eps, NORM, SS_BLOCK)
         # Thresholds: one scalar, or one per column segment [0, b1), [b1, b2), [b2, N) of a
         # concatenated weight (q|k|v or gate|up, each site with its own threshold): per
         # program when the bounds are whole tiles, else per column.
@@ -538,7 +569,7 @@ if triton is not None:
             # is a predicated-off load of zeros), and Nsight Compute found it bound by issue at
             # low keep; here the loop runs over kept rows only, so its instructions scale with
             # the keep as its bytes do, and each tile is full of kept rows.
-            base, n_kept = _list_kept_rows(X, U, Scratch, k_lo, k_hi, t0, pid_n, pid_k, RPS, GLU)
+            base, n_kept = _list_kept_rows(X, U, Scratch, k_lo, k_hi, t0, pid_n, pid_k, RPS, GLU, r_norm, NORM)
             Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N,
                                                       BITS, COLS)
             acc_l = tl.zeros([COLS], dtype=tl.float32)
@@ -565,7 +596,7 @@ if triton is not None:
                 x_c, w_c, off_n, x_n = x_n, w_n, off_nn, x_nn
             acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # the last tile (all zeros if empty)
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
-                           num_splits, HAS_BIAS)
+                           num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
         if COMPACT and not (NSEG > 1 and not SEG_ALIGNED):
             # The kept rows of this split, listed first: their ranks by a prefix sum, each
@@ -574,7 +605,7 @@ if triton is not None:
             # has BLOCK_K rows in flight whatever the keep.
             offs_r = k_lo + tl.arange(0, RPS)  # (RPS,)
             in_r = offs_r < k_hi
-            xr = _load_x(X + offs_r, U + offs_r, in_r, GLU)
+            xr = _load_x(X + offs_r, U + offs_r, in_r, GLU, r_norm, NORM)
             kept = ((tl.abs(xr) > t0) & in_r).to(tl.int32)
             rank = tl.cumsum(kept, axis=0) - 1
             n_kept = tl.sum(kept, axis=0)
@@ -585,7 +616,7 @@ if triton is not None:
                 offs_j = j0 + tl.arange(0, BLOCK_K)
                 in_j = offs_j < n_kept
                 rows = tl.load(base + offs_j, mask=in_j, other=0)
-                x = _load_x(X + rows, U + rows, in_j, GLU)
+                x = _load_x(X + rows, U + rows, in_j, GLU, r_norm, NORM)
                 if EVEN_N:
                     row_mask = in_j[:, None]
                 else:
@@ -593,7 +624,7 @@ if triton is not None:
                 w = tl.load(W + rows[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0,
                             eviction_policy=EVICT)
                 acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
-            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
         if DBUF and WARPS_K > 1 and not (NSEG > 1 and not SEG_ALIGNED):
             # Stages 5: stages 4 with the program's warps splitting a tile's rows: each warp
@@ -605,18 +636,18 @@ if triton is not None:
                 ar2 = tl.arange(0, WARPS_K)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
             else:  # tile (BLOCK_K, WARPS_K, BLOCK_N): warp w holds rows k * WARPS_K + w
                 ar2 = tl.arange(0, BLOCK_K)[:, None] * WARPS_K + tl.arange(0, WARPS_K)[None, :]
-            x_c = _load_x(X + k_lo + ar2, U + k_lo + ar2, k_lo + ar2 < k_hi, GLU)
+            x_c = _load_x(X + k_lo + ar2, U + k_lo + ar2, k_lo + ar2 < k_hi, GLU, r_norm, NORM)
             w_c = _load_tile3(W, k_lo + ar2, k_lo + ar2 < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-            x_n = _load_x(X + k_lo + TILE + ar2, U + k_lo + TILE + ar2, k_lo + TILE + ar2 < k_hi, GLU)
+            x_n = _load_x(X + k_lo + TILE + ar2, U + k_lo + TILE + ar2, k_lo + TILE + ar2 < k_hi, GLU, r_norm, NORM)
             acc2 = tl.zeros([WARPS_K, BLOCK_N], dtype=tl.float32)
             for k0 in range(k_lo + TILE, k_hi + TILE, TILE):  # k0: the tile loaded now
                 rows2 = k0 + ar2
                 w_n = _load_tile3(W, rows2, rows2 < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-                x_nn = _load_x(X + rows2 + TILE, U + rows2 + TILE, rows2 + TILE < k_hi, GLU)
+                x_nn = _load_x(X + rows2 + TILE, U + rows2 + TILE, rows2 + TILE < k_hi, GLU, r_norm, NORM)
                 acc2 += tl.sum(w_c.to(tl.float32) * x_c[:, :, None], axis=1 if WARPS_LEAD else 0)  # tile k0 - TILE
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, tl.sum(acc2, axis=0), offs_n, mask_n, pid_n, num_splits,
-                           HAS_BIAS)
+                           HAS_BIAS, Res, SsOut, RESID)
             return
         if PAIRS and not (NSEG > 1 and not SEG_ALIGNED):
             # Stages 6: stages 4 unrolled by two tiles, A and B, written after Nsight Compute
@@ -628,22 +659,22 @@ if triton is not None:
             # while the other is summed. Slower than stages 4 but on o at keep 0.3 (records
             # h200/sparse_gemv_20261130T1333Z_stages67).
             ar = tl.arange(0, BLOCK_K)
-            x_a = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU)
+            x_a = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
             w_a = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_a, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-            x_b = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU)
+            x_b = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU, r_norm, NORM)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, 2 * BLOCK_K):  # k0: tile B of this iteration
                 offs_b = k0 + ar
                 w_b = _load_tile(W, offs_b, offs_b < k_hi, x_b, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
                 offs_a = offs_b + BLOCK_K  # the next tile A
-                x_a2 = _load_x(X + offs_a, U + offs_a, offs_a < k_hi, GLU)
+                x_a2 = _load_x(X + offs_a, U + offs_a, offs_a < k_hi, GLU, r_norm, NORM)
                 acc += tl.sum(w_a.to(tl.float32) * x_a[:, None], axis=0)  # tile A, k0 - BLOCK_K
                 w_a = _load_tile(W, offs_a, offs_a < k_hi, x_a2, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-                x_b2 = _load_x(X + offs_a + BLOCK_K, U + offs_a + BLOCK_K, offs_a + BLOCK_K < k_hi, GLU)
+                x_b2 = _load_x(X + offs_a + BLOCK_K, U + offs_a + BLOCK_K, offs_a + BLOCK_K < k_hi, GLU, r_norm, NORM)
                 acc += tl.sum(w_b.to(tl.float32) * x_b[:, None], axis=0)  # tile B, k0
                 x_a, x_b = x_a2, x_b2
             # the last tile A (past k_hi when the split holds an even number of tiles: all masked)
             acc += tl.sum(w_a.to(tl.float32) * x_a[:, None], axis=0)
-            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
@@ -655,32 +686,32 @@ if triton is not None:
             acc_l = tl.zeros([COLS], dtype=tl.float32)
             acc_h = tl.zeros([COLS], dtype=tl.float32)
             ar = tl.arange(0, BLOCK_K)
-            x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU)
+            x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
             w_c = _load_tile(Wl, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
-            x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU)
+            x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU, r_norm, NORM)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
                 w_n = _load_tile(Wl, offs_k, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
-                x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU)
+                x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
                 if ROWSKIP:  # dropped rows skipped by uniform branches (stages 7)
                     acc_l = _sum_kept_rows(acc_l, w_c, x_c, t0, BLOCK_K, BLOCK_N)
                 else:
                     acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS and not ROWSKIP, BLOCK_N), offs_n,
-                           mask_n, pid_n, num_splits, HAS_BIAS)
+                           mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
         if PREFETCH:  # the x slice of the next iteration is in flight with this one's weights
             ar = tl.arange(0, BLOCK_K)
-            x_next = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU)
+            x_next = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
             in_k = offs_k < k_hi
             if PREFETCH:
                 x = x_next
-                x_next = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU)
+                x_next = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
             else:
-                x = _load_x(X + offs_k, U + offs_k, in_k, GLU)
+                x = _load_x(X + offs_k, U + offs_k, in_k, GLU, r_norm, NORM)
             if NSEG > 1 and not SEG_ALIGNED:
                 row_mask = (tl.abs(x)[:, None] > t_col[None, :]) & in_k[:, None] & mask_n[None, :]
             else:
@@ -696,7 +727,7 @@ if triton is not None:
             # holds all BLOCK_K rows of its 8 columns, so this is in-thread adds and the
             # accumulator costs 8 registers, leaving registers for loads in flight.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
-        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
 
 
 if triton is not None:
@@ -734,7 +765,7 @@ if triton is not None:
             w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
             xb = tl.where(offs_c[None, :] == 0, tl.where(keep, x, 0.0)[:, None], 0.0).to(W.dtype.element_ty)
             acc = tl.dot(tl.trans(w), xb, acc)  # (BLOCK_N, 16), column 0 the partial
-        _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+        _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Y, Y, False)
 
     @triton.jit
     def _sparse_gemv_tc_list_kernel(
@@ -756,7 +787,7 @@ if triton is not None:
             w, xk = _load_list_tile(base, j0, n_kept, W, stride_wk, offs_n, mask_n, RPS, BLOCK_K, EVEN_N)
             xb = tl.where(offs_c[None, :] == 0, xk[:, None], 0.0).to(W.dtype.element_ty)
             acc = tl.dot(tl.trans(w), xb, acc)  # (BLOCK_N, 16), column 0 the partial
-        _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS)
+        _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Y, Y, False)
 
     @triton.jit
     def _sparse_gemv_list_pipe_kernel(
@@ -781,7 +812,7 @@ if triton is not None:
             w, xk = _load_list_tile(base, j0, n_kept, Wl, stride_l, offs_l, mask_l, RPS, BLOCK_K, EVEN_N)
             acc_l, acc_h = _sum_tile(acc_l, acc_h, w, xk, BITS)
         _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
-                       num_splits, HAS_BIAS)
+                       num_splits, HAS_BIAS, Y, Y, False)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -789,7 +820,8 @@ def _sparse_gemv_op(
     x: Tensor, w_t: Tensor, thr_ts: list[Tensor], thr_f: float, bounds: list[int], bias: Tensor | None,
     ws_acc: Tensor | None, ws_count: Tensor | None,
     block_n: int, block_k: int, splits: int, num_warps: int, stages: int, up: Tensor | None = None,
-) -> Tensor:
+    residual: Tensor | None = None, norm_w: Tensor | None = None, ss_in: Tensor | None = None, eps: float = 0.0,
+) -> tuple[Tensor, Tensor]:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
     # not functionalize (clone) a buffer that only serves as scratch. Host-side choices
@@ -797,6 +829,11 @@ def _sparse_gemv_op(
     K, N = w_t.shape
     if not block_n:
         block_n, block_k, splits, num_warps, stages = default_config(K, N, x.dtype, x.device)
+    # with a residual, each column tile's sum of squares of the new residual stream (else empty)
+    ss = torch.empty(triton.cdiv(N, block_n) if residual is not None else 0, device=x.device, dtype=torch.float32)
+    if (residual is not None or norm_w is not None) and stages > 8:
+        raise InputError(f"residual= and norm= run on stages 1 to 8; the config for ({K}, {N}) is stages {stages} "
+                         "(pass config= or change its TUNED entry)")
     tile = rows_per_iteration(block_k, num_warps, stages)
     splits = _splits(K, tile, splits)
     if ws_acc is None or ws_count is None:
@@ -837,17 +874,24 @@ def _sparse_gemv_op(
         _sparse_gemv_kernel[(n_tiles, splits)](
             *args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2, stride_w32=w_t.stride(0) // 2,
             BITS=bits, COLS=cols, COMPACT=stages in (3, 8), RPS=_pow2(rows), DBUF=stages in (4, 5, 7, 8),
-            PAIRS=stages == 6, ROWSKIP=stages == 7, num_stages=1, U=up if up is not None else x, GLU=up is not None,
+            PAIRS=stages == 6, ROWSKIP=stages == 7, num_stages=1, U=up if up is not None else norm_w if norm_w is not None else x,
+            GLU=up is not None, Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
+            SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
+            RESID=residual is not None, NORM=norm_w is not None,
+            SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
             WARPS_K=num_warps if stages == 5 else 1, WARPS_LEAD=_WARPS_LEAD,
             EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "", PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
             **cap, **({"launch_pdl": True} if pdl else {}), **shape)
-    return y
+    return y, ss
 
 
 @_sparse_gemv_op.register_fake
 def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, block_n, block_k, splits, num_warps, stages,
-      up=None):
-    return x.new_empty(w_t.shape[1])
+      up=None, residual=None, norm_w=None, ss_in=None, eps=0.0):
+    K, N = w_t.shape
+    if not block_n:
+        block_n = default_config(K, N, x.dtype, x.device)[0]
+    return x.new_empty(N), x.new_empty(-(-N // block_n) if residual is not None else 0, dtype=torch.float32)
 
 
 def _bounds(segments: list[int]) -> list[int]:
@@ -858,8 +902,9 @@ def _bounds(segments: list[int]) -> list[int]:
 def sparse_gemv(
     x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None,
     ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
-    segments: list[int] | None = None, up: Tensor | None = None,
-) -> Tensor:
+    segments: list[int] | None = None, up: Tensor | None = None, *,
+    residual: Tensor | None = None, norm: tuple[Tensor, Tensor, float] | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Input-sparse GEMV of one token with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
     x (..., K) holding one token; w_t (K, N), the weight transposed (unit stride along N; the
@@ -889,6 +934,15 @@ def sparse_gemv(
     10 is stages 9 over stages 8's kept-row list; stages 11 gathers stages 8's kept-row list through
     a cp.async pipeline into shared memory and sums on the CUDA cores; stages 12 is stages 11 with
     all kept rows dealt out evenly over the splits).
+
+    Fused RMSNorm (stages 1 to 8), so a decoder layer's two norms need no kernels of their own:
+    with `residual` (the output's shape and dtype) the call returns (residual + y, ss), the sum
+    rounded to x's dtype after y is, as eager `x + proj(h)` rounds, and ss (float32, one per
+    column tile) the tiles' sums of squares of that new residual stream. With `norm` =
+    (weight (K,) in x's dtype, ss, eps) x is a residual stream whose sums of squares ss came
+    from such a call, and the input is RMSNorm(x) = weight * (x / sqrt(mean(x^2) + eps)),
+    rounded as `models.decoder.RMSNorm` rounds, formed in the kernel's x loads; the threshold
+    applies to the normed input.
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -908,6 +962,20 @@ def sparse_gemv(
     if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.device != x.device):
         raise InputError(f"up must match the gate x: {tuple(x.shape)} {x.dtype} on {x.device}; got "
                          f"{tuple(up.shape)} {up.dtype} on {up.device}")
+    if residual is not None and (residual.shape != (*x.shape[:-1], N) or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise InputError(f"residual must be the output's shape {(*x.shape[:-1], N)} in {x.dtype} on {x.device}; "
+                         f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if norm is not None:
+        if up is not None:
+            raise InputError("norm= and up= do not combine: the norm's input is the residual stream")
+        norm_w, ss, eps = norm
+        if norm_w.shape != (K,) or norm_w.dtype != x.dtype or norm_w.device != x.device:
+            raise InputError(f"the norm weight must be ({K},) in {x.dtype} on {x.device}; got "
+                             f"{tuple(norm_w.shape)} {norm_w.dtype} on {norm_w.device}")
+        if ss.dim() != 1 or ss.dtype != torch.float32 or ss.device != x.device or not 1 <= ss.numel() <= 4096:
+            raise InputError(f"the norm's sums of squares must be float32 (1 to 4096,) on {x.device}, as "
+                             f"sparse_gemv(residual=...) returns them; got {tuple(ss.shape)} {ss.dtype} on {ss.device}")
     if not (x.is_cuda or _interpreting()):
         raise InputError(
             "the sparse GEMV Triton kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1); "
@@ -951,9 +1019,19 @@ def sparse_gemv(
     else:
         thr_ts, thr_f = [], float(thresholds[0])
     bounds = [] if segments is None else _bounds(segments)
-    y = _sparse_gemv_op(x.reshape(K), w_t, thr_ts, thr_f, bounds, bias, *(ws or (None, None)),
-                        *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K))
-    return y.reshape(*x.shape[:-1], N)
+    norm_w, ss_in, eps = norm if norm is not None else (None, None, 0.0)
+    y, ss = _sparse_gemv_op(x.reshape(K), w_t, thr_ts, thr_f, bounds, bias, *(ws or (None, None)),
+                            *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K),
+                            None if residual is None else residual.reshape(N), norm_w, ss_in, float(eps))
+    y = y.reshape(*x.shape[:-1], N)
+    return y if residual is None else (y, ss)
+
+
+def sumsq(x: Tensor) -> Tensor:
+    """The float32 sum of squares of x, as a (1,) tensor: the partials `sparse_gemv(norm=...)`
+    reads, for a residual stream that no `sparse_gemv(residual=...)` produced (the
+    embedding's output before the first layer)."""
+    return x.float().pow(2).sum().reshape(1)
 
 
 def sparse_gemv_segments_ref(x: Tensor, w_t: Tensor, thresholds: list, segments: list[int],
