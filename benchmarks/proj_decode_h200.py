@@ -94,13 +94,17 @@ def main() -> None:
                          "per step in the record (where the step's time goes)")
     ap.add_argument("--variants", default="default",
                     help="comma list of sparse-step variants to time after one calibration: 'default' (the "
-                         "module defaults), 'plain', 'pdl' (programmatic dependent launch of the sparse GEMVs), "
-                         "'swiglu' (silu(gate) * up formed in down's input load) or 'pdl+swiglu'")
+                         "module defaults), 'plain' (none of the following), or a '+'-joined set of 'pdl' "
+                         "(programmatic dependent launch of the sparse GEMVs), 'swiglu' (silu(gate) * up formed "
+                         "in down's input load) and 'norms' (the RMSNorms and residual adds inside the sparse "
+                         "GEMVs, sparse_linear.FUSE_NORMS), e.g. 'pdl+norms'")
     a = ap.parse_args()
     variants = a.variants.split(",")
-    bad = [v for v in variants if v not in ("default", "plain", "pdl", "swiglu", "pdl+swiglu")]
+    bad = [v for v in variants if v not in ("default", "plain")
+           and not set(v.split("+")) <= {"pdl", "swiglu", "norms"}]
     if bad:
-        raise SystemExit(f"--variants: unknown {bad}; pick from default, plain, pdl, swiglu, pdl+swiglu")
+        raise SystemExit(f"--variants: unknown {bad}; pick default, plain, or a '+'-joined set of pdl, swiglu "
+                         "and norms")
     knobs = apply_knobs(a)
     knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys)
     if a.gemv_configs:
@@ -175,19 +179,24 @@ def main() -> None:
             realized = realized_projection_keep(eng.model)
             bound = bounds(dims, n, realized, 1.0).projection
         install(eng.model, th.values, track=False)  # timed without the counting adds
-        defaults = (sg.PDL, sparse_linear.FUSE_SWIGLU)
+        defaults = (sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS)
         for variant in variants:
             if variant != "default":
-                sg.PDL, sparse_linear.FUSE_SWIGLU = "pdl" in variant, "swiglu" in variant
+                parts = variant.split("+")
+                sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = (
+                    "pdl" in parts, "swiglu" in parts, "norms" in parts)
             mode = f"{'cats' if a.method == 'cats' else 'proj'}{keep:g}" + ("" if variant == "default" else
                                                                          f"+{variant}")
+            fused = sum(layer.fused() for layer in eng.model.layers)  # layers that run forward_fused
             rec = timed(mode, {"proj_keep": keep, "realized_keep": realized, "calibrate_s": calib_s,
-                               "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU})
-            sg.PDL, sparse_linear.FUSE_SWIGLU = defaults
+                               "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
+                               "fuse_norms": sparse_linear.FUSE_NORMS, "layers_norms_fused": fused})
+            sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = defaults
             speedup = dense["step_ms_median"] / rec["step_ms_median"]
             rec.update(speedup=speedup, bound=bound, fraction_of_bound=speedup / bound,
                        paired_dense_ms=dense["step_ms_median"])
-            print(f"  keep {keep:g} {variant}: realized {realized:.3f}, speedup {speedup:.3f}x, bound "
+            print(f"  keep {keep:g} {variant} ({fused} layers with fused norms): realized {realized:.3f}, "
+                  f"speedup {speedup:.3f}x, bound "
                   f"{bound:.3f}x, {100 * speedup / bound:.1f}% of bound", flush=True)
             keep_record(rec)
         if a.method == "teal":

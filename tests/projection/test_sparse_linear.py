@@ -198,7 +198,8 @@ def test_sparse_engine_on_cuda_matches_masked_reference():
 
 def _fused_worker() -> None:
     """Under TRITON_INTERPRET=1: q|k|v and gate|up as one segmented kernel launch each
-    (SparseConcat) against the unfused masked reference, site by site thresholds."""
+    (SparseConcat), with the layers' RMSNorms and residual adds in the launches (FUSE_NORMS),
+    against the unfused masked reference, site by site thresholds."""
     import json
 
 
@@ -213,10 +214,15 @@ def _fused_worker() -> None:
     shares = all(m.w_t.untyped_storage().data_ptr() == layer.self_attn.qkv.w_t.untyped_storage().data_ptr()
                  for layer in fused.model.layers
                  for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-    calls = []
+    calls, normed, residual = [], [], []
     for layer in fused.model.layers:
         for mod in (layer.self_attn.qkv, layer.mlp.gate_up):
             mod.register_forward_hook(lambda *_: calls.append(1))
+            mod.register_forward_hook(lambda m, a, kw, out: normed.append(kw.get("norm") is not None),
+                                      with_kwargs=True)
+        for mod in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            mod.register_forward_hook(lambda m, a, kw, out: residual.append(kw.get("residual") is not None),
+                                      with_kwargs=True)
     p_ref, d_ref = run(ref)
     p_fused, d_fused = run(fused)
     keeps = (realized_projection_keep(ref.model), realized_projection_keep(fused.model))
@@ -228,6 +234,7 @@ def _fused_worker() -> None:
     _, d_dense_fused = run(fused)
     print(json.dumps({
         "attached": attached, "shares": shares, "fused_calls": len(calls), "unfused": all(unfused), "keeps": keeps,
+        "normed_calls": sum(normed), "residual_calls": sum(residual),
         "decode_err": (d_fused - d_ref).abs().max().item(), "scale": d_ref.abs().max().item(),
         "prefill_equal": torch.equal(p_fused, p_ref),
         "dense_after_densify": torch.equal(d_dense_ref, d_dense_fused),
@@ -239,6 +246,8 @@ def test_fused_qkv_and_gate_up_match_unfused_under_interpreter():
     r = run_interpreted(__file__, "_fused_worker")
     assert r["attached"] == ["SparseConcat"] * 4 and r["shares"], r
     assert r["fused_calls"] == 2 * 2 * len(DECODE), "each decode step must run both fused launches per layer"
+    # FUSE_NORMS: every decode launch of q|k|v and gate|up norms its input, o and down add the residual
+    assert r["normed_calls"] == r["residual_calls"] == 2 * 2 * len(DECODE), r
     assert r["decode_err"] <= 1e-5 * r["scale"], r
     assert r["keeps"][0] == pytest.approx(r["keeps"][1], rel=1e-12) and 0.3 < r["keeps"][0] < 0.7, r
     assert r["prefill_equal"] and r["unfused"] and r["dense_after_densify"], r

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sparsedecode.engine.attention import decode_attention
+from sparsedecode.kernels.sparse_gemv import sumsq
 from sparsedecode.kv.window_attention import window_attention
 from sparsedecode.models.args import ModelArgs
 from sparsedecode.models.rope import apply_rope, rope_tables
@@ -37,8 +38,15 @@ MLP_SITES = ("gate_proj", "up_proj", "down_proj")
 SITES = ATTN_SITES + MLP_SITES
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back before the weight, as HF does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """`rms_norm` with its weight."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -46,9 +54,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class KVCache(nn.Module):
@@ -111,6 +117,12 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x)  # one launch for the three sites
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(self.attend(q, k, v, cos, sin, pos, start, host_len))
+
+    def attend(self, q, k, v, cos, sin, pos, start: int | None, host_len: int | None = None):
+        """The attention output (B, L, Hq * D), before o_proj, of the projections q (B, L, Hq * D)
+        and k, v (B, L, Hkv * D): RoPE, the cache update, then decode or prefill attention."""
+        B, L, _ = q.shape
         q = q.view(B, L, self.n_heads, self.head_dim)  # (B, L, Hq, D)
         k = k.view(B, L, self.n_kv_heads, self.head_dim)  # (B, L, Hkv, D)
         v = v.view(B, L, self.n_kv_heads, self.head_dim)
@@ -128,7 +140,7 @@ class Attention(nn.Module):
         else:
             y = self._prefill_attention(q, start, L).transpose(1, 2)  # (B, L, Hq, D)
             y = y.reshape(B, L, self.n_heads * self.head_dim)
-        return self.o_proj(y)
+        return y
 
     def _decode_attention(self, q, k, v, pos, host_len=None):
         """One query per sequence (B, Hq, D) over the cache, the compact buffer of selected
@@ -193,6 +205,25 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start, host_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def fused(self) -> bool:
+        """Whether a decode step may run `forward_fused`: q|k|v and gate|up are one sparse
+        launch each that can norm its input, o and down sparse projections that can add the
+        residual (`projection.sparse_linear.FUSE_NORMS`)."""
+        a, m = self.self_attn, self.mlp
+        return (getattr(a.qkv, "fuse_norms", False) and getattr(getattr(m, "gate_up", None), "fuse_norms", False)
+                and getattr(a.o_proj, "threshold", None) is not None
+                and getattr(m.down_proj, "threshold", None) is not None)
+
+    def forward_fused(self, x, ss, cos, sin, pos, host_len=None):
+        """One decode token (x (1, 1, dim)) with both RMSNorms and residual adds inside the sparse
+        GEMVs: ss holds x's sums of squares; returns the new x and its sums of squares. Same
+        math as `forward` up to the order of the sums of squares (`kernels.sparse_gemv`)."""
+        a, m = self.self_attn, self.mlp
+        q, k, v = a.qkv(x, norm=(self.input_layernorm, ss))
+        x, ss = a.o_proj(a.attend(q, k, v, cos, sin, pos, None, host_len), residual=x)
+        gate, up = m.gate_up(x, norm=(self.post_attention_layernorm, ss))
+        return m.down_proj(F.silu(gate) * up, residual=x)
+
 
 class Transformer(nn.Module):
     """Embedding, `n_layers` blocks, final norm and LM head (tied or not)."""
@@ -233,8 +264,13 @@ class Transformer(nn.Module):
         """
         x = self.embed_tokens(idx)  # (B, L, dim)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (L, D)
+        one = start is None and idx.numel() == 1
+        ss = None  # x's sums of squares, while layers run forward_fused
         for layer in self.layers:
-            x = layer(x, cos, sin, pos, start, host_len)
+            if one and layer.fused():
+                x, ss = layer.forward_fused(x, sumsq(x) if ss is None else ss, cos, sin, pos, host_len)
+            else:
+                x, ss = layer(x, cos, sin, pos, start, host_len), None
         return self.lm_head(self.norm(x))  # (B, L, vocab)
 
     def column_major_(self) -> None:

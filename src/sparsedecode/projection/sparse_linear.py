@@ -43,6 +43,12 @@ FF_SITES = ("gate_proj", "up_proj", "down_proj")
 # 3.247 ms without (every down program recomputes silu for its rows; records
 # h200/sparse_gemv_20261130T1305Z/step).
 FUSE_SWIGLU = False
+# True: where q|k|v and gate|up run as one sparse launch each (CUDA, or TRITON_INTERPRET=1) and o
+# and down are sparse, a decode step's RMSNorms and residual adds run inside the sparse GEMVs
+# (`kernels.sparse_gemv` residual= and norm=): o and down add the residual and leave per-tile
+# sums of squares, and q|k|v and gate|up norm their input as they load it. Two launches fewer
+# per layer; `models.decoder.Block.forward_fused`.
+FUSE_NORMS = True
 
 
 class FixedDtypeBuffers(nn.Module):
@@ -137,8 +143,16 @@ class SparseLinear(FixedDtypeBuffers):
         self.kept[0] += keep_mask(x, self.threshold).sum()
         self.kept[1] += self.in_features
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x (..., in) -> (..., out). One token: input-sparse; several tokens: dense."""
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        """x (..., in) -> (..., out). One token: input-sparse; several tokens: dense.
+
+        With `residual` (one token, on the kernel's path only: see FUSE_NORMS) it returns
+        (residual + out, per-tile sums of squares of that sum) from one launch."""
+        if residual is not None:
+            if self.track:
+                self.count_kept(x)
+            return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count),
+                               residual=residual)
         if x.shape[:-1].numel() != 1:
             return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
         if self.track:
@@ -207,8 +221,28 @@ class SparseConcat(FixedDtypeBuffers):
         self.register_buffer("ws_acc", acc, persistent=False)
         self.register_buffer("ws_count", count, persistent=False)
 
-    def forward(self, x: Tensor) -> list[Tensor]:
-        """x (..., in) holding one token -> the sites' outputs [(..., out_j)], one launch."""
+    @property
+    def fuse_norms(self) -> bool:
+        """Whether the decoder runs this launch's input norm inside it: FUSE_NORMS, and not
+        FUSE_SWIGLU (whose down launch forms silu(gate) * up; the fused layer does not)."""
+        return FUSE_NORMS and not FUSE_SWIGLU
+
+    def forward(self, x: Tensor, norm: tuple | None = None) -> list[Tensor]:
+        """x (..., in) holding one token -> the sites' outputs [(..., out_j)], one launch.
+
+        With `norm` = (an `RMSNorm`, sums of squares of x from `SparseLinear(x, residual=...)`),
+        x is the residual stream and the sites read the norm of it, formed in the launch."""
+        if norm is not None:
+            rms, ss = norm
+            if any(m.track for m in self.sites):
+                normed = rms(x)
+                for m in self.sites:
+                    if m.track:
+                        m.count_kept(normed)
+            y = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], self.bias,
+                            ws=(self.ws_acc, self.ws_count), segments=self.widths,
+                            norm=(rms.weight, ss, rms.eps))
+            return list(y.split(self.widths, dim=-1))
         for m in self.sites:
             if m.track:
                 m.count_kept(x)
