@@ -5,14 +5,14 @@
 # (variant 'plain', the defaults before), in two processes in both orders; the first with a
 # per-kernel profile. First the GPU tests of the fused kernel paths, the loop configs and the
 # sparse engine against the masked reference.
-#   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/fused_norms.sh
+#   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/fused_norms.sh   (TESTS: the tests' -k)
 set -u
 : "${OUT:?set OUT to the folder for the records}"
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
 start=$(date +%s)
 python3 -m pytest -q "$here/../tests/kernels/test_sparse_gemv.py" "$here/../tests/projection/test_sparse_linear.py" \
-  -k "fused_norm or loop_configs or on_cuda" > "$OUT/tests.log" 2>&1
+  -k "${TESTS:-fused_norm or loop_configs or on_cuda}" > "$OUT/tests.log" 2>&1
 echo "tests: rc=$? $(tail -1 "$OUT/tests.log") [$(($(date +%s) - start)) s]"
 grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
 for run in 1 2; do

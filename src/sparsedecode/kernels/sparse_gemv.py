@@ -327,6 +327,8 @@ if triton is not None:
         tl.debug_barrier()
         arrived = tl.atomic_add(Count + tile, 1, sem="acq_rel")
         if arrived == num_splits - 1:
+            if RESID:  # issued before the exchange, so the two trips to L2 overlap
+                res = tl.load(Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             # The sum, and the workspace back at zero, in one atomic (on the float's bits).
             acc_bits = Acc.to(tl.pointer_type(tl.int32)) + offs_n
             total = tl.atomic_xchg(acc_bits, tl.zeros_like(offs_n), mask=mask_n,
@@ -334,8 +336,7 @@ if triton is not None:
             if HAS_BIAS:
                 total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             if RESID:
-                total = total.to(Y.dtype.element_ty).to(tl.float32) + tl.load(
-                    Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                total = total.to(Y.dtype.element_ty).to(tl.float32) + res
                 sq = total.to(Y.dtype.element_ty).to(tl.float32)
                 tl.store(SsOut + tile, tl.sum(tl.where(mask_n, sq * sq, 0.0), axis=0))
             tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=mask_n)
@@ -357,9 +358,14 @@ if triton is not None:
             u = tl.load(Up, mask=mask, other=0.0).to(tl.float32)
             x = (s * u).to(Xp.dtype.element_ty)
         if NORM:
-            h = (x.to(tl.float32) * r).to(Xp.dtype.element_ty).to(tl.float32)
-            x = (tl.load(Up, mask=mask, other=0.0).to(tl.float32) * h).to(Xp.dtype.element_ty)
+            x = _norm_x(x, tl.load(Up, mask=mask, other=0.0), r)
         return x.to(tl.float32)
+
+    @triton.jit
+    def _norm_x(x, w, r):
+        """RMSNorm's output of loaded x and weight w, given r (`_load_x` with NORM), in x's dtype."""
+        h = (x.to(tl.float32) * r).to(x.dtype).to(tl.float32)
+        return (w.to(tl.float32) * h).to(x.dtype)
 
     @triton.jit
     def _norm_scale(SsIn, n_ss, K, eps, NORM: tl.constexpr, SS_BLOCK: tl.constexpr):
@@ -552,6 +558,7 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         mask_n = offs_n < N
         # With NORM, x is the residual stream and the input is its RMSNorm, formed in each x load
+        # (stages 4 computes r after its first x loads are issued, and this one is dead code)
         r_norm = _norm_scale(SsIn, n_ss, K, eps, NORM, SS_BLOCK)
         # Thresholds: one scalar, or one per column segment [0, b1), [b1, b2), [b2, N) of a
         # concatenated weight (q|k|v or gate|up, each site with its own threshold): per
@@ -686,9 +693,19 @@ if triton is not None:
             acc_l = tl.zeros([COLS], dtype=tl.float32)
             acc_h = tl.zeros([COLS], dtype=tl.float32)
             ar = tl.arange(0, BLOCK_K)
-            x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
-            w_c = _load_tile(Wl, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
-            x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU, r_norm, NORM)
+            if NORM:  # the first two x slices and the norm's partials in flight together, then r
+                p_c, p_n = k_lo + ar, k_lo + BLOCK_K + ar
+                xr_c, wr_c = tl.load(X + p_c, mask=p_c < k_hi, other=0.0), tl.load(U + p_c, mask=p_c < k_hi, other=0.0)
+                xr_n, wr_n = tl.load(X + p_n, mask=p_n < k_hi, other=0.0), tl.load(U + p_n, mask=p_n < k_hi, other=0.0)
+                r_norm = _norm_scale(SsIn, n_ss, K, eps, NORM, SS_BLOCK)
+                x_c = _norm_x(xr_c, wr_c, r_norm).to(tl.float32)
+                w_c = _load_tile(Wl, p_c, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
+                x_n = _norm_x(xr_n, wr_n, r_norm).to(tl.float32)
+            else:
+                x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
+                w_c = _load_tile(Wl, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
+                x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU,
+                              r_norm, NORM)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
                 w_n = _load_tile(Wl, offs_k, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
