@@ -28,7 +28,7 @@ from sparse_gemv_bench import add_knob_args, apply_knobs
 
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
-from sparsedecode.kernels import decode_attention, override
+from sparsedecode.kernels import decode_attention, override, rope_cache
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.projection import sparse_linear
 from sparsedecode.projection.calibrate import get_calibrator
@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--attn-min-split-keys", type=int,
                     help="fewest keys per split-K attention split (decode_attention.MIN_SPLIT_KEYS; default: "
                          "the module's)")
+    ap.add_argument("--rope-cache", action=argparse.BooleanOptionalAction, default=None,
+                    help="the dense and sparse steps' RoPE and cache write as one launch per layer "
+                         "(kernels.rope_cache.ENABLED; default: the module's)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run STEPS replays under the PyTorch profiler and keep each kernel's device time "
                          "per step in the record (where the step's time goes)")
@@ -107,6 +110,7 @@ def main() -> None:
                          "and norms")
     knobs = apply_knobs(a)
     knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys)
+    rope_one_launch = override(rope_cache, ENABLED=a.rope_cache)["ENABLED"]
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
@@ -129,6 +133,7 @@ def main() -> None:
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
             "register_cap": knobs["REGISTER_CAP"], "evict_first": knobs["WEIGHTS_EVICT_FIRST"],
             "bf16_pairs": knobs["BF16_PAIRS"], "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"],
+            "rope_cache_one_launch": rope_one_launch,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 
     def prepare() -> None:

@@ -88,8 +88,9 @@ def test_gemv_table_shows_the_same_bytes_cublas_ratio_and_profile_table_groups_k
     assert lines[0].endswith("| × cuBLAS on the kept rows | run |")
     assert lines[2].endswith("| 1.50 |  | 0123456 |") and lines[3].endswith("| 1.50 | 0.61 | 0123456 |")
     assert [kernel_group(n) for n in ("_sparse_gemv_kernel", "nvjet_sm90_tst_64x8", "void cublasLt::splitKreduce_kernel",
-                                      "_split_kernel", "triton_red_fused_add_mean_rsqrt")] == [
-        "sparse GEMV", "cuBLAS", "cuBLAS", "attention", "other"]
+                                      "_split_kernel", "triton_red_fused_add_mean_rsqrt",
+                                      "triton_poi_fused_mul_silu_sparse_gemv_split_with_sizes_view_5")] == [
+        "sparse GEMV", "cuBLAS", "cuBLAS", "attention", "other", "other"]
     rec = {"kind": "proj_decode_bench", "mode": "proj0.5", "step_ms_median": 3.264, "env": {"git_commit": "b9e8bbb0"},
            "profile": {"kernel_us_per_step": 3000.0, "kernels": [
                {"name": "_sparse_gemv_kernel", "calls_per_step": 128, "us_per_step": 2400.0},

@@ -28,6 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sparsedecode.engine.attention import decode_attention
+from sparsedecode.kernels.rope_cache import rope_cache
+from sparsedecode.kernels.rope_cache import usable as rope_cache_usable
 from sparsedecode.kernels.sparse_gemv import sumsq
 from sparsedecode.kv.window_attention import window_attention
 from sparsedecode.models.args import ModelArgs
@@ -128,6 +130,13 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if start is None and L == 1 and self.cache.compact is None and rope_cache_usable(q):
+            # one launch: RoPE of q and k, k and v into the cache (kernels.rope_cache)
+            q1 = rope_cache(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos, sin, pos, self.cache.k,
+                            self.cache.v)  # (B, Hq, D)
+            if self.observe is not None:
+                self.observe.append(q1[:, :, None])
+            return self._decode_attention(q1, None, None, pos, host_len).reshape(B, 1, self.n_heads * self.head_dim)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, L, D)
         v = v.transpose(1, 2)  # (B, Hkv, L, D)

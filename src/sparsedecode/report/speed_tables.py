@@ -145,8 +145,13 @@ def passkey_table(records: list[dict]) -> str:
 
 
 def kernel_group(name: str) -> str:
-    """The part of a decode step a kernel belongs to, from its name (for step profiles)."""
+    """The part of a decode step a kernel belongs to, from its name (for step profiles).
+    Inductor's generated kernels ('triton_poi_fused_...', 'triton_red_...') are 'other' even
+    where their names list a custom op whose output they read (the SwiGLU product after the
+    gate|up GEMV is 'triton_poi_fused_mul_silu_sparse_gemv_...')."""
     low = name.lower()
+    if low.startswith("triton_"):
+        return "other"
     if "sparse_gemv" in low or "gather_gemv" in low:
         return "sparse GEMV"
     if "attention" in low or "_split_kernel" in low or "flash" in low:

@@ -1,0 +1,100 @@
+"""One-launch RoPE and cache write of a decode token (`kernels.rope_cache`) against `models.rope`:
+the reference against apply_rope and index_copy_, the Triton kernel against the reference under
+TRITON_INTERPRET=1 (odd head dims, two sequences, a position read on the device) and on CUDA
+(also inside torch.compile, where the cache write must be seen by the read after it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from interpreted import run_interpreted
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.rope_cache import rope_cache, rope_cache_ref
+from sparsedecode.models.rope import apply_rope
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available() and HAS_TRITON
+
+
+def make(B, Hq, Hkv, D, T, dtype, device="cpu", seed=0):
+    """(q, k, v (B, heads * D), cos, sin (1, D), pos, k_cache, v_cache (B, Hkv, T, D))."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h * D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
+    ang = torch.rand(1, D // 2, generator=g) * 6.0
+    cos, sin = (torch.cat((f, f), dim=-1).to(device, dtype) for f in (ang.cos(), ang.sin()))
+    kc, vc = (torch.randn(B, Hkv, T, D, generator=g).to(device, dtype) for _ in range(2))
+    return q, k, v, cos, sin, torch.tensor([T - 2], device=device), kc, vc
+
+
+def cases(device: str, dtypes) -> list[str]:
+    """Failure messages of the kernel against the reference (outputs and every cache row)."""
+    fails = []
+    for dtype in dtypes:
+        for B, Hq, Hkv, D, T in ((1, 4, 2, 8, 5), (2, 6, 2, 12, 7), (1, 32, 8, 128, 9)):
+            args = make(B, Hq, Hkv, D, T, dtype, device, seed=D)
+            want_caches = [c.clone() for c in args[6:]]
+            want = rope_cache_ref(*args[:6], *want_caches)
+            got = rope_cache(*args)
+            ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 22)
+            what = f"{dtype} B={B} Hq={Hq} Hkv={Hkv} D={D}"
+            for name, a, b in (("q", got, want), ("k_cache", args[6], want_caches[0]),
+                               ("v_cache", args[7], want_caches[1])):
+                err = (a.float() - b.float()).abs().max().item()
+                if a.shape != b.shape or err > 2 * ulp * b.abs().max().item():
+                    fails.append(f"{what} {name}: max error {err}")
+    traced = torch.compile(lambda *a: (rope_cache(*a), a[6][:, :, a[5]].clone()), backend="aot_eager",
+                           fullgraph=True)
+    args = make(2, 6, 2, 12, 7, torch.float32, device, seed=1)
+    want_caches = [c.clone() for c in args[6:]]
+    want = rope_cache_ref(*args[:6], *want_caches)
+    q1, row = traced(*args)
+    if not (torch.allclose(q1, want) and torch.allclose(args[6], want_caches[0])
+            and torch.allclose(row, want_caches[0][:, :, args[5]])):
+        fails.append("under torch.compile the cache write must land and be seen by the read after it")
+    return fails
+
+
+def _worker() -> None:
+    print(json.dumps({"fails": cases("cpu", (torch.float32, torch.float16))}))
+
+
+def test_reference_matches_apply_rope_and_index_copy():
+    q, k, v, cos, sin, pos, kc, vc = make(2, 6, 2, 12, 7, torch.float32)
+    kc0, vc0 = kc.clone(), vc.clone()
+    out = rope_cache_ref(q, k, v, cos, sin, pos, kc, vc)
+    torch.testing.assert_close(out, apply_rope(q.view(2, 6, 1, 12), cos, sin)[:, :, 0])
+    kc0.index_copy_(2, pos, apply_rope(k.view(2, 2, 1, 12), cos, sin))
+    vc0.index_copy_(2, pos, v.view(2, 2, 1, 12))
+    torch.testing.assert_close(kc, kc0)
+    assert torch.equal(vc, vc0)
+
+
+def test_bad_input_raises_clear_errors():
+    q, k, v, cos, sin, pos, kc, vc = make(1, 4, 2, 8, 5, torch.float32)
+    with pytest.raises(InputError, match="heads \\* 8"):
+        rope_cache_ref(q[:, :6], k, v, cos, sin, pos, kc, vc)
+    with pytest.raises(InputError, match="like the cache"):
+        rope_cache_ref(q.double(), k, v, cos, sin, pos, kc, vc)
+    with pytest.raises(InputError, match="cos and sin"):
+        rope_cache_ref(q, k, v, cos[:, :4], sin, pos, kc, vc)
+    with pytest.raises(InputError, match="position"):
+        rope_cache_ref(q, k, v, cos, sin, pos.float(), kc, vc)
+    with pytest.raises(InputError, match="even head dim"):
+        rope_cache_ref(q[:, :28], k[:, :14], v[:, :14], cos[:, :7], sin[:, :7], pos, kc[..., :7].contiguous(),
+                       vc[..., :7].contiguous())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_kernel_under_interpreter():
+    report = run_interpreted(__file__, "_worker")
+    assert not report["fails"], "\n".join(report["fails"])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and triton")
+def test_kernel_on_cuda():
+    fails = cases("cuda", (torch.bfloat16, torch.float16, torch.float32))
+    assert not fails, "\n".join(fails)
