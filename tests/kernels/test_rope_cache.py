@@ -21,10 +21,10 @@ CUDA = torch.cuda.is_available() and HAS_TRITON
 
 
 def make(B, Hq, Hkv, D, T, dtype, device="cpu", seed=0):
-    """(q, k, v (B, heads * D), cos, sin (1, D), pos, k_cache, v_cache (B, Hkv, T, D))."""
+    """(q, k, v (B, heads * D), cos, sin (T, D) tables, pos, k_cache, v_cache (B, Hkv, T, D))."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h * D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
-    ang = torch.rand(1, D // 2, generator=g) * 6.0
+    ang = torch.rand(T, D // 2, generator=g) * 6.0
     cos, sin = (torch.cat((f, f), dim=-1).to(device, dtype) for f in (ang.cos(), ang.sin()))
     kc, vc = (torch.randn(B, Hkv, T, D, generator=g).to(device, dtype) for _ in range(2))
     return q, k, v, cos, sin, torch.tensor([T - 2], device=device), kc, vc
@@ -66,8 +66,8 @@ def test_reference_matches_apply_rope_and_index_copy():
     q, k, v, cos, sin, pos, kc, vc = make(2, 6, 2, 12, 7, torch.float32)
     kc0, vc0 = kc.clone(), vc.clone()
     out = rope_cache_ref(q, k, v, cos, sin, pos, kc, vc)
-    torch.testing.assert_close(out, apply_rope(q.view(2, 6, 1, 12), cos, sin)[:, :, 0])
-    kc0.index_copy_(2, pos, apply_rope(k.view(2, 2, 1, 12), cos, sin))
+    torch.testing.assert_close(out, apply_rope(q.view(2, 6, 1, 12), cos[pos], sin[pos])[:, :, 0])
+    kc0.index_copy_(2, pos, apply_rope(k.view(2, 2, 1, 12), cos[pos], sin[pos]))
     vc0.index_copy_(2, pos, v.view(2, 2, 1, 12))
     torch.testing.assert_close(kc, kc0)
     assert torch.equal(vc, vc0)
@@ -81,10 +81,13 @@ def test_bad_input_raises_clear_errors():
         rope_cache_ref(q.double(), k, v, cos, sin, pos, kc, vc)
     with pytest.raises(InputError, match="cos and sin"):
         rope_cache_ref(q, k, v, cos[:, :4], sin, pos, kc, vc)
+    with pytest.raises(InputError, match="like the cache"):
+        rope_cache_ref(q, k, v, cos.double(), sin.double(), pos, kc, vc)
     with pytest.raises(InputError, match="position"):
         rope_cache_ref(q, k, v, cos, sin, pos.float(), kc, vc)
     with pytest.raises(InputError, match="even head dim"):
-        rope_cache_ref(q[:, :28], k[:, :14], v[:, :14], cos[:, :7], sin[:, :7], pos, kc[..., :7].contiguous(),
+        rope_cache_ref(q[:, :28], k[:, :14], v[:, :14], cos[:, :7].contiguous(), sin[:, :7].contiguous(), pos,
+                       kc[..., :7].contiguous(),
                        vc[..., :7].contiguous())
 
 

@@ -1,13 +1,14 @@
 """RoPE of one decode token's queries and keys, and its keys and values stored in the cache, in one
 launch (ByteCross §4.1: the decode step's fixed costs).
 
-A compiled decode step ran this as four small kernels per layer on the H200 (the queries'
-rotation, the keys' rotation with their cache write, the values' cache write, and a select of
-the query), about 4.7 us a layer and 0.15 ms a step at 2K for llama-3.1-8b dims, in the
-dense and the sparse step alike (records h200/sparse_gemv_20261130T1738Z_fused_norms). Here one
-program handles one head: a query head is rotated into the output, a key head rotated into
-its cache row, a value head copied into its cache row. The position is read on the device,
-so the launch can be captured in a CUDA graph and replayed at every position.
+A compiled decode step ran this as three small kernels per layer on the H200 (the queries'
+rotation, the keys' rotation with their cache write, and the values' cache write), 3.8 us a
+layer and 0.12 ms a step at 2K for llama-3.1-8b dims, in the dense and the sparse step alike
+(profile in records h200/sparse_gemv_20261130T1738Z_fused_norms). Here one program handles
+one head: a query head is rotated into the output, a key head rotated into its cache row, a
+value head copied into its cache row. The position and the tables' rows are read on the
+device, so the launch can be captured in a CUDA graph and replayed at every position, and no
+gather of the rows runs before it.
 
 The rotation is the 'rotate_half' convention of `models.rope` (x' = x cos + rotate_half(x)
 sin), computed in float32 and rounded once to the cache dtype, as the compiled step rounds it
@@ -59,9 +60,12 @@ def _check(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tenso
     if k.shape[1] != Hkv * D or v.shape[1] != Hkv * D:
         raise InputError(f"k and v must hold the cache's {Hkv} heads of {D}; got {k.shape[1]} and {v.shape[1]} "
                          "columns")
-    if cos.shape != (1, D) or sin.shape != (1, D) or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise InputError(f"cos and sin must be contiguous (1, {D}), the token's rows of the tables; got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() != 2 or cos.shape[1] != D or cos.shape != sin.shape or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise InputError(f"cos and sin must be contiguous (T, {D}) tables of one shape (models.rope.rope_tables); "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dtype != k_cache.dtype or sin.dtype != k_cache.dtype or cos.device != k_cache.device:
+        raise InputError(f"cos and sin must be {k_cache.dtype} on {k_cache.device} like the cache; got "
+                         f"{cos.dtype} on {cos.device}")
     if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64):
         raise InputError(f"pos must be the token's position as a 1-element integer tensor; got {pos.dtype} "
                          f"{tuple(pos.shape)}")
@@ -77,9 +81,10 @@ def rope_cache_ref(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, po
     def rotate(x: Tensor, heads: int) -> Tensor:  # (B, heads * D) -> (B, heads, D), float32, rounded once
         xf = x.reshape(B, heads, D).float()
         rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * cos.float() + rot * sin.float()).to(x.dtype)
+        return (xf * c + rot * s).to(x.dtype)
 
     p = pos.reshape(1).long()
+    c, s = cos[p].float(), sin[p].float()  # (1, D): the token's rows
     k_cache.index_copy_(2, p, rotate(k, Hkv)[:, :, None])
     v_cache.index_copy_(2, p, v.reshape(B, Hkv, 1, D))
     return rotate(q, Hq)
@@ -105,10 +110,11 @@ if triton is not None:
                 dst = Kc + b * stride_cb + (h - HQ) * stride_ch + pos * stride_ct
             lo = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
             hi = tl.load(src + HALF + offs, mask=m, other=0.0).to(tl.float32)
-            c_lo = tl.load(Cos + offs, mask=m, other=0.0).to(tl.float32)
-            c_hi = tl.load(Cos + HALF + offs, mask=m, other=0.0).to(tl.float32)
-            s_lo = tl.load(Sin + offs, mask=m, other=0.0).to(tl.float32)
-            s_hi = tl.load(Sin + HALF + offs, mask=m, other=0.0).to(tl.float32)
+            row = pos * D  # the token's rows of the tables
+            c_lo = tl.load(Cos + row + offs, mask=m, other=0.0).to(tl.float32)
+            c_hi = tl.load(Cos + row + HALF + offs, mask=m, other=0.0).to(tl.float32)
+            s_lo = tl.load(Sin + row + offs, mask=m, other=0.0).to(tl.float32)
+            s_hi = tl.load(Sin + row + HALF + offs, mask=m, other=0.0).to(tl.float32)
             # rotate_half([lo, hi]) = [-hi, lo]
             tl.store(dst + offs, (lo * c_lo - hi * s_lo).to(dst.dtype.element_ty), mask=m)
             tl.store(dst + HALF + offs, (hi * c_hi + lo * s_hi).to(dst.dtype.element_ty), mask=m)
@@ -139,10 +145,10 @@ def _(q, k, v, cos, sin, pos, k_cache, v_cache):
 
 def rope_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,
                v_cache: Tensor) -> Tensor:
-    """One decode token per sequence: q (B, Hq * D) and k (B, Hkv * D) rotated by the angles in
-    cos, sin (1, D) (its rows of `models.rope.rope_tables`), k and v (B, Hkv * D) stored at
-    position pos (a 1-element integer tensor, read on the device) of k_cache, v_cache (B, Hkv,
-    T, D); returns the rotated queries (B, Hq, D). One launch (CUDA, or CPU under
+    """One decode token per sequence: q (B, Hq * D) and k (B, Hkv * D) rotated by the angles of
+    position pos (a 1-element integer tensor, read on the device) in the tables cos, sin (T, D)
+    of `models.rope.rope_tables`, k and v (B, Hkv * D) stored at position pos of k_cache,
+    v_cache (B, Hkv, T, D); returns the rotated queries (B, Hq, D). One launch (CUDA, or CPU under
     TRITON_INTERPRET=1); `rope_cache_ref` elsewhere."""
     _check(q, k, v, cos, sin, pos, k_cache, v_cache)
     if triton is None or not (q.is_cuda or _interpreting()):

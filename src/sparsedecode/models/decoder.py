@@ -112,16 +112,19 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
         self.backend = "split_k"
 
-    def forward(self, x, cos, sin, pos, start: int | None, host_len: int | None = None):
-        """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start, host_len: see module doc."""
+    def forward(self, x, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None, end=None):
+        """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start, host_len: see module doc;
+        decode only: tables, the (T, D) cos and sin tables (the one-launch RoPE reads its row on
+        the device), and end, the valid length pos + 1 (computed once per step)."""
         B, L, _ = x.shape
         if self.qkv is not None and B * L == 1:
             q, k, v = self.qkv(x)  # one launch for the three sites
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.o_proj(self.attend(q, k, v, cos, sin, pos, start, host_len))
+        return self.o_proj(self.attend(q, k, v, cos, sin, pos, start, host_len, tables, end))
 
-    def attend(self, q, k, v, cos, sin, pos, start: int | None, host_len: int | None = None):
+    def attend(self, q, k, v, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None,
+               end=None):
         """The attention output (B, L, Hq * D), before o_proj, of the projections q (B, L, Hq * D)
         and k, v (B, L, Hkv * D): RoPE, the cache update, then decode or prefill attention."""
         B, L, _ = q.shape
@@ -130,13 +133,14 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if start is None and L == 1 and self.cache.compact is None and rope_cache_usable(q):
+        if start is None and L == 1 and self.cache.compact is None and tables is not None and rope_cache_usable(q):
             # one launch: RoPE of q and k, k and v into the cache (kernels.rope_cache)
-            q1 = rope_cache(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), cos, sin, pos, self.cache.k,
+            q1 = rope_cache(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables, pos, self.cache.k,
                             self.cache.v)  # (B, Hq, D)
             if self.observe is not None:
                 self.observe.append(q1[:, :, None])
-            return self._decode_attention(q1, None, None, pos, host_len).reshape(B, 1, self.n_heads * self.head_dim)
+            y = self._decode_attention(q1, None, None, pos, host_len, end)
+            return y.reshape(B, 1, self.n_heads * self.head_dim)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, L, D)
         v = v.transpose(1, 2)  # (B, Hkv, L, D)
@@ -144,19 +148,19 @@ class Attention(nn.Module):
         if self.observe is not None:  # queries of an observation window, for KV scoring
             self.observe.append(q)
         if start is None:
-            y = self._decode_attention(q[:, :, 0], k, v, pos, host_len)  # (B, Hq, D)
+            y = self._decode_attention(q[:, :, 0], k, v, pos, host_len, end)  # (B, Hq, D)
             y = y.reshape(B, 1, self.n_heads * self.head_dim)
         else:
             y = self._prefill_attention(q, start, L).transpose(1, 2)  # (B, L, Hq, D)
             y = y.reshape(B, L, self.n_heads * self.head_dim)
         return y
 
-    def _decode_attention(self, q, k, v, pos, host_len=None):
+    def _decode_attention(self, q, k, v, pos, host_len=None, end=None):
         """One query per sequence (B, Hq, D) over the cache, the compact buffer of selected
         entries (the new k, v (B, Hkv, 1, D) appended at slot pos - offset) or the window.
         The valid length is pos + 1 on the device, or `host_len` where it is given."""
         cache = self.cache
-        end = pos + 1 if host_len is None else host_len
+        end = (pos + 1 if end is None else end) if host_len is None else host_len
         if cache.compact is not None:
             ck, cv, offset = cache.compact
             slot = pos - offset  # (1,)
@@ -210,8 +214,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x, cos, sin, pos, start, host_len=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start, host_len)
+    def forward(self, x, cos, sin, pos, start, host_len=None, tables=None, end=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start, host_len, tables, end)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused(self) -> bool:
@@ -223,13 +227,13 @@ class Block(nn.Module):
                 and getattr(a.o_proj, "threshold", None) is not None
                 and getattr(m.down_proj, "threshold", None) is not None)
 
-    def forward_fused(self, x, ss, cos, sin, pos, host_len=None):
+    def forward_fused(self, x, ss, cos, sin, pos, host_len=None, tables=None, end=None):
         """One decode token (x (1, 1, dim)) with both RMSNorms and residual adds inside the sparse
         GEMVs: ss holds x's sums of squares; returns the new x and its sums of squares. Same
         math as `forward` up to the order of the sums of squares (`kernels.sparse_gemv`)."""
         a, m = self.self_attn, self.mlp
         q, k, v = a.qkv(x, norm=(self.input_layernorm, ss))
-        x, ss = a.o_proj(a.attend(q, k, v, cos, sin, pos, None, host_len), residual=x)
+        x, ss = a.o_proj(a.attend(q, k, v, cos, sin, pos, None, host_len, tables, end), residual=x)
         gate, up = m.gate_up(x, norm=(self.post_attention_layernorm, ss))
         return m.down_proj(F.silu(gate) * up, residual=x)
 
@@ -274,12 +278,14 @@ class Transformer(nn.Module):
         x = self.embed_tokens(idx)  # (B, L, dim)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (L, D)
         one = start is None and idx.numel() == 1
+        # decode: the RoPE tables for the one-launch RoPE, and the valid length once for all layers
+        tables, end = ((self.rope_cos, self.rope_sin), pos + 1) if start is None else (None, None)
         ss = None  # x's sums of squares, while layers run forward_fused
         for layer in self.layers:
             if one and layer.fused():
-                x, ss = layer.forward_fused(x, sumsq(x) if ss is None else ss, cos, sin, pos, host_len)
+                x, ss = layer.forward_fused(x, sumsq(x) if ss is None else ss, cos, sin, pos, host_len, tables, end)
             else:
-                x, ss = layer(x, cos, sin, pos, start, host_len), None
+                x, ss = layer(x, cos, sin, pos, start, host_len, tables, end), None
         return self.lm_head(self.norm(x))  # (B, L, vocab)
 
     def column_major_(self) -> None:
