@@ -374,7 +374,7 @@ if triton is not None:
         if NORM:
             offs = tl.arange(0, SS_BLOCK)
             ss = tl.sum(tl.load(SsIn + offs, mask=offs < n_ss, other=0.0), axis=0)
-            return 1.0 / tl.sqrt_rn(ss / K + eps)
+            return tl.math.rsqrt(ss * (1.0 / K) + eps)  # as torch.rsqrt, on the critical path of every program
         else:
             return 1.0
 
