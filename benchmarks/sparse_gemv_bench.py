@@ -80,11 +80,12 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          (128, 64, "p2", 4, 10), (128, 64, "p4", 4, 10), (256, 64, "p2", 4, 10), (128, 32, "p4", 4, 10),
          (64, 64, "p4", 4, 10), (128, 128, "p2", 4, 10), (64, 32, "p8", 4, 10),
          # stages 11: a kept-row list gathered by a cp.async pipeline (sparse_gemv.LIST_PIPELINE
-         # tiles deep) into shared memory, products on the CUDA cores; not yet measured
+         # tiles deep) into shared memory, products on the CUDA cores; lost on every shape but o
+         # (records h200/sparse_gemv_20261130T1718Z_pipe_list)
          (1024, 16, "p2", 4, 11), (512, 16, "p4", 2, 11), (512, 32, "p2", 2, 11), (256, 16, "p8", 1, 11),
          (256, 32, "p4", 1, 11), (256, 16, "p12", 1, 11), (1024, 8, "p3", 4, 11),
          # stages 12: stages 11 with all kept rows dealt out evenly over the splits (the fullest
-         # split set the time of stages 8); not yet measured
+         # split set the time of stages 8); lost by more (same records)
          (1024, 16, "p2", 4, 12), (512, 16, "p4", 2, 12), (256, 16, "p8", 1, 12), (256, 32, "p4", 1, 12),
          (1024, 8, "p3", 4, 12)]
 COMBINED = "sparse_gemv_records.json"

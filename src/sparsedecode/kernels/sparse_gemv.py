@@ -111,7 +111,8 @@ WEIGHTS_EVICT_FIRST = False
 # (records h200/sparse_gemv_20261130T1513Z_tensor_cores).
 BF16_PAIRS = True
 TC_PIPELINE = 3  # stages 9 and 10: weight tiles in flight (cp.async pipeline depth)
-LIST_PIPELINE = 4  # stages 11: weight tiles in flight (cp.async pipeline depth); not yet measured
+LIST_PIPELINE = 4  # stages 11: weight tiles in flight (cp.async pipeline depth); slower than stages 4
+# but on o (records h200/sparse_gemv_20261130T1718Z_pipe_list)
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
