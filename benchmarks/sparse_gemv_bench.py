@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from sparsedecode.kernels import override
 from sparsedecode.kernels import sparse_gemv as sg
+from sparsedecode.models.decoder import rms_norm
 from sparsedecode.records import stamp, write_record
 
 # name: (K in, N out). The default two are the issue's; q_o and kv are the attention projections
@@ -183,10 +184,24 @@ def choose(records: list[dict], keeps=(0.5, 0.3)) -> list[dict]:
     return out
 
 
-def check(x, w_t, thr, ws, config, what: str) -> float:
-    """Max error of the kernel against the masked reference; raises when any element is off."""
-    got = sg.sparse_gemv(x, w_t, thr, ws=ws, config=config).float()
-    want = sg.sparse_gemv_ref(x, w_t, thr).float()
+def fused_fn(kind: str | None, residual, norm):
+    """sparse_gemv as the bench calls it: plain, with residual= (its new stream only) or norm=."""
+    if kind == "residual":
+        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, residual=residual)[0]
+    if kind == "norm":
+        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, norm=norm)
+    return sg.sparse_gemv
+
+
+def check(x, w_t, thr, ws, config, what: str, fused: str | None = None, residual=None, norm=None) -> float:
+    """Max error of the kernel against the masked reference; raises when any element is off.
+    fused: 'residual' or 'norm' checks that call (`fused_fn`) against the reference of its math."""
+    got = fused_fn(fused, residual, norm)(x, w_t, thr, None, ws, config).float()
+    if fused == "norm":
+        want = sg.sparse_gemv_ref(rms_norm(x, norm[0], norm[2]), w_t, thr).float()
+    else:
+        want = sg.sparse_gemv_ref(x, w_t, thr)
+        want = (want + residual if fused == "residual" else want).float()
     err = (got - want).abs()
     tol = 2 * 2.0**-8 * want.abs().max().item() + 1e-3  # two bf16 ulps of the largest output
     bad = int((err > tol).sum())
@@ -266,25 +281,35 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
     del dense_ws
     dense_bytes = K * N * 2 + K * 2
     default = sg.default_config(K, N, dtype, dev)
-    variants = [("default", default)]
+    variants = [("default", default, None)]
     if args.sweep:
-        variants += [(sweep_label(*c), sweep_config(K, N, *c)) for c in SWEEP
+        variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in SWEEP
                      if args.sweep_stages is None or c[4] in args.sweep_stages]
+    if args.fused:  # the default config as the fused decoder layer calls it (sparse_linear.FUSE_NORMS)
+        variants += [("default+residual", default, "residual"), ("default+norm", default, "norm")]
+    residual = torch.randn(1, N, device=dev, dtype=dtype, generator=gen)  # (1, N): the stream o / down add to
+    norm_w = (1.0 + 0.1 * torch.randn(K, device=dev, generator=gen)).to(dtype)  # (K,): an RMSNorm weight
     for keep in args.keeps:
         if args.pattern == "even" and keep < 1.0:
             x, t_val = even_input(K, keep, dev, dtype, gen)
         else:
             t_val = 0.0 if keep >= 1.0 else float(x.float().abs().quantile(1.0 - keep))
-        thr = torch.tensor(t_val, device=dev)
-        kept = int((x.float().abs() > thr).sum())
-        nbytes = kept * N * 2 + K * 2
-        byte_time = nbytes / BYTE_RATE
-        equiv = dense_equivalent(kept, N, args, dev, timer) if 0 < kept < K else None
-        for label, cfg in variants:
+        norm = (norm_w, sg.sumsq(x), 1e-5)  # x read as the residual stream its norm is taken of
+        normed = rms_norm(x, norm_w, 1e-5)
+        t_norm = 0.0 if keep >= 1.0 else float(normed.float().abs().quantile(1.0 - keep))
+        equiv = None
+        for label, cfg, fused in variants:
+            t_cell = t_norm if fused == "norm" else t_val
+            thr = torch.tensor(t_cell, device=dev)
+            kept = int(((normed if fused == "norm" else x).float().abs() > thr).sum())
+            nbytes = kept * N * 2 + K * 2
+            byte_time = nbytes / BYTE_RATE
+            if label == "default":
+                equiv = dense_equivalent(kept, N, args, dev, timer) if 0 < kept < K else None
             try:
-                err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}")
+                err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", fused, residual, norm)
                 calls = [(x, w, thr, None, ws, cfg) for w in w_ts] * args.rounds
-                t = statistics.median(timer(sg.sparse_gemv, calls, args.reps))
+                t = statistics.median(timer(fused_fn(fused, residual, norm), calls, args.reps))
             except Exception as e:  # a sweep config can fail to compile or fit; report and go on
                 if label == "default":
                     raise
@@ -293,23 +318,24 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
             block_n, block_k, splits, warps, stages = cfg
             rec = stamp({
                 "kind": "sparse_gemv_bench", "shape": name, "K": K, "N": N, "dtype": "bfloat16",
-                "keep_target": keep, "threshold": t_val, "kept_rows": kept, "keep": kept / K,
+                "keep_target": keep, "threshold": t_cell, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
-                "config_label": label, "pdl": args.pdl, "register_cap": sg.REGISTER_CAP,
+                "config_label": label, "fused": fused, "pdl": args.pdl, "register_cap": sg.REGISTER_CAP,
                 "evict_first": sg.WEIGHTS_EVICT_FIRST, "bf16_pairs": sg.BF16_PAIRS,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
                 "copies": args.copies, "rounds": args.rounds, "reps": args.reps, "graph": True,
                 **timing_fields(t, nbytes, t_dense, dense_bytes, err),
-                **({} if equiv is None else {"dense_equiv_time_s": equiv, "dense_equiv_shape": [kept, N],
-                                             "ratio_to_dense_equiv": t / equiv}),
+                **({} if equiv is None or fused else {"dense_equiv_time_s": equiv, "dense_equiv_shape": [kept, N],
+                                                      "ratio_to_dense_equiv": t / equiv}),
             })
-            sub = args.out if label == "default" else args.out / "sweep"
+            sub = args.out if label == "default" else args.out / ("fused" if fused else "sweep")
             write_record(sub / f"sparse_gemv_bench-{name}-keep{keep:g}-{label}-{run}.json", rec)
             records.append(rec)
             rows.append((name, keep, label, t * 1e6, rec["tb_per_s"], t / byte_time, t_dense / t))
-            same = "" if equiv is None else f"  {t / equiv:5.2f}x cuBLAS on the kept rows ({equiv * 1e6:.1f} us)"
+            same = ("" if equiv is None or fused else
+                    f"  {t / equiv:5.2f}x cuBLAS on the kept rows ({equiv * 1e6:.1f} us)")
             print(f"{name:8s} keep={keep:<4g} {label:14s} {t * 1e6:8.1f} us  {rec['tb_per_s']:5.2f} TB/s  "
                   f"{t / byte_time:5.2f}x byte time  {t_dense / t:5.2f}x vs dense "
                   f"({t_dense * 1e6:.1f} us){same}", flush=True)
@@ -330,6 +356,9 @@ def main() -> None:
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
+    ap.add_argument("--fused", action="store_true",
+                    help="also time the default config with residual= and with norm= (the fused decoder "
+                         "layer's calls, sparse_linear.FUSE_NORMS), records under OUT/fused")
     ap.add_argument("--sweep-stages", type=int, nargs="+", choices=tuple(range(1, 13)),
                     help="sweep only the SWEEP configs of these loop variants (3: compact, 4: two tiles in "
                     "flight, 5: warps split the rows, 6: 4 unrolled by two tiles, 7: dropped rows skipped, "

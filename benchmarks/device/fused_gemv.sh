@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Issue 4 on the H200 (not yet run): which of the fused decoder layer's four sparse GEMV calls pays
+# the 92 us a step that the fused norms cost in the step profile (records
+# h200/sparse_gemv_20261130T1738Z_fused_norms): the default config of the step's four shapes at keeps
+# 1, 0.5 and 0.3, plain, with residual= (o and down add the residual and leave the tiles' sums of
+# squares) and with norm= (q|k|v and gate|up form RMSNorm in their x loads).
+#   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/fused_gemv.sh
+set -u
+: "${OUT:?set OUT to the folder for the records}"
+here=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT"
+start=$(date +%s)
+python3 "$here/sparse_gemv_bench.py" --out "$OUT/gemv" --shapes qkv q_o gate_up2 down --keeps 1 0.5 0.3 --fused \
+  > "$OUT/gemv.log" 2>&1
+echo "gemv: rc=$? [$(($(date +%s) - start)) s]"
+grep -E "^(qkv|q_o|gate_up2|down) +keep=" "$OUT/gemv.log" | cut -c1-80
