@@ -71,24 +71,7 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 16, "p24", 1, 2),
          # stages 8: stages 3's kept-row list with stages 4's two tiles in flight, so the loop's
          # instructions scale with the keep (sm_90 compile: 16-row tiles spill at 16 per SM)
          (256, 8, "p16", 1, 8), (256, 8, "p12", 1, 8), (256, 8, "p24", 1, 8), (512, 4, "p16", 1, 8),
-         (256, 4, "p24", 1, 8), (256, 4, "p32", 1, 8), (256, 16, "p8", 1, 8),
-         # stages 9: each tile summed on the tensor cores (wgmma), weights pipelined as cp.async in
-         # shared memory (3 tiles in flight: 96 KB at 256 x 64, so 2 programs per SM)
-         (256, 64, "p2", 4, 9), (128, 64, "p4", 4, 9), (256, 32, "p3", 4, 9), (128, 128, "p2", 4, 9),
-         (128, 32, "p6", 4, 9), (64, 64, "p8", 4, 9),
-         # stages 10: stages 9 over a kept-row list (stages 9 lost at keeps 0.5 and 0.3: a tile in
-         # flight holds dropped rows too; records h200/sparse_gemv_20261130T1513Z_tensor_cores)
-         (128, 64, "p2", 4, 10), (128, 64, "p4", 4, 10), (256, 64, "p2", 4, 10), (128, 32, "p4", 4, 10),
-         (64, 64, "p4", 4, 10), (128, 128, "p2", 4, 10), (64, 32, "p8", 4, 10),
-         # stages 11: a kept-row list gathered by a cp.async pipeline (sparse_gemv.LIST_PIPELINE
-         # tiles deep) into shared memory, products on the CUDA cores; lost on every shape but o
-         # (records h200/sparse_gemv_20261130T1718Z_pipe_list)
-         (1024, 16, "p2", 4, 11), (512, 16, "p4", 2, 11), (512, 32, "p2", 2, 11), (256, 16, "p8", 1, 11),
-         (256, 32, "p4", 1, 11), (256, 16, "p12", 1, 11), (1024, 8, "p3", 4, 11),
-         # stages 12: stages 11 with all kept rows dealt out evenly over the splits (the fullest
-         # split set the time of stages 8); lost by more (same records)
-         (1024, 16, "p2", 4, 12), (512, 16, "p4", 2, 12), (256, 16, "p8", 1, 12), (256, 32, "p4", 1, 12),
-         (1024, 8, "p3", 4, 12)]
+         (256, 4, "p24", 1, 8), (256, 4, "p32", 1, 8), (256, 16, "p8", 1, 8)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -100,7 +83,7 @@ def add_knob_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--evict-first", action=argparse.BooleanOptionalAction, default=None,
                     help="sparse GEMV weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
     ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
-                    help="sparse GEMV stages 4, 8, 11 and 12 read bf16 weights as int32 pairs "
+                    help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs "
                     "(sparse_gemv.BF16_PAIRS; default: the module's)")
 
 
@@ -359,11 +342,10 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true",
                     help="also time the default config with residual= and with norm= (the fused decoder "
                          "layer's calls, sparse_linear.FUSE_NORMS), records under OUT/fused")
-    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=tuple(range(1, 13)),
+    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=tuple(range(1, 9)),
                     help="sweep only the SWEEP configs of these loop variants (3: compact, 4: two tiles in "
                     "flight, 5: warps split the rows, 6: 4 unrolled by two tiles, 7: dropped rows skipped, "
-                    "8: 3's kept-row list with 4's two tiles in flight, 9: tensor cores, 10: 9 over a kept-row list, "
-                    "11: a kept-row list through a cp.async pipeline, 12: 11 with the kept rows dealt out evenly)")
+                    "8: 3's kept-row list with 4's two tiles in flight)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Its stages 9 to 12 were removed after 58e3e09: run it at that commit to repeat it.)
 # Issue 4 on the H200: first the llama-3.1-8b step (keep 0.5, 2K) with all of the current defaults
 # (the attention floor of 128 keys per split included, which the last step runs missed), so that it
 # is measured even if the sweep runs long; then stages 11 (a kept-row list gathered by a cp.async

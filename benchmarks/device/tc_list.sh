@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Its stages 9 to 12 were removed after 58e3e09: run it at that commit to repeat it.)
 # Issue 4 on the H200: the sparse GEMV's stages 10 (tensor cores over a kept-row list) and stages 8,
 # both with BF16_PAIRS on (stages 4 and 8 widen bf16 read as int32 pairs), against the default on
 # the issue's two shapes and the decode step's four at keeps 1, 0.5 and 0.3; the fastest per shape

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Its stages 9 to 12 were removed after 58e3e09: run it at that commit to repeat it.)
 # Issue 4 on the H200: the sparse GEMV's stages 9 (tensor cores, cp.async pipeline) and BF16_PAIRS
 # (stages 4 and 8 widen bf16 read as int32 pairs) against the default on the issue's two shapes and
 # the decode step's four at keeps 1, 0.5 and 0.3; the fastest per shape at 0.5 and 0.3 goes to

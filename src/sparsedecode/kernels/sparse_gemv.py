@@ -79,7 +79,9 @@ NUM_WARPS = 1
 # flight and the fullest split sets the time (records h200/sparse_gemv_20261130T1455Z_kept_row_list).
 # Stages 9 (tensor cores, cp.async pipeline in shared memory) and 10 (9 over a kept-row list) lost
 # at keeps 0.5 and 0.3 on every shape (records h200/sparse_gemv_20261130T1513Z_tensor_cores,
-# h200/sparse_gemv_20261130T1519Z_tc_list).
+# h200/sparse_gemv_20261130T1519Z_tc_list), and so did 11 (a kept-row list gathered by cp.async
+# into shared memory) and 12 (11 with the kept rows dealt out evenly over the splits) but for a
+# tie on o (h200/sparse_gemv_20261130T1718Z_pipe_list); their kernels were removed after 58e3e09.
 NUM_STAGES = 4
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
@@ -110,9 +112,6 @@ WEIGHTS_EVICT_FIRST = False
 # the llama-3.1-8b step at keep 0.5 from 84.0% to 85.0% of its byte bound in the same session
 # (records h200/sparse_gemv_20261130T1513Z_tensor_cores).
 BF16_PAIRS = True
-TC_PIPELINE = 3  # stages 9 and 10: weight tiles in flight (cp.async pipeline depth)
-LIST_PIPELINE = 4  # stages 11: weight tiles in flight (cp.async pipeline depth); slower than stages 4
-# but on o (records h200/sparse_gemv_20261130T1718Z_pipe_list)
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -441,68 +440,6 @@ if triton is not None:
         return base, n_kept
 
     @triton.jit
-    def _list_kept_rows_balanced(X, Scratch, K, t, pid_n, pid_k, num_splits, RPS: tl.constexpr,
-                                 CHUNK: tl.constexpr):
-        """`_list_kept_rows` with the kept rows of all K dealt out evenly: split s lists those of
-        ranks [s n / S, (s + 1) n / S) among the n kept rows, so every split of a column tile has
-        the same count within one and no split's fullness sets the call's time. Each program
-        scans all of x twice (count, then rank), CHUNK at a time (x is K elements in L2)."""
-        n_total = 0
-        for c0 in range(0, K, CHUNK):
-            offs = c0 + tl.arange(0, CHUNK)
-            x = tl.load(X + offs, mask=offs < K, other=0.0).to(tl.float32)
-            n_total += tl.sum(((tl.abs(x) > t) & (offs < K)).to(tl.int32), axis=0)
-        lo = pid_k * n_total // num_splits
-        hi = (pid_k + 1) * n_total // num_splits
-        base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * (2 * RPS)
-        seen = 0
-        for c0 in range(0, K, CHUNK):
-            offs = c0 + tl.arange(0, CHUNK)
-            x = tl.load(X + offs, mask=offs < K, other=0.0).to(tl.float32)
-            kept = (tl.abs(x) > t) & (offs < K)
-            rank = seen + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-            mine = kept & (rank >= lo) & (rank < hi)
-            tl.store(base + rank - lo, offs, mask=mine)
-            tl.store(base + RPS + rank - lo, x.to(tl.int32, bitcast=True), mask=mine)
-            seen += tl.sum(kept.to(tl.int32), axis=0)
-        tl.debug_barrier()  # the list is written before any thread reads it
-        return base, hi - lo
-
-    @triton.jit
-    def _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2, rows_per_split, num_splits,
-                      BLOCK_N: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr, RPS: tl.constexpr,
-                      BALANCE: tl.constexpr):
-        """(pid_n, columns, column mask, list base, kept count) of a stages 10, 11 or 12 program: its
-        column tile, and the kept-row list of its split at its tile's threshold (with BALANCE, its
-        even share of all kept rows)."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        t = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
-        if BALANCE:
-            base, n_kept = _list_kept_rows_balanced(X, Scratch, K, t, pid_n, pid_k, num_splits, RPS, 1024)
-        else:
-            k_lo = pid_k * rows_per_split
-            base, n_kept = _list_kept_rows(X, X, Scratch, k_lo, tl.minimum(k_lo + rows_per_split, K), t, pid_n,
-                                           pid_k, RPS, False, 1.0, False)
-        return pid_n, offs_n, offs_n < N, base, n_kept
-
-    @triton.jit
-    def _load_list_tile(base, j0, n_kept, Wl, stride_l, offs_l, mask_l, RPS: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_N: tl.constexpr):
-        """The weight tile (BLOCK_K, columns) of list entries [j0, j0 + BLOCK_K) and their x in
-        float32; entries past n_kept load nothing (zeros)."""
-        offs_j = j0 + tl.arange(0, BLOCK_K)
-        in_j = offs_j < n_kept
-        rows = tl.load(base + offs_j, mask=in_j, other=0)
-        xk = tl.load(base + RPS + offs_j, mask=in_j, other=0).to(tl.float32, bitcast=True)
-        if EVEN_N:
-            row_mask = in_j[:, None]
-        else:
-            row_mask = in_j[:, None] & mask_l[None, :]
-        return tl.load(Wl + rows[:, None] * stride_l + offs_l[None, :], mask=row_mask, other=0.0), xk
-
-    @triton.jit
     def _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N, BITS: tl.constexpr, COLS: tl.constexpr):
         """(pointer, column offsets, column mask, row stride) the weight loads use: W's columns,
         or with BITS its bf16 columns as COLS int32 pairs (N and the row stride even)."""
@@ -748,91 +685,6 @@ if triton is not None:
         _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _sparse_gemv_tc_kernel(
-        X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2, rows_per_split, num_splits,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
-        HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PIPELINE: tl.constexpr,
-    ):
-        """Stages 9: the tile's products on the tensor cores. y_tile = w_tile^T x as a wgmma of
-        (BLOCK_N, BLOCK_K) by (BLOCK_K, 16), x in column 0 and zeros elsewhere: the padding
-        costs tensor-core arithmetic, which idles in a GEMV, and leaves no per-element
-        conversion or multiply-add to issue (Nsight Compute found stages 4 issue-bound at low
-        keep). Triton pipelines the masked weight loads as cp.async with zero fill, so a dropped
-        row still moves no bytes and the tiles in flight sit in shared memory, not registers."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        t = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
-        k_lo = pid_k * rows_per_split
-        k_hi = tl.minimum(k_lo + rows_per_split, K)
-        offs_c = tl.arange(0, 16)
-        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=PIPELINE):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            in_k = offs_k < k_hi
-            x = tl.load(X + offs_k, mask=in_k, other=0.0)
-            keep = (tl.abs(x.to(tl.float32)) > t) & in_k
-            if EVEN_N:
-                row_mask = keep[:, None]
-            else:
-                row_mask = keep[:, None] & mask_n[None, :]
-            w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
-            xb = tl.where(offs_c[None, :] == 0, tl.where(keep, x, 0.0)[:, None], 0.0).to(W.dtype.element_ty)
-            acc = tl.dot(tl.trans(w), xb, acc)  # (BLOCK_N, 16), column 0 the partial
-        _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Y, Y, False)
-
-    @triton.jit
-    def _sparse_gemv_tc_list_kernel(
-        X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2, rows_per_split, num_splits,
-        Scratch, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
-        HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PIPELINE: tl.constexpr, RPS: tl.constexpr,
-    ):
-        """Stages 10: stages 9 over the split's kept rows only. At low keep stages 9 is bound by
-        its pipeline, not by bytes: a tile in flight holds dropped rows too, so a program moves
-        keep x its tile per round trip. Here each program lists its kept rows and their x first
-        (ranks by a prefix sum, stored at their ranks in its own scratch, as stages 8), and every
-        tile the pipeline gathers (cp.async, row indices from the list) is full of kept rows."""
-        pid_n, offs_n, mask_n, base, n_kept = _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2,
-                                                            rows_per_split, num_splits, BLOCK_N, THR_T, NSEG, RPS,
-                                                            False)
-        offs_c = tl.arange(0, 16)
-        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-        for j0 in tl.range(0, n_kept, BLOCK_K, num_stages=PIPELINE):
-            w, xk = _load_list_tile(base, j0, n_kept, W, stride_wk, offs_n, mask_n, RPS, BLOCK_K, EVEN_N)
-            xb = tl.where(offs_c[None, :] == 0, xk[:, None], 0.0).to(W.dtype.element_ty)
-            acc = tl.dot(tl.trans(w), xb, acc)  # (BLOCK_N, 16), column 0 the partial
-        _finish_splits(Acc, Count, Bias, Y, tl.sum(acc, axis=1), offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Y, Y, False)
-
-    @triton.jit
-    def _sparse_gemv_list_pipe_kernel(
-        X, W, Bias, Thr0, Thr1, Thr2, Y, Acc, Count, thr_f, K, N, stride_wk, b1, b2, rows_per_split, num_splits,
-        Scratch, stride_w32, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr,
-        NSEG: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PIPELINE: tl.constexpr,
-        RPS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, BALANCE: tl.constexpr,
-    ):
-        """Stages 11 (12 with BALANCE: the kept rows dealt out evenly over the splits): the kept-row list of stages 8, gathered by a cp.async pipeline PIPELINE tiles
-        deep into shared memory, the products on the CUDA cores (bf16 widened as int32 pairs with
-        BITS). Stages 8 holds its tiles in flight in registers (8-row tiles; 16 spill) and stages
-        9 and 10 fill pipeline slots with dropped rows or cost a tensor-core tile per slot; here
-        every slot is kept rows and shared memory, not registers, bounds the rows in flight.
-        The warps of a program split its columns, so the sum over rows stays in-thread."""
-        pid_n, offs_n, mask_n, base, n_kept = _list_program(X, Thr0, Thr1, Thr2, Scratch, thr_f, K, N, b1, b2,
-                                                            rows_per_split, num_splits, BLOCK_N, THR_T, NSEG, RPS,
-                                                            BALANCE)
-        Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N, BITS, COLS)
-        acc_l = tl.zeros([COLS], dtype=tl.float32)
-        acc_h = tl.zeros([COLS], dtype=tl.float32)
-        for j0 in tl.range(0, n_kept, BLOCK_K, num_stages=PIPELINE):
-            w, xk = _load_list_tile(base, j0, n_kept, Wl, stride_l, offs_l, mask_l, RPS, BLOCK_K, EVEN_N)
-            acc_l, acc_h = _sum_tile(acc_l, acc_h, w, xk, BITS)
-        _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
-                       num_splits, HAS_BIAS, Y, Y, False)
-
-
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
 def _sparse_gemv_op(
     x: Tensor, w_t: Tensor, thr_ts: list[Tensor], thr_f: float, bounds: list[int], bias: Tensor | None,
@@ -849,9 +701,9 @@ def _sparse_gemv_op(
         block_n, block_k, splits, num_warps, stages = default_config(K, N, x.dtype, x.device)
     # with a residual, each column tile's sum of squares of the new residual stream (else empty)
     ss = torch.empty(triton.cdiv(N, block_n) if residual is not None else 0, device=x.device, dtype=torch.float32)
-    if (residual is not None or norm_w is not None) and stages > 8:
-        raise InputError(f"residual= and norm= run on stages 1 to 8; the config for ({K}, {N}) is stages {stages} "
-                         "(pass config= or change its TUNED entry)")
+    if stages not in range(1, 9):
+        raise InputError(f"the config for ({K}, {N}) is stages {stages}; the kernel runs stages 1 to 8 (stages 9 "
+                         "to 12 were measured slower on the H200 and removed): pass config= or change its TUNED entry")
     tile = rows_per_iteration(block_k, num_warps, stages)
     splits = _splits(K, tile, splits)
     if ws_acc is None or ws_count is None:
@@ -867,39 +719,30 @@ def _sparse_gemv_op(
     # the meta-parameters every kernel takes
     shape = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
                  HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps)
-    # each program's list of kept rows (stages 3), or of kept rows and their x (8, 10, 11, 12),
-    # written before it is read, so never zeroed
-    lists = {3: 1, 8: 2, 10: 2, 11: 2, 12: 2}.get(stages, 0)
+    # each program's list of kept rows (stages 3), or of kept rows and their x (8), written before
+    # it is read, so never zeroed
+    lists = {3: 1, 8: 2}.get(stages, 0)
     scratch = (torch.empty(n_tiles * splits * _pow2(rows) * lists, device=x.device, dtype=torch.int32) if lists
                else ws_acc)
-    # bf16 read as int32 pairs (stages 4, 8, 11, 12): N, the row stride and the base 4-byte aligned
-    bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and stages in (4, 8, 11, 12) and N % 2 == 0
+    # bf16 read as int32 pairs (stages 4 and 8): N, the row stride and the base 4-byte aligned
+    bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and stages in (4, 8) and N % 2 == 0
             and w_t.stride(0) % 2 == 0 and w_t.data_ptr() % 4 == 0)
     cols = block_n // 2 if bits else block_n
-    if stages in (11, 12):
-        _sparse_gemv_list_pipe_kernel[(n_tiles, splits)](
-            *args, scratch, w_t.stride(0) // 2, PIPELINE=LIST_PIPELINE, RPS=_pow2(rows), BITS=bits, COLS=cols,
-            BALANCE=stages == 12, num_stages=LIST_PIPELINE, **shape)
-    elif stages == 9:
-        _sparse_gemv_tc_kernel[(n_tiles, splits)](*args, PIPELINE=TC_PIPELINE, num_stages=TC_PIPELINE, **shape)
-    elif stages == 10:
-        _sparse_gemv_tc_list_kernel[(n_tiles, splits)](*args, scratch, RPS=_pow2(rows), PIPELINE=TC_PIPELINE,
-                                                       num_stages=TC_PIPELINE, **shape)
-    else:
-        pdl = PDL and x.is_cuda and not _interpreting()
-        cap = ({"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)}
-               if x.is_cuda and not _interpreting() else {})
-        _sparse_gemv_kernel[(n_tiles, splits)](
-            *args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2, stride_w32=w_t.stride(0) // 2,
-            BITS=bits, COLS=cols, COMPACT=stages in (3, 8), RPS=_pow2(rows), DBUF=stages in (4, 5, 7, 8),
-            PAIRS=stages == 6, ROWSKIP=stages == 7, num_stages=1, U=up if up is not None else norm_w if norm_w is not None else x,
-            GLU=up is not None, Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
-            SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
-            RESID=residual is not None, NORM=norm_w is not None,
-            SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
-            WARPS_K=num_warps if stages == 5 else 1, WARPS_LEAD=_WARPS_LEAD,
-            EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "", PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
-            **cap, **({"launch_pdl": True} if pdl else {}), **shape)
+    pdl = PDL and x.is_cuda and not _interpreting()
+    cap = ({"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)}
+           if x.is_cuda and not _interpreting() else {})
+    _sparse_gemv_kernel[(n_tiles, splits)](
+        *args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2, stride_w32=w_t.stride(0) // 2,
+        BITS=bits, COLS=cols, COMPACT=stages in (3, 8), RPS=_pow2(rows), DBUF=stages in (4, 5, 7, 8),
+        PAIRS=stages == 6, ROWSKIP=stages == 7, num_stages=1,
+        U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
+        Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
+        SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
+        RESID=residual is not None, NORM=norm_w is not None,
+        SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
+        WARPS_K=num_warps if stages == 5 else 1, WARPS_LEAD=_WARPS_LEAD,
+        EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "", PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
+        **cap, **({"launch_pdl": True} if pdl else {}), **shape)
     return y, ss
 
 
@@ -947,13 +790,12 @@ def sparse_gemv(
     tiles' weight loads in flight, the next x slice two tiles ahead; stages 5 is stages 4 with
     the num_warps warps of a program splitting each tile's rows, summed once at the end; stages 6
     is stages 4 unrolled by two tiles, so no weight tile is copied at the loop's back edge; stages 8
-    is stages 3's kept-row list looped over with stages 4's two tiles in flight; stages 9 sums each
-    tile on the tensor cores, x padded to 16 columns, its weight loads pipelined by Triton; stages
-    10 is stages 9 over stages 8's kept-row list; stages 11 gathers stages 8's kept-row list through
-    a cp.async pipeline into shared memory and sums on the CUDA cores; stages 12 is stages 11 with
-    all kept rows dealt out evenly over the splits).
+    is stages 3's kept-row list looped over with stages 4's two tiles in flight). Stages 9 to 12
+    (the tile on the tensor cores, or kept rows gathered by cp.async pipelines into shared
+    memory) were slower on every shape at keeps 0.5 and 0.3 and were removed after 58e3e09
+    (records h200/sparse_gemv_20261130T1513Z_tensor_cores, _1519Z_tc_list, _1718Z_pipe_list).
 
-    Fused RMSNorm (stages 1 to 8), so a decoder layer's two norms need no kernels of their own:
+    Fused RMSNorm, so a decoder layer's two norms need no kernels of their own:
     with `residual` (the output's shape and dtype) the call returns (residual + y, ss), the sum
     rounded to x's dtype after y is, as eager `x + proj(h)` rounds, and ss (float32, one per
     column tile) the tiles' sums of squares of that new residual stream. With `norm` =
@@ -1012,21 +854,12 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if stages in (9, 10) and (x.dtype == torch.float32 or up is not None or block_n < 64 or block_k < 16
-                            or (segments is not None and any(b % block_n for b in _bounds(segments)))):
-            raise InputError(f"stages 9 and 10 (tensor cores) run bfloat16 or float16, without up=, with BLOCK_N >= 64, "
-                             f"BLOCK_K >= 16 and segment bounds on the BLOCK_N grid; got {config} for "
-                             f"{x.dtype}, segments {segments}")
-        if stages in (11, 12) and (up is not None or (segments is not None and any(b % block_n for b in _bounds(segments)))):
-            raise InputError(f"stages 11 and 12 run without up= and with segment bounds on the BLOCK_N grid; got {config}, "
-                             f"segments {segments}")
-        if stages not in range(1, 13):
+        if stages not in range(1, 9):
             raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
                              f"(two tiles in flight), 5 (4 with warps splitting the rows), 6 (4 unrolled "
                              f"by two tiles), 7 (4 skipping dropped rows' arithmetic) or 8 (3's list with "
-                             f"4's two tiles in flight), 9 (tensor cores), 10 (9 over a kept-row list) or "
-                             f"11 (a kept-row list gathered by a cp.async pipeline) or 12 (11 with the kept rows "
-                             f"dealt out evenly over the splits); got {stages}")
+                             f"4's two tiles in flight); got {stages} (stages 9 to 12, tensor cores and "
+                             f"cp.async pipelines, were measured slower on the H200 and removed)")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
