@@ -1,5 +1,6 @@
-"""The compact variant of the sparse GEMV (config stages 3): each program lists the kept rows
-of its split and loops over full tiles of them (ByteCross §3.2: only kept rows are read).
+"""The kept-row-list variant of the sparse GEMV (config stages 8): each program lists the kept
+rows of its split and their x, then streams full tiles of them, two in flight (ByteCross §3.2:
+only kept rows are read).
 Against the float64 masked product on odd shapes, every keep, segments on the tile grid,
 several split counts; on CPU under TRITON_INTERPRET=1 and on CUDA when there is one."""
 
@@ -52,7 +53,7 @@ def _cases(device) -> list[str]:
                 for block_k, splits in ((16, 1), (8, 7), (16, 40)):
                     ws = workspace(N, device)
                     y = sparse_gemv(x, w_t, torch.tensor(t, device=device), b, ws=ws,
-                                    config=(32, block_k, splits, 1, 3))
+                                    config=(32, block_k, splits, 1, 8))
                     err = _err(y, x, w_t, t, b)
                     if not err <= tol:
                         fails.append(f"{dtype} {K}x{N} keep={keep} BLOCK_K={block_k} splits={splits}: {err:.3g}")
@@ -62,7 +63,7 @@ def _cases(device) -> list[str]:
     x, w_t, b, _ = _case(301, 96, torch.bfloat16, 1.0, device, 5)
     thr = [torch.tensor(float(x.float().abs().quantile(1 - k)), device=device) for k in (0.2, 0.7, 0.4)]
     want = sparse_gemv_segments_ref(x, w_t, thr, [32, 32, 32], b)
-    y = sparse_gemv(x, w_t, thr, b, segments=[32, 32, 32], config=(32, 16, 5, 1, 3))
+    y = sparse_gemv(x, w_t, thr, b, segments=[32, 32, 32], config=(32, 16, 5, 1, 8))
     if (y.float() - want.float()).abs().max() > 2.0**-6 * (want.float().abs().max() + 1):
         fails.append("segments on the tile grid differ from the reference")
     return fails

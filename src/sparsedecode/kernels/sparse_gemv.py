@@ -56,13 +56,12 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_BYTES = 512  # bytes of one row segment per warp: 4 lines of 128 B, one 16-byte vector per lane
 BLOCK_K = 16  # rows per loop iteration: 8 KB of weight per one-warp program at full keep
 NUM_WARPS = 1
-# The loop variant: 1 plain, 2 the next x slice prefetched, 3 compact: each program first
-# lists the kept rows of its split (ranks by a prefix sum, indices stored at their ranks in
-# an L2 scratch) and loops over full tiles of kept rows. On the H200 it did not beat the
-# plain loop on gate_up or down at keeps 0.5 and 0.3, winning only on the fused gate|up at
-# keep 0.3 (records h200/sparse_gemv_20261130T071253Z); the plain loop stays the default. An
-# earlier packed loop that ranked rows by a rank matrix ran 1.5-2x slower (records
-# h200/sparse_gemv_20261129T203104Z) and was dropped. 4: two tiles' weight loads in flight (an
+# The loop variant ("stages"): 1 plain, 4 two tiles in flight, 8 a kept-row list. Stages 3 (each
+# program first lists the kept rows of its split, ranks by a prefix sum stored in an L2 scratch,
+# and loops over full tiles of them) did not beat the plain loop on gate_up or down at keeps 0.5
+# and 0.3 (records h200/sparse_gemv_20261130T071253Z); stages 2 (the next x slice prefetched)
+# gave way to stages 4. An earlier packed loop that ranked rows by a rank matrix ran 1.5-2x slower (records
+# h200/sparse_gemv_20261129T203104Z). 4: two tiles' weight loads in flight (an
 # iteration issues tile i + 1's loads before summing tile i), after Nsight Compute showed the
 # plain loop's warps stalled on their loads with DRAM at 63% of peak at keep 0.5 (records
 # h200/sparse_gemv_profile_20261130T0941Z). It is the default: at 16 programs per SM it beat or
@@ -70,10 +69,11 @@ NUM_WARPS = 1
 # down) at keeps 0.5 and 0.3, except gate|up at 0.3 (4% slower), and took the llama-3.1-8b
 # decode step from 84.2% (records h200/sparse_gemv_20261130T095127Z, where every stages-4
 # config failed to compile) to 85.9% of its byte bound (records h200/sparse_gemv_20261130T095622Z).
-# Stages 6 (unrolled by two tiles) and 7 (a uniform branch around each dropped row's arithmetic)
-# were written after Nsight Compute found this loop instruction-bound at keep 0 (records
-# h200/sparse_gemv_20261130T1325Z_ncu_sass); neither beat it on the decode step's shapes at keeps
-# 0.5 and 0.3 but on o (records h200/sparse_gemv_20261130T1333Z_stages67). Stages 8 (stages 3's
+# Stages 5 (warps splitting a tile's rows), 6 (unrolled by two tiles) and 7 (a uniform branch
+# around each dropped row's arithmetic, written after Nsight Compute found this loop
+# instruction-bound at keep 0: records h200/sparse_gemv_20261130T1325Z_ncu_sass) did not beat it
+# on the decode step's shapes at keeps 0.5 and 0.3 but on o (records
+# h200/sparse_gemv_20261130T1305Z, h200/sparse_gemv_20261130T1333Z_stages67). Stages 8 (stages 3's
 # kept-row list with two tiles in flight: instructions scale with the keep) wins on o only and is
 # its built-in config (TUNED); on gate_up and down its 8-row tiles (16 spill) hold fewer rows in
 # flight and the fullest split sets the time (records h200/sparse_gemv_20261130T1455Z_kept_row_list).
@@ -81,7 +81,8 @@ NUM_WARPS = 1
 # at keeps 0.5 and 0.3 on every shape (records h200/sparse_gemv_20261130T1513Z_tensor_cores,
 # h200/sparse_gemv_20261130T1519Z_tc_list), and so did 11 (a kept-row list gathered by cp.async
 # into shared memory) and 12 (11 with the kept rows dealt out evenly over the splits) but for a
-# tie on o (h200/sparse_gemv_20261130T1718Z_pipe_list); their kernels were removed after 58e3e09.
+# tie on o (h200/sparse_gemv_20261130T1718Z_pipe_list). Stages 9 to 12 were removed after 58e3e09,
+# stages 2, 3, 5, 6 and 7 after 512e6bb: run those commits to repeat their records.
 NUM_STAGES = 4
 # Programs per SM at the default split. A row skipped is a load not issued, so at keep 0.3 a
 # program has only 0.3 x its tile in flight, and the SM must hold many tiles at once to cover
@@ -117,13 +118,6 @@ REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK = 16  # smallest BLOCK_N (and default BLOCK_K); workspace() sizes its counters for it
 MIN_BLOCK_K = 4  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
-
-
-# Stages 5 lays a tile out so the warps split its rows and each warp sums its own in-thread.
-# Triton's default layout gives the warps of a 3-D tile to its leading axis up to 3.6 (the
-# H200 machine's) and to its middle axis in 3.9, so the warp axis is placed where the
-# installed Triton puts the warps (checked by the sm_90 compile test and the GPU tests).
-_WARPS_LEAD = triton is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) <= (3, 6)
 
 
 def _interpreting() -> bool:
@@ -267,9 +261,9 @@ def max_registers(programs: int, num_warps: int, device) -> int:
 
 
 def rows_per_iteration(block_k: int, num_warps: int, stages: int) -> int:
-    """Rows one loop iteration of a program covers: BLOCK_K, times the warps that split a tile's
-    rows (stages 5), or two tiles (stages 6); splits hold whole multiples of it."""
-    return block_k * (num_warps if stages == 5 else 2 if stages == 6 else 1)
+    """Rows one loop iteration of a program covers: BLOCK_K for every loop kept (stages 5 and 6,
+    whose iterations covered more, were removed); splits hold whole multiples of it."""
+    return block_k
 
 
 def _rows_per_split(K: int, block_k: int, splits: int) -> int:
@@ -379,35 +373,6 @@ if triton is not None:
             return 1.0
 
     @triton.jit
-    def _load_tile3(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
-        """`_load_tile` of a (BLOCK_K, WARPS_K, BLOCK_N) tile: rows (BLOCK_K, WARPS_K)."""
-        keep = (tl.abs(x) > t) & in_k
-        ptr = W + rows[:, :, None] * stride_wk + offs_n[None, None, :]
-        if EVEN_N:
-            w = tl.load(ptr, mask=keep[:, :, None], other=0.0, eviction_policy=EVICT)
-        else:
-            w = tl.load(ptr, mask=keep[:, :, None] & mask_n[None, None, :], other=0.0, eviction_policy=EVICT)
-        return w
-
-    @triton.jit
-    def _sum_kept_rows(acc, w, x, t, M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """acc + the sum over the M rows of w (M, BLOCK_N) with |x| > t of x * w, row by row:
-        the keep test is the same for every lane of the warp, so a dropped row is a uniform
-        branch around its conversions and multiply-adds (stages 7). The tile is halved by
-        register-level splits (each thread holds all M rows of its columns)."""
-        if M == 1:
-            xr = tl.reshape(x, ())
-            if tl.abs(xr) > t:
-                acc += tl.reshape(w, (BLOCK_N,)).to(tl.float32) * xr
-        else:
-            H: tl.constexpr = M // 2
-            w_lo, w_hi = tl.split(tl.permute(tl.reshape(w, (2, H, BLOCK_N)), (1, 2, 0)))
-            x_lo, x_hi = tl.split(tl.permute(tl.reshape(x, (2, H)), (1, 0)))
-            acc = _sum_kept_rows(acc, w_lo, x_lo, t, H, BLOCK_N)
-            acc = _sum_kept_rows(acc, w_hi, x_hi, t, H, BLOCK_N)
-        return acc
-
-    @triton.jit
     def _load_tile(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
         """The (BLOCK_K, BLOCK_N) weight tile of rows whose |x| > t (and in range): masked rows
         issue no load. EVICT: the loads' cache eviction policy ('' or 'evict_first')."""
@@ -478,9 +443,8 @@ if triton is not None:
         rows_per_split, num_splits,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THR_T: tl.constexpr, NSEG: tl.constexpr,
         SEG_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-        Scratch, PREFETCH: tl.constexpr, COMPACT: tl.constexpr, RPS: tl.constexpr, DBUF: tl.constexpr,
-        U, GLU: tl.constexpr, WARPS_K: tl.constexpr, WARPS_LEAD: tl.constexpr, PAIRS: tl.constexpr,
-        ROWSKIP: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
+        Scratch, COMPACT: tl.constexpr, RPS: tl.constexpr, DBUF: tl.constexpr,
+        U, GLU: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr, stride_w32, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
     ):
@@ -509,7 +473,7 @@ if triton is not None:
         k_hi = tl.minimum(k_lo + rows_per_split, K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if COMPACT and DBUF and not (NSEG > 1 and not SEG_ALIGNED):
-            # Stages 8: the kept-row list of stages 3 with the two-tiles-in-flight loop of stages 4.
+            # Stages 8: a kept-row list (removed stages 3's) with the two-tiles-in-flight loop of stages 4.
             # Stages 4 converts and multiplies every row of its split, kept or not (a dropped row
             # is a predicated-off load of zeros), and Nsight Compute found it bound by issue at
             # low keep; here the loop runs over kept rows only, so its instructions scale with
@@ -543,91 +507,12 @@ if triton is not None:
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
                            num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
-        if COMPACT and not (NSEG > 1 and not SEG_ALIGNED):
-            # The kept rows of this split, listed first: their ranks by a prefix sum, each
-            # row index stored at its rank in the program's own scratch (L2), read back
-            # BLOCK_K at a time, so every weight load of the loop is a kept row and a tile
-            # has BLOCK_K rows in flight whatever the keep.
-            offs_r = k_lo + tl.arange(0, RPS)  # (RPS,)
-            in_r = offs_r < k_hi
-            xr = _load_x(X + offs_r, U + offs_r, in_r, GLU, r_norm, NORM)
-            kept = ((tl.abs(xr) > t0) & in_r).to(tl.int32)
-            rank = tl.cumsum(kept, axis=0) - 1
-            n_kept = tl.sum(kept, axis=0)
-            base = Scratch + (pid_k * tl.num_programs(0) + pid_n) * RPS
-            tl.store(base + rank, offs_r, mask=kept > 0)
-            tl.debug_barrier()  # the list is written before any lane reads it
-            for j0 in range(0, n_kept, BLOCK_K):
-                offs_j = j0 + tl.arange(0, BLOCK_K)
-                in_j = offs_j < n_kept
-                rows = tl.load(base + offs_j, mask=in_j, other=0)
-                x = _load_x(X + rows, U + rows, in_j, GLU, r_norm, NORM)
-                if EVEN_N:
-                    row_mask = in_j[:, None]
-                else:
-                    row_mask = in_j[:, None] & mask_n[None, :]
-                w = tl.load(W + rows[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0,
-                            eviction_policy=EVICT)
-                acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
-            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
-            return
-        if DBUF and WARPS_K > 1 and not (NSEG > 1 and not SEG_ALIGNED):
-            # Stages 5: stages 4 with the program's warps splitting a tile's rows: each warp
-            # sums its rows in-thread into its own accumulator row, and the warps are added
-            # once at the end, so a program makes WARPS_K times fewer partial adds than
-            # WARPS_K one-warp programs over the same rows.
-            TILE: tl.constexpr = BLOCK_K * WARPS_K
-            if WARPS_LEAD:  # tile (WARPS_K, BLOCK_K, BLOCK_N): warp w holds rows w * BLOCK_K + k
-                ar2 = tl.arange(0, WARPS_K)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-            else:  # tile (BLOCK_K, WARPS_K, BLOCK_N): warp w holds rows k * WARPS_K + w
-                ar2 = tl.arange(0, BLOCK_K)[:, None] * WARPS_K + tl.arange(0, WARPS_K)[None, :]
-            x_c = _load_x(X + k_lo + ar2, U + k_lo + ar2, k_lo + ar2 < k_hi, GLU, r_norm, NORM)
-            w_c = _load_tile3(W, k_lo + ar2, k_lo + ar2 < k_hi, x_c, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-            x_n = _load_x(X + k_lo + TILE + ar2, U + k_lo + TILE + ar2, k_lo + TILE + ar2 < k_hi, GLU, r_norm, NORM)
-            acc2 = tl.zeros([WARPS_K, BLOCK_N], dtype=tl.float32)
-            for k0 in range(k_lo + TILE, k_hi + TILE, TILE):  # k0: the tile loaded now
-                rows2 = k0 + ar2
-                w_n = _load_tile3(W, rows2, rows2 < k_hi, x_n, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-                x_nn = _load_x(X + rows2 + TILE, U + rows2 + TILE, rows2 + TILE < k_hi, GLU, r_norm, NORM)
-                acc2 += tl.sum(w_c.to(tl.float32) * x_c[:, :, None], axis=1 if WARPS_LEAD else 0)  # tile k0 - TILE
-                x_c, w_c, x_n = x_n, w_n, x_nn
-            _finish_splits(Acc, Count, Bias, Y, tl.sum(acc2, axis=0), offs_n, mask_n, pid_n, num_splits,
-                           HAS_BIAS, Res, SsOut, RESID)
-            return
-        if PAIRS and not (NSEG > 1 and not SEG_ALIGNED):
-            # Stages 6: stages 4 unrolled by two tiles, A and B, written after Nsight Compute
-            # showed stages 4 issue-bound at low keep (62% SM throughput at keep 0 on gate_up)
-            # on the guess that its loop copies the carried weight tile at the back edge. The
-            # SASS showed otherwise: its IMADs (30% of instructions) are mostly IMAD.U32, the bf16
-            # to float32 unpack, with 20 moves in the whole kernel. Tile A is loaded again only
-            # after its sum and tile B lives within one iteration; two tiles are still in flight
-            # while the other is summed. Slower than stages 4 but on o at keep 0.3 (records
-            # h200/sparse_gemv_20261130T1333Z_stages67).
-            ar = tl.arange(0, BLOCK_K)
-            x_a = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
-            w_a = _load_tile(W, k_lo + ar, k_lo + ar < k_hi, x_a, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-            x_b = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU, r_norm, NORM)
-            for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, 2 * BLOCK_K):  # k0: tile B of this iteration
-                offs_b = k0 + ar
-                w_b = _load_tile(W, offs_b, offs_b < k_hi, x_b, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-                offs_a = offs_b + BLOCK_K  # the next tile A
-                x_a2 = _load_x(X + offs_a, U + offs_a, offs_a < k_hi, GLU, r_norm, NORM)
-                acc += tl.sum(w_a.to(tl.float32) * x_a[:, None], axis=0)  # tile A, k0 - BLOCK_K
-                w_a = _load_tile(W, offs_a, offs_a < k_hi, x_a2, t0, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
-                x_b2 = _load_x(X + offs_a + BLOCK_K, U + offs_a + BLOCK_K, offs_a + BLOCK_K < k_hi, GLU, r_norm, NORM)
-                acc += tl.sum(w_b.to(tl.float32) * x_b[:, None], axis=0)  # tile B, k0
-                x_a, x_b = x_a2, x_b2
-            # the last tile A (past k_hi when the split holds an even number of tiles: all masked)
-            acc += tl.sum(w_a.to(tl.float32) * x_a[:, None], axis=0)
-            _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
-            return
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
             # slice loaded an iteration earlier, so the loads wait on nothing) and the x slice
             # of tile i + 2, and only then sums tile i. The plain loop leaves a warp with
             # nothing in flight while its x slice comes from L2 and while it sums.
-            Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N,
-                                                      BITS and not ROWSKIP, COLS)
+            Wl, offs_l, mask_l, stride_l = _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N, BITS, COLS)
             acc_l = tl.zeros([COLS], dtype=tl.float32)
             acc_h = tl.zeros([COLS], dtype=tl.float32)
             ar = tl.arange(0, BLOCK_K)
@@ -648,25 +533,15 @@ if triton is not None:
                 offs_k = k0 + ar
                 w_n = _load_tile(Wl, offs_k, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
-                if ROWSKIP:  # dropped rows skipped by uniform branches (stages 7)
-                    acc_l = _sum_kept_rows(acc_l, w_c, x_c, t0, BLOCK_K, BLOCK_N)
-                else:
-                    acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
+                acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
-            _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS and not ROWSKIP, BLOCK_N), offs_n,
+            _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
                            mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
-        if PREFETCH:  # the x slice of the next iteration is in flight with this one's weights
-            ar = tl.arange(0, BLOCK_K)
-            x_next = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
             in_k = offs_k < k_hi
-            if PREFETCH:
-                x = x_next
-                x_next = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
-            else:
-                x = _load_x(X + offs_k, U + offs_k, in_k, GLU, r_norm, NORM)
+            x = _load_x(X + offs_k, U + offs_k, in_k, GLU, r_norm, NORM)
             if NSEG > 1 and not SEG_ALIGNED:
                 row_mask = (tl.abs(x)[:, None] > t_col[None, :]) & in_k[:, None] & mask_n[None, :]
             else:
@@ -701,9 +576,9 @@ def _sparse_gemv_op(
         block_n, block_k, splits, num_warps, stages = default_config(K, N, x.dtype, x.device)
     # with a residual, each column tile's sum of squares of the new residual stream (else empty)
     ss = torch.empty(triton.cdiv(N, block_n) if residual is not None else 0, device=x.device, dtype=torch.float32)
-    if stages not in range(1, 9):
-        raise InputError(f"the config for ({K}, {N}) is stages {stages}; the kernel runs stages 1 to 8 (stages 9 "
-                         "to 12 were measured slower on the H200 and removed): pass config= or change its TUNED entry")
+    if stages not in (1, 4, 8):
+        raise InputError(f"the config for ({K}, {N}) is stages {stages}; the kernel runs stages 1, 4 and 8 (the "
+                         "others were measured slower on the H200 and removed): pass config= or change its TUNED entry")
     tile = rows_per_iteration(block_k, num_warps, stages)
     splits = _splits(K, tile, splits)
     if ws_acc is None or ws_count is None:
@@ -719,9 +594,8 @@ def _sparse_gemv_op(
     # the meta-parameters every kernel takes
     shape = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
                  HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps)
-    # each program's list of kept rows (stages 3), or of kept rows and their x (8), written before
-    # it is read, so never zeroed
-    lists = {3: 1, 8: 2}.get(stages, 0)
+    # stages 8: each program's list of kept rows and their x, written before it is read, so never zeroed
+    lists = 2 if stages == 8 else 0
     scratch = (torch.empty(n_tiles * splits * _pow2(rows) * lists, device=x.device, dtype=torch.int32) if lists
                else ws_acc)
     # bf16 read as int32 pairs (stages 4 and 8): N, the row stride and the base 4-byte aligned
@@ -732,15 +606,13 @@ def _sparse_gemv_op(
     cap = ({"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)}
            if x.is_cuda and not _interpreting() else {})
     _sparse_gemv_kernel[(n_tiles, splits)](
-        *args, Scratch=scratch, SEG_ALIGNED=aligned, PREFETCH=stages == 2, stride_w32=w_t.stride(0) // 2,
-        BITS=bits, COLS=cols, COMPACT=stages in (3, 8), RPS=_pow2(rows), DBUF=stages in (4, 5, 7, 8),
-        PAIRS=stages == 6, ROWSKIP=stages == 7, num_stages=1,
+        *args, Scratch=scratch, SEG_ALIGNED=aligned, stride_w32=w_t.stride(0) // 2,
+        BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=_pow2(rows), DBUF=stages in (4, 8), num_stages=1,
         U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
         SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
         RESID=residual is not None, NORM=norm_w is not None,
         SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
-        WARPS_K=num_warps if stages == 5 else 1, WARPS_LEAD=_WARPS_LEAD,
         EVICT="evict_first" if WEIGHTS_EVICT_FIRST else "", PDL=pdl, PDL_TRIGGER=PDL_TRIGGER,
         **cap, **({"launch_pdl": True} if pdl else {}), **shape)
     return y, ss
@@ -785,15 +657,10 @@ def sparse_gemv(
 
     `ws` is a persistent workspace from `workspace(N, device)` (without it each call zeroes
     a fresh one); `config` (BLOCK_N, BLOCK_K, splits, num_warps, stages) overrides
-    `default_config`, for tuning (stages 2 loads the next x slice one iteration ahead; stages 3
-    lists each split's kept rows first and loops over full tiles of them; stages 4 keeps two
-    tiles' weight loads in flight, the next x slice two tiles ahead; stages 5 is stages 4 with
-    the num_warps warps of a program splitting each tile's rows, summed once at the end; stages 6
-    is stages 4 unrolled by two tiles, so no weight tile is copied at the loop's back edge; stages 8
-    is stages 3's kept-row list looped over with stages 4's two tiles in flight). Stages 9 to 12
-    (the tile on the tensor cores, or kept rows gathered by cp.async pipelines into shared
-    memory) were slower on every shape at keeps 0.5 and 0.3 and were removed after 58e3e09
-    (records h200/sparse_gemv_20261130T1513Z_tensor_cores, _1519Z_tc_list, _1718Z_pipe_list).
+    `default_config`, for tuning (stages 1 is the plain loop; stages 4 keeps two tiles' weight
+    loads in flight, the next x slice two tiles ahead; stages 8 first lists each split's kept
+    rows and their x, then streams only those, two tiles in flight). The other loops measured
+    on the H200 were slower and were removed (see NUM_STAGES).
 
     Fused RMSNorm, so a decoder layer's two norms need no kernels of their own:
     with `residual` (the output's shape and dtype) the call returns (residual + y, ss), the sum
@@ -854,12 +721,10 @@ def sparse_gemv(
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
         block_n, block_k, splits, num_warps, stages = config
-        if stages not in range(1, 9):
-            raise InputError(f"stages is 1 (plain), 2 (x prefetch), 3 (compact kept-row list), 4 "
-                             f"(two tiles in flight), 5 (4 with warps splitting the rows), 6 (4 unrolled "
-                             f"by two tiles), 7 (4 skipping dropped rows' arithmetic) or 8 (3's list with "
-                             f"4's two tiles in flight); got {stages} (stages 9 to 12, tensor cores and "
-                             f"cp.async pipelines, were measured slower on the H200 and removed)")
+        if stages not in (1, 4, 8):
+            raise InputError(f"stages is 1 (plain loop), 4 (two tiles in flight) or 8 (a kept-row list, two "
+                             f"tiles in flight); got {stages} (stages 2, 3, 5, 6, 7 and 9 to 12 were measured "
+                             f"slower on the H200 and removed)")
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
