@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Its stages 2, 3, 5, 6 and 7 were removed after 512e6bb: run it at that commit to repeat it.)
 # Issue 4 on the H200: the sparse GEMV's fixed cost (an empty kernel on the default grid, keep 0),
 # stages 5 (warps splitting the rows) and programmatic dependent launch, then the GPU tests.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/gemv_pdl_stage5.sh

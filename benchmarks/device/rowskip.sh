@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Its stages 2, 3, 5, 6 and 7 were removed after 512e6bb: run it at that commit to repeat it.)
 # Issue 4 on the H200: the sparse GEMV's stages 6 and 7 configs (unrolled by two tiles; dropped rows
 # skipped by uniform branches) against the default on the decode step's four shapes, the fastest
 # per shape chosen at keeps 0.5 and 0.3, then the llama-3.1-8b decode step (keep 0.5, 2K) with them.
