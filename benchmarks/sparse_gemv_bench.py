@@ -123,7 +123,7 @@ def sweep_config(K: int, N: int, block_n: int, block_k: int, size: str, warps: i
         want = max(1, round(int(size[1:]) * sms / -(-N // block_n)))
     else:
         want = -(-K // int(size[1:]))
-    return block_n, block_k, sg._splits(K, sg.rows_per_iteration(block_k, warps, stages), want), warps, stages
+    return block_n, block_k, sg._splits(K, block_k, want), warps, stages
 
 
 def sweep_label(block_n: int, block_k: int, size: str, warps: int, stages: int) -> str:

@@ -260,12 +260,6 @@ def max_registers(programs: int, num_warps: int, device) -> int:
     return max(32, min(255, regs))
 
 
-def rows_per_iteration(block_k: int, num_warps: int, stages: int) -> int:
-    """Rows one loop iteration of a program covers: BLOCK_K for every loop kept (stages 5 and 6,
-    whose iterations covered more, were removed); splits hold whole multiples of it."""
-    return block_k
-
-
 def _rows_per_split(K: int, block_k: int, splits: int) -> int:
     per = -(-K // splits)  # ceil(K / splits)
     return -(-per // block_k) * block_k  # rounded up to whole BLOCK_K tiles
@@ -574,20 +568,21 @@ def _sparse_gemv_op(
     K, N = w_t.shape
     if not block_n:
         block_n, block_k, splits, num_warps, stages = default_config(K, N, x.dtype, x.device)
+    if stages not in (1, 4, 8):  # from config= or a TUNED entry
+        raise InputError(f"stages {stages} for ({K}, {N}): the kernel runs stages 1 (plain loop), 4 (two tiles in "
+                         "flight) and 8 (a kept-row list, two tiles in flight); stages 2, 3, 5, 6, 7 and 9 to 12 "
+                         "were measured slower on the H200 and removed (pass another config= or change the TUNED "
+                         "entry)")
     # with a residual, each column tile's sum of squares of the new residual stream (else empty)
     ss = torch.empty(triton.cdiv(N, block_n) if residual is not None else 0, device=x.device, dtype=torch.float32)
-    if stages not in (1, 4, 8):
-        raise InputError(f"the config for ({K}, {N}) is stages {stages}; the kernel runs stages 1, 4 and 8 (the "
-                         "others were measured slower on the H200 and removed): pass config= or change its TUNED entry")
-    tile = rows_per_iteration(block_k, num_warps, stages)
-    splits = _splits(K, tile, splits)
+    splits = _splits(K, block_k, splits)
     if ws_acc is None or ws_count is None:
         ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(N, block_n)
     thr = list(thr_ts) + [ws_acc] * (3 - len(thr_ts))  # unused pointer slots
     b1, b2 = (list(bounds) + [N, N])[:2]
-    rows = _rows_per_split(K, tile, splits)
+    rows = _rows_per_split(K, block_k, splits)
     aligned = all(b % block_n == 0 for b in bounds)
     args = (x, w_t, bias if bias is not None else x, *thr, y, ws_acc, ws_count, thr_f, K, N, w_t.stride(0),
             b1, b2, rows, splits)
@@ -720,11 +715,7 @@ def sparse_gemv(
     if config is not None:
         if len(config) != 5:
             raise InputError(f"config is (BLOCK_N, BLOCK_K, splits, num_warps, stages); got {config}")
-        block_n, block_k, splits, num_warps, stages = config
-        if stages not in (1, 4, 8):
-            raise InputError(f"stages is 1 (plain loop), 4 (two tiles in flight) or 8 (a kept-row list, two "
-                             f"tiles in flight); got {stages} (stages 2, 3, 5, 6, 7 and 9 to 12 were measured "
-                             f"slower on the H200 and removed)")
+        block_n, block_k, splits, num_warps, stages = config  # stages: checked by the op, as TUNED's
         if block_n & (block_n - 1) or block_k & (block_k - 1) or block_n < MIN_BLOCK or block_k < MIN_BLOCK_K:
             raise InputError(f"BLOCK_N and BLOCK_K must be powers of two, BLOCK_N >= {MIN_BLOCK} and "
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
