@@ -148,18 +148,13 @@ class SparseLinear(FixedDtypeBuffers):
 
         With `residual` (one token, on the kernel's path only: see FUSE_NORMS) it returns
         (residual + out, per-tile sums of squares of that sum) from one launch."""
-        if residual is not None:
-            if self.track:
-                self.count_kept(x)
-            return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count),
-                               residual=residual)
-        if x.shape[:-1].numel() != 1:
+        if residual is None and x.shape[:-1].numel() != 1:
             return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
         if self.track:
             self.count_kept(x)
-        if x.is_cuda:
-            return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count))
-        return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)  # masked: reads every row
+        if residual is None and not x.is_cuda:
+            return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)  # masked: reads every row
+        return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), residual=residual)
 
     def forward_swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
         """This projection of silu(gate) * up (SwiGLU's down input). For one token on CUDA the
@@ -232,22 +227,15 @@ class SparseConcat(FixedDtypeBuffers):
 
         With `norm` = (an `RMSNorm`, sums of squares of x from `SparseLinear(x, residual=...)`),
         x is the residual stream and the sites read the norm of it, formed in the launch."""
-        if norm is not None:
-            rms, ss = norm
-            if any(m.track for m in self.sites):
-                normed = rms(x)
-                for m in self.sites:
-                    if m.track:
-                        m.count_kept(normed)
-            y = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], self.bias,
-                            ws=(self.ws_acc, self.ws_count), segments=self.widths,
-                            norm=(rms.weight, ss, rms.eps))
-            return list(y.split(self.widths, dim=-1))
-        for m in self.sites:
-            if m.track:
-                m.count_kept(x)
+        rms, ss = norm if norm is not None else (None, None)
+        tracked = [m for m in self.sites if m.track]
+        if tracked:
+            counted = x if rms is None else rms(x)  # the sites' input
+            for m in tracked:
+                m.count_kept(counted)
         y = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], self.bias,
-                        ws=(self.ws_acc, self.ws_count), segments=self.widths)
+                        ws=(self.ws_acc, self.ws_count), segments=self.widths,
+                        norm=None if rms is None else (rms.weight, ss, rms.eps))
         return list(y.split(self.widths, dim=-1))
 
     def extra_repr(self) -> str:
