@@ -5,17 +5,15 @@
 # and with that and at least 256 or 512 keys per attention split.
 #   OUT=/some/dir CONFIGS=chosen.json PYTHONPATH=src bash benchmarks/device/attn_splits.sh
 set -u
-: "${OUT:?set OUT to the folder for the records}" "${CONFIGS:?set CONFIGS to a sparse_gemv_bench --choose file}"
-here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-start=$(date +%s)
+source "$(dirname "$0")/lib.sh"
+: "${CONFIGS:?set CONFIGS to a sparse_gemv_bench --choose file}"
 python3 "$here/attention_bench.py" --out "$OUT/attn" --contexts 2048 --backends split_k --sweep \
   --sweep-splits 3,5,9,17,33 --sweep-configs 64:4:3,128:4:3 > "$OUT/attn.log" 2>&1
-echo "attention: rc=$? [$(($(date +%s) - start)) s]"; grep -E "n= +2048" "$OUT/attn.log" | head -12
+echo "attention: rc=$? [$(elapsed)]"; grep -E "n= +2048" "$OUT/attn.log" | head -12
 for v in default o8 o8_attn256 o8_attn512; do
   flags=(); [ $v != default ] && flags=(--gemv-configs "$CONFIGS")
   case $v in *attn256) flags+=(--attn-min-split-keys 256);; *attn512) flags+=(--attn-min-split-keys 512);; esac
   python3 "$here/proj_decode_h200.py" --out "$OUT/step_$v" --keeps 0.5 --context 2K --compile-mode '' "${flags[@]}" \
     > "$OUT/step_$v.log" 2>&1
-  echo "step $v: rc=$? [$(($(date +%s) - start)) s]"; grep -E "% of bound" "$OUT/step_$v.log" | sed "s/^/  $v /"
+  echo "step $v: rc=$? [$(elapsed)]"; grep -E "% of bound" "$OUT/step_$v.log" | sed "s/^/  $v /"
 done

@@ -6,16 +6,13 @@
 # squares) and with norm= (q|k|v and gate|up form RMSNorm in their x loads); then the step, profiled.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/fused_gemv.sh
 set -u
-: "${OUT:?set OUT to the folder for the records}"
-here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-start=$(date +%s)
+source "$(dirname "$0")/lib.sh"
 python3 "$here/sparse_gemv_bench.py" --out "$OUT/gemv" --shapes qkv q_o gate_up2 down --keeps 1 0.5 0.3 --fused \
   > "$OUT/gemv.log" 2>&1
-echo "gemv: rc=$? [$(($(date +%s) - start)) s]"
+echo "gemv: rc=$? [$(elapsed)]"
 grep -E "^(qkv|q_o|gate_up2|down) +keep=" "$OUT/gemv.log" | cut -c1-80
 # then the step profiled, to confirm that the per-layer gather and pos + 1 kernels of 8d5c177 are gone
 python3 "$here/proj_decode_h200.py" --out "$OUT/step" --keeps 0.5 --context 2K --compile-mode '' \
   --variants default,plain --profile 20 > "$OUT/step.log" 2>&1
-echo "step: rc=$? [$(($(date +%s) - start)) s]"
+echo "step: rc=$? [$(elapsed)]"
 grep -E "% of bound|kernels .*us/step|calls  (triton|_rope)" "$OUT/step.log" | sed "s/^/  /"

@@ -7,18 +7,13 @@
 # sparse engine against the masked reference.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/fused_norms.sh   (TESTS: the tests' -k)
 set -u
-: "${OUT:?set OUT to the folder for the records}"
-here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-start=$(date +%s)
-python3 -m pytest -q "$here/../tests/kernels/test_sparse_gemv.py" "$here/../tests/projection/test_sparse_linear.py" \
-  -k "${TESTS:-fused_norm or loop_configs or on_cuda}" > "$OUT/tests.log" 2>&1
-echo "tests: rc=$? $(tail -1 "$OUT/tests.log") [$(($(date +%s) - start)) s]"
-grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
+source "$(dirname "$0")/lib.sh"
+run_tests "$tests/kernels/test_sparse_gemv.py" "$tests/projection/test_sparse_linear.py" \
+  -k "${TESTS:-fused_norm or loop_configs or on_cuda}"
 for run in 1 2; do
   variants=default,plain; extra=(--profile 20)
   [ $run = 2 ] && { variants=plain,default; extra=(); }
   python3 "$here/proj_decode_h200.py" --out "$OUT/step_$run" --keeps 0.5 --context 2K --compile-mode '' \
     --variants $variants "${extra[@]}" > "$OUT/step_$run.log" 2>&1
-  echo "step $run: rc=$? [$(($(date +%s) - start)) s]"; grep -E "% of bound|kernels .*us/step" "$OUT/step_$run.log" | sed "s/^/  /"
+  echo "step $run: rc=$? [$(elapsed)]"; grep -E "% of bound|kernels .*us/step" "$OUT/step_$run.log" | sed "s/^/  /"
 done

@@ -8,21 +8,16 @@
 # keeps 1, 0.5 and 0.3, the fastest per shape at 0.5 and 0.3 in chosen.json; then the step with them.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/pipe_list.sh
 set -u
-: "${OUT:?set OUT to the folder for the records}"
-here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-start=$(date +%s)
-python3 -m pytest -q "$here/../tests/kernels/test_sparse_gemv.py" -k "loop_configs" > "$OUT/tests.log" 2>&1
-echo "tests: rc=$? $(tail -1 "$OUT/tests.log") [$(($(date +%s) - start)) s]"
-grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -5
+source "$(dirname "$0")/lib.sh"
+run_tests "$tests/kernels/test_sparse_gemv.py" -k "loop_configs"
 python3 "$here/proj_decode_h200.py" --out "$OUT/step_default" --keeps 0.5 --context 2K --compile-mode '' \
   > "$OUT/step_default.log" 2>&1
-echo "step default: rc=$? [$(($(date +%s) - start)) s]"; grep -E "% of bound" "$OUT/step_default.log" | sed "s/^/  default /"
+echo "step default: rc=$? [$(elapsed)]"; grep -E "% of bound" "$OUT/step_default.log" | sed "s/^/  default /"
 python3 "$here/sparse_gemv_bench.py" --out "$OUT/gemv" --shapes gate_up down gate_up2 qkv q_o --keeps 1 0.5 0.3 \
   --sweep --sweep-stages 11 12 --choose "$OUT/chosen.json" > "$OUT/gemv.log" 2>&1
-echo "gemv: rc=$? [$(($(date +%s) - start)) s]"
+echo "gemv: rc=$? [$(elapsed)]"
 grep -E "^(gate_up|down|gate_up2|qkv|q_o) +keep=(0\.[35]) +(default|.*s1[12]) " "$OUT/gemv.log" | cut -c1-75
 python3 -c "import json; [print('chosen', r['shape'], r['label']) for r in json.load(open('$OUT/chosen.json'))]"
 python3 "$here/proj_decode_h200.py" --out "$OUT/step_chosen" --keeps 0.5 --context 2K --compile-mode '' \
   --gemv-configs "$OUT/chosen.json" > "$OUT/step_chosen.log" 2>&1
-echo "step chosen: rc=$? [$(($(date +%s) - start)) s]"; grep -E "% of bound" "$OUT/step_chosen.log" | sed "s/^/  chosen /"
+echo "step chosen: rc=$? [$(elapsed)]"; grep -E "% of bound" "$OUT/step_chosen.log" | sed "s/^/  chosen /"

@@ -6,16 +6,9 @@
 # chunked forward, the fused norm paths and the sparse engine against the masked reference.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/rope_cache.sh
 set -u
-: "${OUT:?set OUT to the folder for the records}"
-here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-start=$(date +%s)
-t=$here/../tests
-python3 -m pytest -q "$t/kernels/test_rope_cache.py" "$t/engine/test_cuda_capture.py" "$t/kernels/test_sparse_gemv.py" \
-  "$t/projection/test_sparse_linear.py" -k "rope or capture or compiled or fused_norm or engine_on_cuda" \
-  > "$OUT/tests.log" 2>&1
-echo "tests: rc=$? $(tail -1 "$OUT/tests.log") [$(($(date +%s) - start)) s]"
-grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
+source "$(dirname "$0")/lib.sh"
+run_tests "$tests/kernels/test_rope_cache.py" "$tests/engine/test_cuda_capture.py" "$tests/kernels/test_sparse_gemv.py" \
+  "$tests/projection/test_sparse_linear.py" -k "rope or capture or compiled or fused_norm or engine_on_cuda"
 for run in 1 2 3; do
   case $run in
     1) args=(--rope-cache --variants default,plain --profile 20) ;;
@@ -24,6 +17,6 @@ for run in 1 2 3; do
   esac
   python3 "$here/proj_decode_h200.py" --out "$OUT/step_$run" --keeps 0.5 --context 2K --compile-mode '' "${args[@]}" \
     > "$OUT/step_$run.log" 2>&1
-  echo "step $run (${args[*]}): rc=$? [$(($(date +%s) - start)) s]"
+  echo "step $run (${args[*]}): rc=$? [$(elapsed)]"
   grep -E "% of bound|kernels .*us/step|dense n=" "$OUT/step_$run.log" | sed "s/^/  /"
 done

@@ -5,19 +5,13 @@
 # (no fused norms) in both orders. First the quick GPU tests of the kernels these touch.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/step_fused.sh
 set -u
-: "${OUT:?set OUT to the folder for the records}"
-here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-start=$(date +%s)
-t=$here/../tests
-python3 -m pytest -q "$t/kernels/test_rope_cache.py" "$t/engine/test_cuda_capture.py" "$t/kernels/test_sparse_gemv.py" \
-  -k "rope or (captured and split_k) or fused_norm" > "$OUT/tests.log" 2>&1
-echo "tests: rc=$? $(tail -1 "$OUT/tests.log") [$(($(date +%s) - start)) s]"
-grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -8
+source "$(dirname "$0")/lib.sh"
+run_tests "$tests/kernels/test_rope_cache.py" "$tests/engine/test_cuda_capture.py" "$tests/kernels/test_sparse_gemv.py" \
+  -k "rope or (captured and split_k) or fused_norm"
 for run in 1 2; do
   variants=default,plain; [ $run = 2 ] && variants=plain,default
   python3 "$here/proj_decode_h200.py" --out "$OUT/step_$run" --keeps 0.5 --context 2K --compile-mode '' \
     --variants $variants > "$OUT/step_$run.log" 2>&1
-  echo "step $run ($variants): rc=$? [$(($(date +%s) - start)) s]"
+  echo "step $run ($variants): rc=$? [$(elapsed)]"
   grep -E "% of bound|dense n=" "$OUT/step_$run.log" | sed "s/^/  /"
 done

@@ -7,21 +7,16 @@
 # picks, and with pairs alone.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/tc_list.sh
 set -u
-: "${OUT:?set OUT to the folder for the records}"
-here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-start=$(date +%s)
-python3 -m pytest -q "$here/../tests/kernels/test_sparse_gemv.py" -k "loop_configs" > "$OUT/tests.log" 2>&1
-echo "tests: rc=$? $(tail -1 "$OUT/tests.log") [$(($(date +%s) - start)) s]"
-grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -5
+source "$(dirname "$0")/lib.sh"
+run_tests "$tests/kernels/test_sparse_gemv.py" -k "loop_configs"
 python3 "$here/sparse_gemv_bench.py" --out "$OUT/gemv" --shapes gate_up down gate_up2 qkv q_o --keeps 1 0.5 0.3 \
   --bf16-pairs --sweep --sweep-stages 8 10 --choose "$OUT/chosen.json" > "$OUT/gemv.log" 2>&1
-echo "gemv: rc=$? [$(($(date +%s) - start)) s]"
+echo "gemv: rc=$? [$(elapsed)]"
 grep -E "^(gate_up|down|gate_up2|qkv|q_o) +keep=(1|0\.[35]) +(default|.*s10) " "$OUT/gemv.log" | cut -c1-75
 python3 -c "import json; [print('chosen', r['shape'], r['label']) for r in json.load(open('$OUT/chosen.json'))]"
 for v in chosen pairs; do
   cfg=(--bf16-pairs); [ $v = chosen ] && cfg+=(--gemv-configs "$OUT/chosen.json")
   python3 "$here/proj_decode_h200.py" --out "$OUT/step_$v" --keeps 0.5 --context 2K --compile-mode '' "${cfg[@]}" \
     > "$OUT/step_$v.log" 2>&1
-  echo "step $v: rc=$? [$(($(date +%s) - start)) s]"; grep -E "% of bound" "$OUT/step_$v.log" | sed "s/^/  $v /"
+  echo "step $v: rc=$? [$(elapsed)]"; grep -E "% of bound" "$OUT/step_$v.log" | sed "s/^/  $v /"
 done

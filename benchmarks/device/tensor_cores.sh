@@ -6,19 +6,13 @@
 # chosen.json; then the llama-3.1-8b step (keep 0.5, 2K) with the picks, with pairs, and plain.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/tensor_cores.sh
 set -u
-: "${OUT:?set OUT to the folder for the records}"
-here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT"
-start=$(date +%s)
-python3 -m pytest -q "$here/../tests/kernels/test_sparse_gemv.py" -k "loop_configs or register_cap or graph" \
-  > "$OUT/tests.log" 2>&1
-echo "tests: rc=$? $(tail -1 "$OUT/tests.log") [$(($(date +%s) - start)) s]"
-grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -5
+source "$(dirname "$0")/lib.sh"
+run_tests "$tests/kernels/test_sparse_gemv.py" -k "loop_configs or register_cap or graph"
 for v in tc pairs; do
   flags=(--sweep --sweep-stages 9 8 --choose "$OUT/chosen.json"); [ $v = pairs ] && flags=(--bf16-pairs)
   python3 "$here/sparse_gemv_bench.py" --out "$OUT/gemv_$v" --shapes gate_up down gate_up2 qkv q_o \
     --keeps 1 0.5 0.3 "${flags[@]}" > "$OUT/gemv_$v.log" 2>&1
-  echo "gemv $v: rc=$? [$(($(date +%s) - start)) s]"
+  echo "gemv $v: rc=$? [$(elapsed)]"
   grep -E "^(gate_up|down|gate_up2|qkv|q_o) +(keep=)?(1|0\.[35]) +(default|.*s9) " "$OUT/gemv_$v.log" | cut -c1-75
 done
 python3 -c "import json; [print('chosen', r['shape'], r['label']) for r in json.load(open('$OUT/chosen.json'))]"
@@ -26,5 +20,5 @@ for v in chosen pairs default; do
   cfg=(); [ $v = chosen ] && cfg=(--gemv-configs "$OUT/chosen.json"); [ $v = pairs ] && cfg=(--bf16-pairs)
   python3 "$here/proj_decode_h200.py" --out "$OUT/step_$v" --keeps 0.5 --context 2K --compile-mode '' "${cfg[@]}" \
     > "$OUT/step_$v.log" 2>&1
-  echo "step $v: rc=$? [$(($(date +%s) - start)) s]"; grep -E "% of bound" "$OUT/step_$v.log" | sed "s/^/  $v /"
+  echo "step $v: rc=$? [$(elapsed)]"; grep -E "% of bound" "$OUT/step_$v.log" | sed "s/^/  $v /"
 done
