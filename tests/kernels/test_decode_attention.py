@@ -99,6 +99,17 @@ def test_start_offsets(backend, dtype):
     assert not msgs, "\n".join(msgs)
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_end_offset_moves_the_end(backend):
+    """A decode step passes its position with end_offset=1: the range is [start, pos + 1)."""
+    q, k, v = make(2, 2, 3, 300, 64, torch.float32, seed=4)
+    pos = torch.tensor([199, 40])
+    out = decode_attention(q, k, v, pos, backend=backend, end_offset=1)
+    msgs = check(out, None, q, k, v, 0, pos + 1, f"{backend} end_offset=1")
+    assert not msgs, "\n".join(msgs)
+    assert (out - decode_attention(q, k, v, pos, backend=backend)).abs().max() > 1e-3  # the offset counts
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_k_ref_lse_and_splits(num_splits, dtype):
@@ -269,7 +280,10 @@ def _interpreter_worker() -> None:
     end = torch.tensor([200])
     out, lse = traced(q, k, v, end)  # the custom op traces without a graph break
     fails += check(out, lse, q, k, v, 0, end, "kernel under torch.compile(fullgraph=True)")
-    n += 2
+    for e in (torch.tensor([150]), 150):  # the kernel adds end_offset to a tensor end, the launcher to an int
+        out, lse = split_k_attention(q, k, v, e, 3, num_splits=4, end_offset=1)
+        fails += check(out, lse, q, k, v, 3, 151, f"kernel end={e!r} end_offset=1")
+    n += 4
     for more in (_lengths_worker(True, (4, 17)), _lengths_worker(False, (17,)), _counters_worker()):
         fails += more[0]
         n += more[1]

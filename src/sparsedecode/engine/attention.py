@@ -107,20 +107,20 @@ def _fused(q, k_cache, v_cache, end, start=0, scale=None):
     return torch.cat(rows).reshape(B, Hq, D)
 
 
-def split_k_lse(q, k_cache, v_cache, end, start=0, scale=None):
-    """Split-K attention over [start, end) and its log-sum-exp.
+def split_k_lse(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0):
+    """Split-K attention over [start, end + end_offset) and its log-sum-exp.
 
     Returns (out (B, Hq, D) in q's dtype, lse (B, Hq) float32, natural log of the
     scaled scores; an empty range gives 0 and -inf). The Triton kernel on CUDA,
     `split_k_ref` elsewhere. Merge calls over disjoint ranges with `merge_lse`.
     """
     if q.is_cuda:
-        return split_k_attention(q, k_cache, v_cache, end, start, scale)
-    return split_k_ref(q, k_cache, v_cache, end, start, scale)
+        return split_k_attention(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)
+    return split_k_ref(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)
 
 
-def _split_k(q, k_cache, v_cache, end, start=0, scale=None):
-    return split_k_lse(q, k_cache, v_cache, end, start, scale)[0]
+def _split_k(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0):
+    return split_k_lse(q, k_cache, v_cache, end, start, scale, end_offset)[0]
 
 
 BACKENDS = {"split_k": _split_k, "sdpa_masked": _masked, "sdpa_fused": _fused}
@@ -136,10 +136,15 @@ def get_backend(name: str):
         ) from None
 
 
-def decode_attention(q, k_cache, v_cache, end, *, start=0, backend="split_k", scale=None):
-    """Attention of one query per sequence over cache entries [start, end).
+def decode_attention(q, k_cache, v_cache, end, *, start=0, backend="split_k", scale=None, end_offset: int = 0):
+    """Attention of one query per sequence over cache entries [start, end + end_offset).
 
     q: (B, Hq, D); k_cache, v_cache: (B, Hkv, T, D). Returns (B, Hq, D) in q's dtype.
-    `scale` defaults to 1/sqrt(D).
+    `scale` defaults to 1/sqrt(D). A decode step passes its position tensor as `end` with
+    `end_offset=1`: split_k adds the offset in its kernel, so no kernel forms pos + 1 before
+    each layer's call (the other backends add it here).
     """
-    return get_backend(backend)(q, k_cache, v_cache, end, start, scale)
+    fn = get_backend(backend)
+    if fn is _split_k:
+        return fn(q, k_cache, v_cache, end, start, scale, end_offset)
+    return fn(q, k_cache, v_cache, end + end_offset if end_offset else end, start, scale)

@@ -183,12 +183,12 @@ def merge_lse(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
 
 def split_k_ref(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, end, start=0, scale: float | None = None,
-    num_splits: int | None = None, block_n: int = BLOCK_N,
+    num_splits: int | None = None, block_n: int = BLOCK_N, *, end_offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Split-K attention in plain PyTorch: the kernel's chunking and LSE merge, in float32.
 
-    q (B, Hq, D); caches (B, Hkv, T, D); reads [start, end) per row, bounds being ints
-    or 0-d/(B,) integer tensors (clamped to [0, T]; no host sync). Returns
+    q (B, Hq, D); caches (B, Hkv, T, D); reads [start, end + end_offset) per row, bounds
+    being ints or 0-d/(B,) integer tensors (clamped to [0, T]; no host sync). Returns
     (out (B, Hq, D) in q's dtype, lse (B, Hq) float32, natural log of the scaled scores).
     """
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
@@ -196,7 +196,7 @@ def split_k_ref(
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
     lo = _bound(start, B, dev, "start").clamp(0, T).view(-1, 1, 1)  # (B|1, 1, 1)
-    hi = _bound(end, B, dev, "end").clamp(0, T).view(-1, 1, 1)
+    hi = (_bound(end, B, dev, "end") + end_offset).clamp(0, T).view(-1, 1, 1)
     pos = torch.arange(T, device=dev).view(1, 1, T)
     if S == 1:
         member = (pos >= lo) & (pos < hi)  # (B|1, 1, T): one split covers the range
@@ -258,13 +258,14 @@ if triton is not None:
     @triton.jit
     def _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int, T,
                      START_T: tl.constexpr, END_T: tl.constexpr):
-        """[lo, hi) of row b clamped to [0, T]: from the bound tensors or the ints."""
+        """[lo, hi) of row b clamped to [0, T]: from the bound tensors or the ints (with a
+        tensor end, end_int is added to it)."""
         if START_T:
             lo = tl.load(Start + b * stride_start).to(tl.int32)
         else:
             lo = start_int
-        if END_T:
-            hi = tl.load(End + b * stride_end).to(tl.int32)
+        if END_T:  # end_int is then an offset added to the loaded bound (a position + 1)
+            hi = tl.load(End + b * stride_end).to(tl.int32) + end_int
         else:
             hi = end_int
         return tl.maximum(lo, 0), tl.minimum(hi, T)
@@ -541,7 +542,7 @@ def _(q, k_cache, v_cache, start_t, end_t, counters, start_int, end_int, scale, 
 def split_k_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, end, start=0, scale: float | None = None,
     num_splits: int | None = None, config: tuple[int, int, int] | None = None, *,
-    fused_merge: bool = True, counters: Tensor | None = None,
+    fused_merge: bool = True, counters: Tensor | None = None, end_offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Split-K decode attention with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -556,6 +557,10 @@ def split_k_attention(
     comparison. `counters` (`arrival_counters(B*Hkv, device)`) are the fused merge's
     arrival counters; by default one cached buffer per device and B*Hkv serves every call,
     which is right for calls in sequence on one stream (pass your own for concurrent ones).
+    `end_offset` moves the end to end + end_offset, added in the kernel as it loads a tensor
+    end: a decode step passes its position with offset 1 rather than a tensor pos + 1, which
+    torch.compile forms by a kernel of its own before every opaque attention call (one launch
+    per layer; records h200/sparse_gemv_20261130T1938Z_fused_gemv/step).
     """
     if triton is None:
         raise InputError("the split_k kernel needs Triton: pip install triton (or use split_k_ref on CPU)")
@@ -592,6 +597,7 @@ def split_k_attention(
         else:
             bounds.append((None, int(x)))
     (start_t, start_int), (end_t, end_int) = bounds
+    end_int += int(end_offset)  # the kernel adds it to a tensor end
     return _split_k_op(q, k_cache, v_cache, start_t, end_t, counters if fused_merge else None,
                        start_int, end_int, float(scale), num_splits or 0, block_n, num_warps,
                        num_stages, bool(fused_merge))

@@ -112,19 +112,18 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
         self.backend = "split_k"
 
-    def forward(self, x, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None, end=None):
+    def forward(self, x, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None):
         """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start, host_len: see module doc;
         decode only: tables, the (T, D) cos and sin tables (the one-launch RoPE reads its row on
-        the device), and end, the valid length pos + 1 (computed once per step)."""
+        the device)."""
         B, L, _ = x.shape
         if self.qkv is not None and B * L == 1:
             q, k, v = self.qkv(x)  # one launch for the three sites
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.o_proj(self.attend(q, k, v, cos, sin, pos, start, host_len, tables, end))
+        return self.o_proj(self.attend(q, k, v, cos, sin, pos, start, host_len, tables))
 
-    def attend(self, q, k, v, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None,
-               end=None):
+    def attend(self, q, k, v, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None):
         """The attention output (B, L, Hq * D), before o_proj, of the projections q (B, L, Hq * D)
         and k, v (B, L, Hkv * D): RoPE, the cache update, then decode or prefill attention."""
         B, L, _ = q.shape
@@ -139,7 +138,7 @@ class Attention(nn.Module):
                             self.cache.v)  # (B, Hq, D)
             if self.observe is not None:
                 self.observe.append(q1[:, :, None])
-            y = self._decode_attention(q1, None, None, pos, host_len, end)
+            y = self._decode_attention(q1, None, None, pos, host_len)
             return y.reshape(B, 1, self.n_heads * self.head_dim)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, L, D)
@@ -148,29 +147,34 @@ class Attention(nn.Module):
         if self.observe is not None:  # queries of an observation window, for KV scoring
             self.observe.append(q)
         if start is None:
-            y = self._decode_attention(q[:, :, 0], k, v, pos, host_len, end)  # (B, Hq, D)
+            y = self._decode_attention(q[:, :, 0], k, v, pos, host_len)  # (B, Hq, D)
             y = y.reshape(B, 1, self.n_heads * self.head_dim)
         else:
             y = self._prefill_attention(q, start, L).transpose(1, 2)  # (B, L, Hq, D)
             y = y.reshape(B, L, self.n_heads * self.head_dim)
         return y
 
-    def _decode_attention(self, q, k, v, pos, host_len=None, end=None):
+    def _decode_attention(self, q, k, v, pos, host_len=None):
         """One query per sequence (B, Hq, D) over the cache, the compact buffer of selected
         entries (the new k, v (B, Hkv, 1, D) appended at slot pos - offset) or the window.
-        The valid length is pos + 1 on the device, or `host_len` where it is given."""
+        The valid length is pos + 1 on the device, or `host_len` where it is given. The
+        position goes to the attention with `end_offset=1` rather than as a tensor pos + 1:
+        compiled, that tensor is formed by a launch of its own before every layer's call."""
         cache = self.cache
-        end = (pos + 1 if end is None else end) if host_len is None else host_len
         if cache.compact is not None:
             ck, cv, offset = cache.compact
             slot = pos - offset  # (1,)
             ck.index_copy_(2, slot, k)
             cv.index_copy_(2, slot, v)
-            end = slot + 1 if host_len is None else host_len - cache.host_offset
-            return decode_attention(q, ck, cv, end, backend=self.backend)
+            if host_len is not None:
+                return decode_attention(q, ck, cv, host_len - cache.host_offset, backend=self.backend)
+            return decode_attention(q, ck, cv, slot, backend=self.backend, end_offset=1)
         if cache.window is not None:
+            end = pos + 1 if host_len is None else host_len
             return window_attention(q, cache.k, cache.v, end, *cache.window, backend=self.backend)
-        return decode_attention(q, cache.k, cache.v, end, backend=self.backend)
+        if host_len is not None:
+            return decode_attention(q, cache.k, cache.v, host_len, backend=self.backend)
+        return decode_attention(q, cache.k, cache.v, pos, backend=self.backend, end_offset=1)
 
     def _prefill_attention(self, q, start: int, L: int):
         """SDPA of a chunk's queries (B, Hq, L, D) over cache entries [0, start+L)."""
@@ -214,8 +218,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x, cos, sin, pos, start, host_len=None, tables=None, end=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start, host_len, tables, end)
+    def forward(self, x, cos, sin, pos, start, host_len=None, tables=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start, host_len, tables)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused(self) -> bool:
@@ -227,13 +231,13 @@ class Block(nn.Module):
                 and getattr(a.o_proj, "threshold", None) is not None
                 and getattr(m.down_proj, "threshold", None) is not None)
 
-    def forward_fused(self, x, ss, cos, sin, pos, host_len=None, tables=None, end=None):
+    def forward_fused(self, x, ss, cos, sin, pos, host_len=None, tables=None):
         """One decode token (x (1, 1, dim)) with both RMSNorms and residual adds inside the sparse
         GEMVs: ss holds x's sums of squares; returns the new x and its sums of squares. Same
         math as `forward` up to the order of the sums of squares (`kernels.sparse_gemv`)."""
         a, m = self.self_attn, self.mlp
         q, k, v = a.qkv(x, norm=(self.input_layernorm, ss))
-        x, ss = a.o_proj(a.attend(q, k, v, cos, sin, pos, None, host_len, tables, end), residual=x)
+        x, ss = a.o_proj(a.attend(q, k, v, cos, sin, pos, None, host_len, tables), residual=x)
         gate, up = m.gate_up(x, norm=(self.post_attention_layernorm, ss))
         return m.down_proj(F.silu(gate) * up, residual=x)
 
@@ -278,14 +282,13 @@ class Transformer(nn.Module):
         x = self.embed_tokens(idx)  # (B, L, dim)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (L, D)
         one = start is None and idx.numel() == 1
-        # decode: the RoPE tables for the one-launch RoPE, and the valid length once for all layers
-        tables, end = ((self.rope_cos, self.rope_sin), pos + 1) if start is None else (None, None)
+        tables = (self.rope_cos, self.rope_sin) if start is None else None  # decode: for the one-launch RoPE
         ss = None  # x's sums of squares, while layers run forward_fused
         for layer in self.layers:
             if one and layer.fused():
-                x, ss = layer.forward_fused(x, sumsq(x) if ss is None else ss, cos, sin, pos, host_len, tables, end)
+                x, ss = layer.forward_fused(x, sumsq(x) if ss is None else ss, cos, sin, pos, host_len, tables)
             else:
-                x, ss = layer(x, cos, sin, pos, start, host_len, tables, end), None
+                x, ss = layer(x, cos, sin, pos, start, host_len, tables), None
         return self.lm_head(self.norm(x))  # (B, L, vocab)
 
     def column_major_(self) -> None:
