@@ -130,11 +130,12 @@ def sweep_label(block_n: int, block_k: int, size: str, warps: int, stages: int) 
     return f"b{block_n}k{block_k}{size}w{warps}s{stages}"
 
 
-def choose(records: list[dict], keeps=(0.5, 0.3)) -> list[dict]:
-    """Per shape, the config with the least summed time over `keeps` (the decode regime)."""
+def choose(records: list[dict], keeps=(0.5, 0.3), fused: str | None = None) -> list[dict]:
+    """Per shape, the config with the least summed time over `keeps` (the decode regime), among
+    the calls of one kind (`fused`: None for the plain call, else a `fused_fn` kind)."""
     by_shape: dict[str, dict[str, float]] = {}
     first: dict[tuple[str, str], dict] = {}
-    records = [r for r in records if r["kind"] == "sparse_gemv_bench"]
+    records = [r for r in records if r["kind"] == "sparse_gemv_bench" and r.get("fused") == fused]
     for r in records:
         if any(abs(r["keep_target"] - k) < 1e-9 for k in keeps):
             cell = by_shape.setdefault(r["shape"], {})
@@ -154,24 +155,38 @@ def choose(records: list[dict], keeps=(0.5, 0.3)) -> list[dict]:
     return out
 
 
-def fused_fn(kind: str | None, residual, norm):
-    """sparse_gemv as the bench calls it: plain, with residual= (its new stream only) or norm=."""
+# How the fused decoder layer calls each shape (sparse_linear.FUSE_NORMS; down: also FUSE_SWIGLU).
+FUSED_KINDS = ("residual", "norm", "glu+residual")
+
+
+def fused_fn(kind: str | None, residual, norm, up=None):
+    """sparse_gemv as the bench calls it: plain, with residual= (its new stream only), norm=, or
+    up= and residual= (down forming silu(gate) * up in its load as it adds the residual)."""
     if kind == "residual":
         return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, residual=residual)[0]
     if kind == "norm":
         return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, norm=norm)
+    if kind == "glu+residual":
+        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, up=up, residual=residual)[0]
     return sg.sparse_gemv
 
 
-def check(x, w_t, thr, ws, config, what: str, fused: str | None = None, residual=None, norm=None) -> float:
+def kernel_input(kind: str | None, x, norm, up):
+    """The input the threshold of a call of `kind` applies to: x, its RMSNorm, or silu(x) * up."""
+    if kind == "norm":
+        return rms_norm(x, norm[0], norm[2])
+    if kind == "glu+residual":
+        return F.silu(x) * up
+    return x
+
+
+def check(x, w_t, thr, ws, config, what: str, fused: str | None = None, residual=None, norm=None,
+          up=None) -> float:
     """Max error of the kernel against the masked reference; raises when any element is off.
-    fused: 'residual' or 'norm' checks that call (`fused_fn`) against the reference of its math."""
-    got = fused_fn(fused, residual, norm)(x, w_t, thr, None, ws, config).float()
-    if fused == "norm":
-        want = sg.sparse_gemv_ref(rms_norm(x, norm[0], norm[2]), w_t, thr).float()
-    else:
-        want = sg.sparse_gemv_ref(x, w_t, thr)
-        want = (want + residual if fused == "residual" else want).float()
+    fused: a `fused_fn` kind, checked against the reference of its math."""
+    got = fused_fn(fused, residual, norm, up)(x, w_t, thr, None, ws, config).float()
+    want = sg.sparse_gemv_ref(kernel_input(fused, x, norm, up), w_t, thr)
+    want = (want + residual if fused in ("residual", "glu+residual") else want).float()
     err = (got - want).abs()
     tol = 2 * 2.0**-8 * want.abs().max().item() + 1e-3  # two bf16 ulps of the largest output
     bad = int((err > tol).sum())
@@ -257,29 +272,35 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                      if args.sweep_stages is None or c[4] in args.sweep_stages]
     if args.fused:  # the default config as the fused decoder layer calls it (sparse_linear.FUSE_NORMS)
         variants += [("default+residual", default, "residual"), ("default+norm", default, "norm")]
+    if args.fused_sweep:  # every swept config (and the default) called as the fused layer calls it
+        kind = args.fused_sweep
+        variants = [v for v in variants if v[2] is None and v[0] == "default"] + [
+            (f"{label}+{kind}", cfg, kind) for label, cfg, fused in variants if fused is None]
     residual = torch.randn(1, N, device=dev, dtype=dtype, generator=gen)  # (1, N): the stream o / down add to
     norm_w = (1.0 + 0.1 * torch.randn(K, device=dev, generator=gen)).to(dtype)  # (K,): an RMSNorm weight
+    up = torch.randn(1, K, device=dev, dtype=dtype, generator=gen)  # (1, K): SwiGLU's up, x being the gate
     for keep in args.keeps:
         if args.pattern == "even" and keep < 1.0:
             x, t_val = even_input(K, keep, dev, dtype, gen)
         else:
             t_val = 0.0 if keep >= 1.0 else float(x.float().abs().quantile(1.0 - keep))
         norm = (norm_w, sg.sumsq(x), 1e-5)  # x read as the residual stream its norm is taken of
-        normed = rms_norm(x, norm_w, 1e-5)
-        t_norm = 0.0 if keep >= 1.0 else float(normed.float().abs().quantile(1.0 - keep))
+        inputs = {kind: kernel_input(kind, x, norm, up) for kind in ("norm", "glu+residual")}
+        t_kind = {kind: 0.0 if keep >= 1.0 else float(v.float().abs().quantile(1.0 - keep))
+                  for kind, v in inputs.items()}
         equiv = None
         for label, cfg, fused in variants:
-            t_cell = t_norm if fused == "norm" else t_val
+            t_cell = t_kind.get(fused, t_val)
             thr = torch.tensor(t_cell, device=dev)
-            kept = int(((normed if fused == "norm" else x).float().abs() > thr).sum())
+            kept = int((inputs.get(fused, x).float().abs() > thr).sum())
             nbytes = kept * N * 2 + K * 2
             byte_time = nbytes / BYTE_RATE
             if label == "default":
                 equiv = dense_equivalent(kept, N, args, dev, timer) if 0 < kept < K else None
             try:
-                err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", fused, residual, norm)
+                err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", fused, residual, norm, up)
                 calls = [(x, w, thr, None, ws, cfg) for w in w_ts] * args.rounds
-                t = statistics.median(timer(fused_fn(fused, residual, norm), calls, args.reps))
+                t = statistics.median(timer(fused_fn(fused, residual, norm, up), calls, args.reps))
             except Exception as e:  # a sweep config can fail to compile or fit; report and go on
                 if label == "default":
                     raise
@@ -300,7 +321,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 **({} if equiv is None or fused else {"dense_equiv_time_s": equiv, "dense_equiv_shape": [kept, N],
                                                       "ratio_to_dense_equiv": t / equiv}),
             })
-            sub = args.out if label == "default" else args.out / ("fused" if fused else "sweep")
+            sub = args.out if label == "default" else args.out / ("sweep" if label[:1] == "b" else "fused")
             write_record(sub / f"sparse_gemv_bench-{name}-keep{keep:g}-{label}-{run}.json", rec)
             records.append(rec)
             rows.append((name, keep, label, t * 1e6, rec["tb_per_s"], t / byte_time, t_dense / t))
@@ -329,6 +350,10 @@ def main() -> None:
     ap.add_argument("--fused", action="store_true",
                     help="also time the default config with residual= and with norm= (the fused decoder "
                          "layer's calls, sparse_linear.FUSE_NORMS), records under OUT/fused")
+    ap.add_argument("--fused-sweep", choices=FUSED_KINDS,
+                    help="time the default and every --sweep config as the fused decoder layer calls the shape "
+                    "(residual: o and down; norm: q|k|v and gate|up; glu+residual: down with FUSE_SWIGLU); "
+                    "--choose then picks among those calls")
     ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 4, 8),
                     help="sweep only the SWEEP configs of these loop variants (1: plain, 4: two tiles in "
                     "flight, 8: a kept-row list with two tiles in flight)")
@@ -361,7 +386,7 @@ def main() -> None:
         rows += shape_rows
     write_record(args.out / COMBINED, records)
     if args.choose:
-        chosen = choose(records)
+        chosen = choose(records, fused=args.fused_sweep)
         write_record(args.choose, chosen)
         for c in chosen:
             print(f"chosen {c['shape']}: {c['label']} {c['config']}")

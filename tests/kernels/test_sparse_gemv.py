@@ -319,6 +319,18 @@ def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[s
                 got = sparse_gemv(gate, w_t, torch.tensor(t, device=device), b, config=config, up=up)
                 fails += [m for m in [mismatch(got, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
                                                f"swiglu {dtype} {K}x{N} config={config}")] if m]
+            # down in the fused layer: silu(gate) * up formed in the load and the residual added
+            res = make(N, 1, dtype, device=device, seed=N)[0]
+            want_r = want + res  # eager rounds the projection, then the sum
+            for config in ((64, 16, 3, 1, 4), (64, 8, 2, 1, 8)):
+                got, ss = sparse_gemv(gate, w_t, torch.tensor(t, device=device), b, config=config, up=up,
+                                      residual=res)
+                what = f"swiglu+residual {dtype} {K}x{N} config={config}"
+                fails += [m for m in [mismatch(got, want_r, 2 * ulp * want_r.abs().max().item() + FLOOR[dtype],
+                                               what)] if m]
+                sq = got.float().pow(2).sum()
+                if abs(ss.sum().item() - sq.item()) > 1e-4 * sq.item():
+                    fails.append(f"{what}: tile sums of squares add up to {ss.sum().item()}, not {sq.item()}")
     return fails
 
 

@@ -39,9 +39,9 @@ from sparsedecode.projection.thresholds import site_key as threshold_key
 SITE_KEYS = {module: short for short, module in MODULE_OF.items()}  # 'gate_proj' -> 'gate'
 FF_SITES = ("gate_proj", "up_proj", "down_proj")
 # True: the sparse down projection forms silu(gate) * up in its kernel's input load (one launch
-# fewer per layer). Off: on the H200 the llama-3.1-8b step at keep 0.5 ran 3.402 ms with it and
-# 3.247 ms without (every down program recomputes silu for its rows; records
-# h200/sparse_gemv_20261130T1305Z/step).
+# fewer per layer), with or without FUSE_NORMS. Off: on the H200 the llama-3.1-8b step at keep 0.5
+# ran 3.402 ms with it and 3.247 ms without (every down program recomputes silu for its rows;
+# records h200/sparse_gemv_20261130T1305Z/step, before the register cap of max_registers).
 FUSE_SWIGLU = False
 # True: where q|k|v and gate|up run as one sparse launch each (CUDA, or TRITON_INTERPRET=1) and o
 # and down are sparse, a decode step's RMSNorms and residual adds run inside the sparse GEMVs
@@ -156,15 +156,18 @@ class SparseLinear(FixedDtypeBuffers):
             return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)  # masked: reads every row
         return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), residual=residual)
 
-    def forward_swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
-        """This projection of silu(gate) * up (SwiGLU's down input). For one token on CUDA the
-        product is formed in the kernel's input load, which saves the decode step one
-        silu-and-multiply launch per layer; otherwise it is `self(F.silu(gate) * up)`."""
-        if not FUSE_SWIGLU or gate.shape[:-1].numel() != 1 or not gate.is_cuda:
-            return self(F.silu(gate) * up)
+    def forward_swiglu(self, gate: Tensor, up: Tensor, residual: Tensor | None = None):
+        """This projection of silu(gate) * up (SwiGLU's down input). For one token on CUDA (or
+        under TRITON_INTERPRET=1) with FUSE_SWIGLU the product is formed in the kernel's input
+        load, which saves the decode step one silu-and-multiply launch per layer; otherwise it is
+        `self(F.silu(gate) * up, residual)`. With `residual`, as `forward`."""
+        one = gate.shape[:-1].numel() == 1
+        if not (FUSE_SWIGLU and one and (gate.is_cuda or _interpreting())):
+            return self(F.silu(gate) * up, residual=residual)
         if self.track:
             self.count_kept(F.silu(gate) * up)
-        return sparse_gemv(gate, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), up=up)
+        return sparse_gemv(gate, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), up=up,
+                           residual=residual)
 
     def realized_keep(self) -> float:
         """Kept channels over channels seen by tracked one-token calls (nan before any)."""
@@ -218,9 +221,8 @@ class SparseConcat(FixedDtypeBuffers):
 
     @property
     def fuse_norms(self) -> bool:
-        """Whether the decoder runs this launch's input norm inside it: FUSE_NORMS, and not
-        FUSE_SWIGLU (whose down launch forms silu(gate) * up; the fused layer does not)."""
-        return FUSE_NORMS and not FUSE_SWIGLU
+        """Whether the decoder runs this launch's input norm inside it (FUSE_NORMS)."""
+        return FUSE_NORMS
 
     def forward(self, x: Tensor, norm: tuple | None = None) -> list[Tensor]:
         """x (..., in) holding one token -> the sites' outputs [(..., out_j)], one launch.
