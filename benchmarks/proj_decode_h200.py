@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--rope-cache", action=argparse.BooleanOptionalAction, default=None,
                     help="the dense and sparse steps' RoPE and cache write as one launch per layer "
                          "(kernels.rope_cache.ENABLED; default: the module's)")
+    ap.add_argument("--rope-attention", action=argparse.BooleanOptionalAction, default=None,
+                    help="the dense and sparse steps' RoPE, cache write and attention as one launch per layer "
+                         "(kernels.decode_attention.ROPE_IN_ATTENTION; default: the module's)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run STEPS replays under the PyTorch profiler and keep each kernel's device time "
                          "per step in the record (where the step's time goes)")
@@ -111,6 +114,7 @@ def main() -> None:
     knobs = apply_knobs(a)
     knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys)
     rope_one_launch = override(rope_cache, ENABLED=a.rope_cache)["ENABLED"]
+    rope_in_attention = override(decode_attention, ROPE_IN_ATTENTION=a.rope_attention)["ROPE_IN_ATTENTION"]
     if a.gemv_configs:
         print(f"{sg.load_tuned(a.gemv_configs)} tuned sparse GEMV configs from {a.gemv_configs}")
     n = parse_tokens(a.context)
@@ -133,7 +137,7 @@ def main() -> None:
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
             "register_cap": knobs["REGISTER_CAP"], "evict_first": knobs["WEIGHTS_EVICT_FIRST"],
             "bf16_pairs": knobs["BF16_PAIRS"], "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"],
-            "rope_cache_one_launch": rope_one_launch,
+            "rope_cache_one_launch": rope_one_launch, "rope_in_attention": rope_in_attention,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 
     def prepare() -> None:

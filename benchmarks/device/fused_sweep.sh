@@ -17,7 +17,7 @@ sweep() {  # name kind shapes...
   python3 "$here/sparse_gemv_bench.py" --out "$OUT/sweep_$name" --shapes "$@" --keeps 0.5 0.3 --sweep \
     --sweep-stages 4 8 --fused-sweep "$kind" --choose "$OUT/chosen_$name.json" > "$OUT/sweep_$name.log" 2>&1
   echo "sweep $name: rc=$? [$(elapsed)]"
-  grep -E "^chosen|default\+" "$OUT/sweep_$name.log" | grep -v "^ *[a-z_0-9]* *0\.[35] " | cut -c1-90
+  grep -E "^chosen|keep=.* default" "$OUT/sweep_$name.log" | cut -c1-90
 }
 sweep norm norm qkv gate_up2
 sweep resid residual q_o down
@@ -31,13 +31,7 @@ json.dump(load("norm") + resid, open(f"{out}/configs_residual.json", "w"), inden
 json.dump(load("norm") + [c for c in resid if c["shape"] == "q_o"] + load("glu"),
           open(f"{out}/configs_glu.json", "w"), indent=1)
 PY
-step() {  # name args...
-  local name=$1; shift
-  python3 "$here/proj_decode_h200.py" --out "$OUT/step_$name" --keeps 0.5 --context 2K --compile-mode '' "$@" \
-    > "$OUT/step_$name.log" 2>&1
-  echo "step $name: rc=$? [$(elapsed)]"
-  grep -E "% of bound|dense n=|add_split_k|mul_silu" "$OUT/step_$name.log" | sed "s/^/  /"
-}
-step builtin --variants default,swiglu+norms --profile 10
-step chosen --gemv-configs "$OUT/configs_residual.json" --variants default
-step chosen_glu --gemv-configs "$OUT/configs_glu.json" --variants swiglu+norms
+STEP_GREP="add_split_k|mul_silu"
+decode_step builtin --variants default,swiglu+norms --profile 10
+decode_step chosen --gemv-configs "$OUT/configs_residual.json" --variants default
+decode_step chosen_glu --gemv-configs "$OUT/configs_glu.json" --variants swiglu+norms

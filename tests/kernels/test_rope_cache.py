@@ -1,7 +1,8 @@
 """One-launch RoPE and cache write of a decode token (`kernels.rope_cache`) against `models.rope`:
 the reference against apply_rope and index_copy_, the Triton kernel against the reference under
 TRITON_INTERPRET=1 (odd head dims, two sequences, a position read on the device) and on CUDA
-(also inside torch.compile, where the cache write must be seen by the read after it)."""
+(also inside torch.compile, where the cache write must be seen by the read after it). The same
+for `kernels.decode_attention.rope_attention`, which adds the split-K attention to the launch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from interpreted import run_interpreted
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.decode_attention import rope_attention, rope_attention_ref
 from sparsedecode.kernels.rope_cache import rope_cache, rope_cache_ref
 from sparsedecode.models.rope import apply_rope
 
@@ -58,8 +60,44 @@ def cases(device: str, dtypes) -> list[str]:
     return fails
 
 
+def attention_cases(device: str, dtypes) -> list[str]:
+    """`rope_attention` (RoPE, cache write and split-K attention in one launch) against
+    `rope_cache_ref` then `split_k_ref`: the output, the LSE and every cache row, with the
+    position at a split's first and last key, mid-chunk and at 0, one and several splits. The
+    caches start random, so a program that attended the stale row at pos would be caught."""
+    fails = []
+    for dtype in dtypes:
+        ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 22)
+        for B, Hq, Hkv, D, T, p, splits in ((1, 8, 2, 64, 300, 170, 4), (2, 7, 1, 80, 130, 127, 3),
+                                            (1, 4, 4, 32, 70, 0, None), (1, 32, 8, 128, 260, 128, 5),
+                                            (1, 6, 3, 16, 200, 63, 1)):
+            q, k, v, cos, sin, _, kc, vc = make(B, Hq, Hkv, D, T, dtype, device, seed=D + p)
+            pos = torch.tensor([p], device=device)
+            want_caches = [kc.clone(), vc.clone()]
+            want, want_lse = rope_attention_ref(q, k, v, cos, sin, pos, *want_caches)
+            got, lse = rope_attention(q, k, v, cos, sin, pos, kc, vc, num_splits=splits)
+            what = f"rope_attention {dtype} B={B} Hq={Hq} Hkv={Hkv} D={D} pos={p} splits={splits}"
+            for name, a, b, tol in (("out", got, want, 2 * ulp * want.abs().max().item() + 1e-5),
+                                    ("lse", lse, want_lse, 1e-4 * want_lse.abs().max().item()),
+                                    ("k_cache", kc, want_caches[0], 2 * ulp * want_caches[0].abs().max().item()),
+                                    ("v_cache", vc, want_caches[1], 0.0)):
+                err = (a.float() - b.float()).abs().max().item()
+                if a.shape != b.shape or err > tol:
+                    fails.append(f"{what} {name}: max error {err} > {tol}")
+    traced = torch.compile(lambda *a: (rope_attention(*a)[0], a[6][:, :, a[5]].clone()), backend="aot_eager",
+                           fullgraph=True)
+    q, k, v, cos, sin, pos, kc, vc = make(1, 8, 2, 64, 100, torch.float32, device, seed=3)
+    want_caches = [kc.clone(), vc.clone()]
+    want = rope_attention_ref(q, k, v, cos, sin, pos, *want_caches)[0]
+    out, row = traced(q, k, v, cos, sin, pos, kc, vc)
+    if not (torch.allclose(out, want, atol=1e-5) and torch.allclose(row, want_caches[0][:, :, pos])):
+        fails.append("rope_attention under torch.compile: the cache write must land and be seen by the read after it")
+    return fails
+
+
 def _worker() -> None:
-    print(json.dumps({"fails": cases("cpu", (torch.float32, torch.float16))}))
+    fails = cases("cpu", (torch.float32, torch.float16)) + attention_cases("cpu", (torch.float32, torch.float16))
+    print(json.dumps({"fails": fails}))
 
 
 def test_reference_matches_apply_rope_and_index_copy():
@@ -101,3 +139,23 @@ def test_kernel_under_interpreter():
 def test_kernel_on_cuda():
     fails = cases("cuda", (torch.bfloat16, torch.float16, torch.float32))
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and triton")
+def test_rope_attention_on_cuda():
+    fails = attention_cases("cuda", (torch.bfloat16, torch.float16, torch.float32))
+    assert not fails, "\n".join(fails)
+
+
+def test_rope_attention_reference_is_rope_then_attention():
+    """The reference is the two steps it fuses: the cache rows of `rope_cache_ref` and the
+    attention of `split_k_ref` over [0, pos + 1) with the rotated queries."""
+    from sparsedecode.kernels.decode_attention import split_k_ref
+
+    q, k, v, cos, sin, pos, kc, vc = make(1, 8, 2, 16, 40, torch.float32, seed=2)
+    want_caches = [kc.clone(), vc.clone()]
+    q_rot = rope_cache_ref(q, k, v, cos, sin, pos, *want_caches)
+    want = split_k_ref(q_rot, *want_caches, int(pos) + 1)
+    got = rope_attention_ref(q, k, v, cos, sin, pos, kc, vc)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(kc, want_caches[0]) and torch.equal(vc, want_caches[1])

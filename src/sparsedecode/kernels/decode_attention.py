@@ -325,6 +325,7 @@ if triton is not None:
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, TILE_S: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        Knew, Vnew, Cos, Sin, stride_knb, stride_vnb, ROPE: tl.constexpr, HALF: tl.constexpr,
     ):
         # Scores use tl.dot with the G query heads padded to BLOCK_G >= 16 rows. The
         # alternative, a broadcast multiply + sum, materialises G*BLOCK_N*D products in
@@ -354,6 +355,22 @@ if triton is not None:
                 Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0,
             )  # (BLOCK_G, BLOCK_D)
+            if ROPE:  # `rope_attention`: q, and the new k, v at pos = end - 1, as the projection left them
+                pos = hi_all - 1
+                # rotate_half([lo, hi]) = [-hi, lo]: each element's partner and sign
+                offs_p = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+                sign = tl.where(offs_d < HALF, -1.0, 1.0)
+                row = pos.to(tl.int64) * D  # the position's rows of the tables
+                c = tl.load(Cos + row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+                sn = tl.load(Sin + row + offs_d, mask=mask_d, other=0.0).to(tl.float32) * sign
+                q_p = tl.load(Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_p[None, :],
+                              mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+                # float32, rounded once to the cache dtype, as `rope_cache` rotates
+                q = (q.to(tl.float32) * c[None, :] + q_p.to(tl.float32) * sn[None, :]).to(Q.dtype.element_ty)
+                kn = Knew + b64 * stride_knb + h.to(tl.int64) * D
+                k_new = (tl.load(kn + offs_d, mask=mask_d, other=0.0).to(tl.float32) * c
+                         + tl.load(kn + offs_p, mask=mask_d, other=0.0).to(tl.float32) * sn).to(Q.dtype.element_ty)
+                v_new = tl.load(Vnew + b64 * stride_vnb + h.to(tl.int64) * D + offs_d, mask=mask_d, other=0.0)
             if DOT_F32:
                 q = q.to(tl.float32)
             k_base = K + b64 * stride_kb + h.to(tl.int64) * stride_kh
@@ -366,6 +383,8 @@ if triton is not None:
                 mask_n = t < hi
                 mask_kv = mask_n[:, None] & mask_d[None, :]
                 k = tl.load(k_base + t[:, None] * stride_kt + offs_d[None, :], mask=mask_kv, other=0.0)
+                if ROPE:  # row pos holds the last step's entry until the store below: take the new one
+                    k = tl.where((t == pos)[:, None], k_new[None, :], k)
                 if DOT_F32:
                     k = k.to(tl.float32)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
@@ -375,12 +394,18 @@ if triton is not None:
                 p = tl.exp2(s - m_new[:, None])
                 l_sum = l_sum * alpha + tl.sum(p, 1)
                 v = tl.load(v_base + t[:, None] * stride_vt + offs_d[None, :], mask=mask_kv, other=0.0)
+                if ROPE:
+                    v = tl.where((t == pos)[:, None], v_new[None, :], v)
                 p_v = p.to(v.dtype)
                 if DOT_F32:
                     p_v = p_v.to(tl.float32)
                     v = v.to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PRECISION)
                 m = m_new
+            if ROPE:
+                if (pos >= lo) & (pos < hi):  # the one split that read pos stores the new entry there
+                    tl.store(k_base + pos * stride_kt + offs_d, k_new, mask=mask_d)
+                    tl.store(v_base + pos * stride_vt + offs_d, v_new, mask=mask_d)
             lse = (m + tl.log2(l_sum)) * 0.6931471805599453  # natural log
             o = acc / l_sum[:, None]
             row = (b64 * HKV * G + heads) * NUM_SPLITS + split  # (BLOCK_G,)
@@ -478,26 +503,24 @@ def _merge_blocks(G: int, D: int, num_splits: int) -> tuple[int, int, int]:
     return block_gm, block_s, tile_s
 
 
-@torch.library.custom_op("sparsedecode::split_k_decode", mutates_args=())
-def _split_k_op(
+def _launch(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, start_t: Tensor | None, end_t: Tensor | None,
     counters: Tensor | None, start_int: int, end_int: int, scale: float, num_splits: int,
-    block_n: int, num_warps: int, num_stages: int, fused_merge: bool,
+    block_n: int, num_warps: int, num_stages: int, fused_merge: bool, rope: tuple | None = None,
 ) -> tuple[Tensor, Tensor]:
-    # Opaque to torch.compile (as the paper wraps flash_attn_with_kvcache, App. A): the
-    # host-side choices below (split count from the SM count, tile config; 0 = default)
-    # run eagerly at trace and capture time and are static for a given shape. Declared
-    # pure although the fused path writes the counters: it leaves them at zero before it
-    # exits, so no caller can observe the writes (as in sparse_gemv).
-    B, Hq, D = q.shape
-    Hkv, T = k_cache.shape[1], k_cache.shape[2]
+    """The split kernel (and the merge kernel unless fused_merge); rope = (k_new, v_new, cos, sin)
+    for `rope_attention` (q then holds the unrotated (B, Hq * D) queries)."""
+    # The host-side choices below (split count from the SM count, tile config; 0 = default)
+    # run eagerly at trace and capture time and are static for a given shape.
+    B, Hkv, T, D = k_cache.shape
+    Hq = q.shape[1] if rope is None else q.shape[1] // D
     G = Hq // Hkv
     if not block_n:
         block_n, num_warps, num_stages = _kernel_config(D, q.dtype)
     num_splits = num_splits or default_num_splits(T, B * Hkv, q.device, block_n)
     o_part = torch.empty((B, Hq, num_splits, D), device=q.device, dtype=torch.float32)
     l_part = torch.empty((B, Hq, num_splits), device=q.device, dtype=torch.float32)
-    out = torch.empty_like(q)
+    out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, Hq), device=q.device, dtype=torch.float32)
     if fused_merge and counters is None:
         counters = _cached_counters(B * Hkv, q.device)
@@ -513,16 +536,19 @@ def _split_k_op(
     )
     flags = dict(START_T=start_t is not None, END_T=end_t is not None)
     block_gm, block_s, tile_s = _merge_blocks(G, D, num_splits)
+    k_new, v_new, cos, sin = rope if rope is not None else (q, q, q, q)
     _split_kernel[(B * Hkv, num_splits)](
         q, k_cache, v_cache, o_part, l_part, out, lse, counters if fused_merge else l_part,
         *bounds, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), D if rope is not None else q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), *strides,
         HKV=Hkv, G=G, D=D, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_N=block_n, BLOCK_D=block_d,
         FUSED=fused_merge, BLOCK_GM=block_gm, BLOCK_S=block_s, TILE_S=tile_s,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
+        Knew=k_new, Vnew=v_new, Cos=cos, Sin=sin, stride_knb=k_new.stride(0), stride_vnb=v_new.stride(0),
+        ROPE=rope is not None, HALF=D // 2,
         num_warps=num_warps, num_stages=num_stages, **flags,
     )
     if not fused_merge:
@@ -534,9 +560,38 @@ def _split_k_op(
     return out, lse
 
 
+@torch.library.custom_op("sparsedecode::split_k_decode", mutates_args=())
+def _split_k_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, start_t: Tensor | None, end_t: Tensor | None,
+    counters: Tensor | None, start_int: int, end_int: int, scale: float, num_splits: int,
+    block_n: int, num_warps: int, num_stages: int, fused_merge: bool,
+) -> tuple[Tensor, Tensor]:
+    # Opaque to torch.compile (as the paper wraps flash_attn_with_kvcache, App. A). Declared
+    # pure although the fused path writes the counters: it leaves them at zero before it
+    # exits, so no caller can observe the writes (as in sparse_gemv).
+    return _launch(q, k_cache, v_cache, start_t, end_t, counters, start_int, end_int, scale, num_splits,
+                   block_n, num_warps, num_stages, fused_merge)
+
+
 @_split_k_op.register_fake
 def _(q, k_cache, v_cache, start_t, end_t, counters, start_int, end_int, scale, num_splits, *config):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("sparsedecode::rope_split_k_decode", mutates_args=("k_cache", "v_cache"))
+def _rope_split_k_op(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+    scale: float, num_splits: int, block_n: int, num_warps: int, num_stages: int,
+) -> tuple[Tensor, Tensor]:
+    # `rope_attention`: writes the new entry at pos into the caches (declared), reads [0, pos + 1).
+    return _launch(q, k_cache, v_cache, None, pos, None, 0, 1, scale, num_splits, block_n, num_warps,
+                   num_stages, True, rope=(k, v, cos, sin))
+
+
+@_rope_split_k_op.register_fake
+def _(q, k, v, cos, sin, pos, k_cache, v_cache, *rest):
+    B, D = q.shape[0], k_cache.shape[-1]
+    return q.new_empty(B, q.shape[1] // D, D), q.new_empty(B, q.shape[1] // D, dtype=torch.float32)
 
 
 def split_k_attention(
@@ -601,3 +656,51 @@ def split_k_attention(
     return _split_k_op(q, k_cache, v_cache, start_t, end_t, counters if fused_merge else None,
                        start_int, end_int, float(scale), num_splits or 0, block_n, num_warps,
                        num_stages, bool(fused_merge))
+
+
+# True: the decoder's one-token step on the plain cache with the split_k backend runs `rope_attention`
+# (RoPE, the cache write and the attention in one launch) where it ran `rope_cache` and then split_k.
+ROPE_IN_ATTENTION = True
+
+
+def rope_attention_ref(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,
+                       v_cache: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """`rope_attention` in plain PyTorch: `rope_cache_ref`, then `split_k_ref` over [0, pos + 1)."""
+    from sparsedecode.kernels.rope_cache import rope_cache_ref
+
+    q_rot = rope_cache_ref(q, k, v, cos, sin, pos, k_cache, v_cache)  # (B, Hq, D); the caches hold the entry
+    return split_k_ref(q_rot, k_cache, v_cache, pos, scale=scale, end_offset=1)
+
+
+def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,
+                   v_cache: Tensor, scale: float | None = None, num_splits: int | None = None,
+                   config: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """One decode token per sequence, RoPE to attention output in one launch (ByteCross §4.1: the
+    step's fixed costs): q (B, Hq * D) and k (B, Hkv * D) as the projection left them are rotated
+    by the angles of position pos (a 1-element integer tensor, read on the device) in the tables
+    cos, sin (T, D) of `models.rope.rope_tables`; the rotated k and v (B, Hkv * D) go to position
+    pos of k_cache, v_cache (B, Hkv, T, D), and the rotated queries attend over [0, pos + 1).
+
+    Where `rope_cache` and then `split_k_attention` take two launches and a trip of the rotated
+    queries through memory, here each split program rotates its query heads itself, and the one
+    program whose chunk holds pos rotates the new key, stores the entry and uses it in place of
+    the cache row it loaded (no program of the launch reads pos from memory). The rotation is
+    `rope_cache`'s: float32, rounded once to the cache dtype. Returns (out (B, Hq, D), lse (B, Hq)
+    float32) as `split_k_attention` does. CUDA, or CPU under TRITON_INTERPRET=1;
+    `rope_attention_ref` elsewhere.
+    """
+    from sparsedecode.kernels.rope_cache import _check as check_rope
+
+    if triton is None or not (q.is_cuda or _interpreting()):
+        raise InputError("the rope_attention kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1) with Triton; "
+                         "use rope_attention_ref")
+    B, Hq, Hkv, D = check_rope(q, k, v, cos, sin, pos, k_cache, v_cache)
+    if Hq % Hkv or D > MAX_HEAD_DIM or D < 8:
+        raise InputError(f"rope_attention needs query heads a multiple of KV heads and a head dim in 8..{MAX_HEAD_DIM}; "
+                         f"got {Hq}, {Hkv} and {D}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise InputError(f"num_splits must be in 1..{MAX_SPLITS}; got {num_splits}")
+    block_n, num_warps, num_stages = config or (0, 0, 0)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    return _rope_split_k_op(q, k, v, cos, sin, pos.reshape(1), k_cache, v_cache, float(scale), num_splits or 0,
+                            block_n, num_warps, num_stages)
