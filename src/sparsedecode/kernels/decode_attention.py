@@ -315,7 +315,15 @@ if triton is not None:
         _store_out(Out, Lse, b64, heads, offs_d, acc / safe[:, None], lse, mask_g, mask_d,
                    stride_ob, stride_oh, HKV * G)
 
-    @triton.jit(do_not_specialize=["start_int", "end_int"])
+    @triton.jit
+    def _rope(x, x_p, c, sn, sign, one):
+        """RoPE of the rows x (their rotate_half partners x_p) by the table tiles c, sn (sign: -1 on
+        the first half), each times `one` (1.0): float32, rounded once to x's dtype, as `rope_cache`
+        rotates."""
+        return (x.to(tl.float32) * (c.to(tl.float32) * one)
+                + x_p.to(tl.float32) * (sn.to(tl.float32) * sign * one)).to(x.dtype)
+
+    @triton.jit(do_not_specialize=["start_int", "end_int", "zero"])
     def _split_kernel(
         Q, K, V, O_part, L_part, Out, Lse, Count, Start, End,
         start_int, end_int, T, qk_scale,
@@ -325,7 +333,7 @@ if triton is not None:
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, TILE_S: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-        Knew, Vnew, Cos, Sin, stride_knb, stride_vnb, ROPE: tl.constexpr, HALF: tl.constexpr,
+        Knew, Vnew, Cos, Sin, stride_knb, stride_vnb, zero, ROPE: tl.constexpr, HALF: tl.constexpr,
     ):
         # Scores use tl.dot with the G query heads padded to BLOCK_G >= 16 rows. The
         # alternative, a broadcast multiply + sum, materialises G*BLOCK_N*D products in
@@ -359,19 +367,22 @@ if triton is not None:
                 pos = hi_all - 1
                 # rotate_half([lo, hi]) = [-hi, lo]: each element's partner and sign
                 offs_p = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
-                sign = tl.where(offs_d < HALF, -1.0, 1.0)
-                row = pos.to(tl.int64) * D  # the position's rows of the tables
-                c = tl.load(Cos + row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-                sn = tl.load(Sin + row + offs_d, mask=mask_d, other=0.0).to(tl.float32) * sign
+                sign = tl.where(offs_d < HALF, -1.0, 1.0)[None, :]
+                # Loads only, and each a (BLOCK_G, BLOCK_D) tile like q's (the table rows and the new
+                # entry repeated down the rows): nothing waits for them before the loop, so the warp
+                # issues the pipelined K, V loads first. With 1-D rows, converting them to q's layout
+                # before the loop made it wait (sm_90 PTX: bar.sync before the first cp.async).
+                rows = pos.to(tl.int64) * D + 0 * offs_g[:, None]  # (BLOCK_G, 1)
+                in_d = (offs_g[:, None] >= 0) & mask_d[None, :]
+                c_t = tl.load(Cos + rows + offs_d[None, :], mask=in_d, other=0.0)
+                s_t = tl.load(Sin + rows + offs_d[None, :], mask=in_d, other=0.0)
                 q_p = tl.load(Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_p[None, :],
                               mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-                # float32, rounded once to the cache dtype, as `rope_cache` rotates
-                q = (q.to(tl.float32) * c[None, :] + q_p.to(tl.float32) * sn[None, :]).to(Q.dtype.element_ty)
-                kn = Knew + b64 * stride_knb + h.to(tl.int64) * D
-                k_new = (tl.load(kn + offs_d, mask=mask_d, other=0.0).to(tl.float32) * c
-                         + tl.load(kn + offs_p, mask=mask_d, other=0.0).to(tl.float32) * sn).to(Q.dtype.element_ty)
-                v_new = tl.load(Vnew + b64 * stride_vnb + h.to(tl.int64) * D + offs_d, mask=mask_d, other=0.0)
-            if DOT_F32:
+                new = 0 * offs_g[:, None] + h.to(tl.int64) * D  # (BLOCK_G, 1): the head's new entry
+                kn_t = tl.load(Knew + b64 * stride_knb + new + offs_d[None, :], mask=in_d, other=0.0)
+                kn_p = tl.load(Knew + b64 * stride_knb + new + offs_p[None, :], mask=in_d, other=0.0)
+                vn_t = tl.load(Vnew + b64 * stride_vnb + new + offs_d[None, :], mask=in_d, other=0.0)
+            elif DOT_F32:
                 q = q.to(tl.float32)
             k_base = K + b64 * stride_kb + h.to(tl.int64) * stride_kh
             v_base = V + b64 * stride_vb + h.to(tl.int64) * stride_vh
@@ -383,19 +394,32 @@ if triton is not None:
                 mask_n = t < hi
                 mask_kv = mask_n[:, None] & mask_d[None, :]
                 k = tl.load(k_base + t[:, None] * stride_kt + offs_d[None, :], mask=mask_kv, other=0.0)
-                if ROPE:  # row pos holds the last step's entry until the store below: take the new one
-                    k = tl.where((t == pos)[:, None], k_new[None, :], k)
+                if ROPE:
+                    # The queries rotated in the loop: above it, the rotation made the warp wait for
+                    # the tables before it issued the first K, V loads (sm_90 PTX). `one` is 1 but
+                    # varies with t0 for the compiler (zero is a runtime 0), so it is not hoisted.
+                    q_r = _rope(q, q_p, c_t, s_t, sign, (t0 * zero + 1).to(tl.float32))
+                    # Row pos of the cache holds the last step's entry: left out here, the new
+                    # entry is added after the loop. A tile of pos alone is all -inf.
+                    keep_n = mask_n & (t != pos)
+                    if DOT_F32:
+                        q_r = q_r.to(tl.float32)
+                else:
+                    q_r = q
+                    keep_n = mask_n
                 if DOT_F32:
                     k = k.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
-                s = tl.where(mask_n[None, :], s, float("-inf"))
+                s = tl.dot(q_r, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+                s = tl.where(keep_n[None, :], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
+                if ROPE:  # an all -inf tile leaves m at -inf: subtract 0 there, not -inf
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_ref = m_new
+                alpha = tl.exp2(m - m_ref)
+                p = tl.exp2(s - m_ref[:, None])
                 l_sum = l_sum * alpha + tl.sum(p, 1)
                 v = tl.load(v_base + t[:, None] * stride_vt + offs_d[None, :], mask=mask_kv, other=0.0)
-                if ROPE:
-                    v = tl.where((t == pos)[:, None], v_new[None, :], v)
                 p_v = p.to(v.dtype)
                 if DOT_F32:
                     p_v = p_v.to(tl.float32)
@@ -403,9 +427,20 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=PRECISION)
                 m = m_new
             if ROPE:
-                if (pos >= lo) & (pos < hi):  # the one split that read pos stores the new entry there
-                    tl.store(k_base + pos * stride_kt + offs_d, k_new, mask=mask_d)
-                    tl.store(v_base + pos * stride_vt + offs_d, v_new, mask=mask_d)
+                if (pos >= lo) & (pos < hi):  # the one split whose chunk holds pos: the new entry
+                    q_r = _rope(q, q_p, c_t, s_t, sign, 1.0).to(tl.float32)
+                    k_new = _rope(kn_t, kn_p, c_t, s_t, sign, 1.0)  # (BLOCK_G, BLOCK_D), each row the key
+                    s_new = tl.sum(q_r * k_new.to(tl.float32), 1) * qk_scale  # (BLOCK_G,)
+                    m_new = tl.maximum(m, s_new)
+                    alpha = tl.exp2(m - m_new)
+                    p_new = tl.exp2(s_new - m_new)
+                    l_sum = l_sum * alpha + p_new
+                    # p rounded to the value dtype as the loop's P @ V rounds it
+                    acc = acc * alpha[:, None] + p_new.to(vn_t.dtype).to(tl.float32)[:, None] * vn_t.to(tl.float32)
+                    m = m_new
+                    first = (offs_g == 0)[:, None] & mask_d[None, :]  # one row of each
+                    tl.store(k_base + pos * stride_kt + 0 * offs_g[:, None] + offs_d[None, :], k_new, mask=first)
+                    tl.store(v_base + pos * stride_vt + 0 * offs_g[:, None] + offs_d[None, :], vn_t, mask=first)
             lse = (m + tl.log2(l_sum)) * 0.6931471805599453  # natural log
             o = acc / l_sum[:, None]
             row = (b64 * HKV * G + heads) * NUM_SPLITS + split  # (BLOCK_G,)
@@ -547,7 +582,7 @@ def _launch(
         FUSED=fused_merge, BLOCK_GM=block_gm, BLOCK_S=block_s, TILE_S=tile_s,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
-        Knew=k_new, Vnew=v_new, Cos=cos, Sin=sin, stride_knb=k_new.stride(0), stride_vnb=v_new.stride(0),
+        Knew=k_new, Vnew=v_new, Cos=cos, Sin=sin, stride_knb=k_new.stride(0), stride_vnb=v_new.stride(0), zero=0,
         ROPE=rope is not None, HALF=D // 2,
         num_warps=num_warps, num_stages=num_stages, **flags,
     )
