@@ -34,6 +34,8 @@ def test_tables_come_from_records_only(tmp_path):
     d = decode_table(recs).splitlines()[2]
     assert d == "| proj0.5 (teal) | default | 0.464 | 3.257 | 5.412 | 1.662× | 1.960× | 84.8% |  |"
     assert speed_tables([tmp_path / "b.json"]).count("\n\n") == 0  # one table, no empty ones
+    marked = decode_table([{**decode, "rope_in_attention": False}, {**decode, "rope_in_attention": True}])
+    assert [row.split(" | ")[0] for row in marked.splitlines()[2:]] == ["| proj0.5+rope_cache (teal)", "| proj0.5 (teal)"]
 
 
 def test_unreadable_record_is_a_clear_error(tmp_path):

@@ -56,7 +56,9 @@ def decode_table(records: list[dict]) -> str:
     for r in records:
         if r["kind"] != "proj_decode_bench" or r["mode"] == "dense":
             continue
-        rows.append(f"| {r['mode']} ({r['calibration']['method']}) | {r['compile_mode'] or 'default'} "
+        # a step whose attention took RoPE from `rope_cache` in a launch of its own (--no-rope-attention)
+        mode = r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
+        rows.append(f"| {mode} ({r['calibration']['method']}) | {r['compile_mode'] or 'default'} "
                     f"| {r['realized_keep']:.3f} | {r['step_ms_median']:.3f} | {r['paired_dense_ms']:.3f} "
                     f"| {r['speedup']:.3f}× | {r['bound']:.3f}× | {100 * r['fraction_of_bound']:.1f}% "
                     f"| {_commit(r)} |")
