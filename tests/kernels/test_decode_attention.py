@@ -251,6 +251,7 @@ def _interpreter_worker() -> None:
         (1, 2, 7, 300, 32, 10, 300, None),
         (1, 1, 4, 130, 128, torch.tensor(2), torch.tensor(129), 8),
         (2, 1, 2, 64, 64, [5, 0], [5, 0], 4),  # empty ranges: 0 and -inf
+        (1, 2, 4, 2700, 128, 0, 2600, 40),  # the fused merge over three tiles of 16 partials
     ]
     for dtype, fused in [(d, True) for d in DTYPES] + [(DTYPES[0], False)]:
         for B, Hkv, G, T, D, start, end, S in cases:

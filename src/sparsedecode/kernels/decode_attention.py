@@ -284,32 +284,37 @@ if triton is not None:
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, TILE_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        """LSE merge of the n_active partials of the G query heads of KV head h of row b."""
+        """LSE merge of the n_active partials of the G query heads of KV head h of row b.
+
+        Online over tiles of TILE_S partials: a tile's LSEs and outputs are loaded together and
+        the running sums rescaled to the running max, so the merge makes one trip to L2 per tile
+        where a first pass over the LSEs for their max cost one more on the critical path."""
         offs_g = tl.arange(0, BLOCK_GM)
         mask_g = offs_g < G
         heads = h * G + offs_g  # (BLOCK_GM,)
         rows = (b64 * HKV * G + heads) * NUM_SPLITS  # (BLOCK_GM,) first partial of each head
-        offs_s = tl.arange(0, BLOCK_S)
-        # Partials of other programs are read at L2 (.cg): they were written on other SMs.
-        lse_s = tl.load(L_part + rows[:, None] + offs_s[None, :],
-                        mask=mask_g[:, None] & (offs_s < n_active)[None, :], other=float("-inf"),
-                        cache_modifier=".cg")  # (BLOCK_GM, BLOCK_S)
-        m = tl.max(lse_s, 1)
-        m = tl.where(m == float("-inf"), 0.0, m)  # (BLOCK_GM,)
-        total = tl.sum(tl.exp(lse_s - m[:, None]), 1)  # (BLOCK_GM,), >= 1 for a real head
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
+        m = tl.full([BLOCK_GM], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_GM], tl.float32)
         acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
         for s0 in range(0, n_active, TILE_S):
             offs_t = s0 + tl.arange(0, TILE_S)
             mask_t = mask_g[:, None] & (offs_t < n_active)[None, :]  # (BLOCK_GM, TILE_S)
             idx = rows[:, None] + offs_t[None, :]
-            w = tl.exp(tl.load(L_part + idx, mask=mask_t, other=float("-inf"), cache_modifier=".cg")
-                       - m[:, None])  # (BLOCK_GM, TILE_S), 0 off the active splits
+            # Partials of other programs are read at L2 (.cg): they were written on other SMs.
+            lse_t = tl.load(L_part + idx, mask=mask_t, other=float("-inf"), cache_modifier=".cg")
             o = tl.load(O_part + idx[:, :, None] * D + offs_d[None, None, :],
                         mask=mask_t[:, :, None] & mask_d[None, None, :], other=0.0,
                         cache_modifier=".cg")  # (BLOCK_GM, TILE_S, BLOCK_D)
-            acc += tl.sum(w[:, :, None] * o, 1)
+            m_new = tl.maximum(m, tl.max(lse_t, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+            scale = tl.exp(m - m_ref)  # 0 on the first tile
+            w = tl.exp(lse_t - m_ref[:, None])  # (BLOCK_GM, TILE_S), 0 off the active splits
+            total = total * scale + tl.sum(w, 1)
+            acc = acc * scale[:, None] + tl.sum(w[:, :, None] * o, 1)
+            m = m_new
+        m = tl.where(m == float("-inf"), 0.0, m)
         safe = tl.where(total > 0, total, 1.0)
         lse = tl.where(total > 0, m + tl.log(safe), float("-inf"))
         _store_out(Out, Lse, b64, heads, offs_d, acc / safe[:, None], lse, mask_g, mask_d,
