@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4 on the H200 (not yet run): which of the fused decoder layer's four sparse GEMV calls pays
+# Issue 4 on the H200 (run at 7325777: records h200/sparse_gemv_20261130T1938Z_fused_gemv): which of the fused decoder layer's four sparse GEMV calls pays
 # the 92 us a step that the fused norms cost in the step profile (records
 # h200/sparse_gemv_20261130T1738Z_fused_norms): the default config of the step's four shapes at keeps
 # 1, 0.5 and 0.3, plain, with residual= (o and down add the residual and leave the tiles' sums of
