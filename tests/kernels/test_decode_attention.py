@@ -316,9 +316,9 @@ def test_kernel_compiles_for_hopper(dtype, D, G):
 
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     block_n, num_warps, num_stages = da._kernel_config(D, dtype)
-    block_gm, block_s, tile_s = da._merge_blocks(G, D, 66)
+    block_gm, _, tile_s = da._merge_blocks(G, D, 66)
     split = dict(HKV=8, G=G, D=D, NUM_SPLITS=66, BLOCK_G=16, BLOCK_N=block_n,
-                 BLOCK_D=triton.next_power_of_2(D), BLOCK_GM=block_gm, BLOCK_S=block_s, TILE_S=tile_s,
+                 BLOCK_D=triton.next_power_of_2(D), BLOCK_GM=block_gm, TILE_S=tile_s,
                  START_T=False, END_T=True, PRECISION="ieee" if dtype == torch.float32 else "tf32",
                  DOT_F32=False, ROPE=False, HALF=D // 2)
     split_types = dict(Q=ty, K=ty, V=ty, Out=ty, Count="*i32", Start="*i64", End="*i64", qk_scale="fp32",

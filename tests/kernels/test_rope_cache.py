@@ -129,6 +129,21 @@ def test_bad_input_raises_clear_errors():
                        vc[..., :7].contiguous())
 
 
+def test_rope_attention_bad_input_raises_clear_errors():
+    """Checked before the device: the same errors on CPU as on CUDA."""
+    q, k, v, cos, sin, pos, kc, vc = make(1, 6, 4, 16, 9, torch.float32)
+    with pytest.raises(InputError, match="not a multiple of 4 KV heads"):
+        rope_attention(q, k, v, cos, sin, pos, kc, vc)
+    q, k, v, cos, sin, pos, kc, vc = make(1, 4, 2, 4, 9, torch.float32)
+    with pytest.raises(InputError, match="head dim 4"):
+        rope_attention(q, k, v, cos, sin, pos, kc, vc)
+    q, k, v, cos, sin, pos, kc, vc = make(1, 4, 2, 16, 9, torch.float32)
+    with pytest.raises(InputError, match="num_splits"):
+        rope_attention(q, k, v, cos, sin, pos, kc, vc, num_splits=0)
+    with pytest.raises(InputError, match="like the cache"):
+        rope_attention(q.double(), k, v, cos, sin, pos, kc, vc)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_kernel_under_interpreter():
     report = run_interpreted(__file__, "_worker")

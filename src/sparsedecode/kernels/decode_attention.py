@@ -51,6 +51,8 @@ import torch
 from torch import Tensor
 
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.rope_cache import _check as check_rope
+from sparsedecode.kernels.rope_cache import rope_cache_ref
 
 try:
     import triton
@@ -282,7 +284,7 @@ if triton is not None:
     def _merge_group(
         O_part, L_part, Out, Lse, b64, h, n_active, stride_ob, stride_oh,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, TILE_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_GM: tl.constexpr, TILE_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         """LSE merge of the n_active partials of the G query heads of KV head h of row b.
 
@@ -336,7 +338,7 @@ if triton is not None:
         stride_ob, stride_oh, stride_start, stride_end,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, TILE_S: tl.constexpr,
+        FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, TILE_S: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         Knew, Vnew, Cos, Sin, stride_knb, stride_vnb, zero, ROPE: tl.constexpr, HALF: tl.constexpr,
     ):
@@ -467,7 +469,7 @@ if triton is not None:
                     if arrived == n_active - 1:
                         _merge_group(O_part, L_part, Out, Lse, b64, h, n_active,
                                      stride_ob, stride_oh, HKV, G, D, NUM_SPLITS,
-                                     BLOCK_GM, BLOCK_S, TILE_S, BLOCK_D)
+                                     BLOCK_GM, TILE_S, BLOCK_D)
                         # Every active program has arrived: nobody else touches the counter
                         # in this launch, and the next launch finds it at zero.
                         tl.atomic_xchg(Count + pid_bh, 0, sem="relaxed")
@@ -584,7 +586,7 @@ def _launch(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), *strides,
         HKV=Hkv, G=G, D=D, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_N=block_n, BLOCK_D=block_d,
-        FUSED=fused_merge, BLOCK_GM=block_gm, BLOCK_S=block_s, TILE_S=tile_s,
+        FUSED=fused_merge, BLOCK_GM=block_gm, TILE_S=tile_s,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
         Knew=k_new, Vnew=v_new, Cos=cos, Sin=sin, stride_knb=k_new.stride(0), stride_vnb=v_new.stride(0), zero=0,
@@ -634,6 +636,14 @@ def _(q, k, v, cos, sin, pos, k_cache, v_cache, *rest):
     return q.new_empty(B, q.shape[1] // D, D), q.new_empty(B, q.shape[1] // D, dtype=torch.float32)
 
 
+def _check_kernel_args(D: int, num_splits: int | None) -> None:
+    """The head dims and split counts the split kernel takes (`split_k_attention`, `rope_attention`)."""
+    if D > MAX_HEAD_DIM or D < 8:
+        raise InputError(f"head dim {D} is not supported by the split_k kernel (8..{MAX_HEAD_DIM})")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise InputError(f"num_splits must be in 1..{MAX_SPLITS}; got {num_splits}")
+
+
 def split_k_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, end, start=0, scale: float | None = None,
     num_splits: int | None = None, config: tuple[int, int, int] | None = None, *,
@@ -660,8 +670,7 @@ def split_k_attention(
     if triton is None:
         raise InputError("the split_k kernel needs Triton: pip install triton (or use split_k_ref on CPU)")
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
-    if D > MAX_HEAD_DIM or D < 8:
-        raise InputError(f"head dim {D} is not supported by the split_k kernel (8..{MAX_HEAD_DIM})")
+    _check_kernel_args(D, num_splits)
     if counters is not None and (
         counters.dtype != torch.int32 or counters.device != q.device
         or counters.dim() != 1 or counters.numel() < B * Hkv or counters.stride(0) != 1
@@ -681,8 +690,6 @@ def split_k_attention(
     if (T - 1) * max(k_cache.stride(2), v_cache.stride(2)) + D >= 2**31:
         raise InputError(f"a KV head slab of {T} entries exceeds the kernel's 32-bit in-head offsets")
     q = q.contiguous() if q.stride(-1) != 1 else q
-    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
-        raise InputError(f"num_splits must be in 1..{MAX_SPLITS}; got {num_splits}")
     block_n, num_warps, num_stages = config or (0, 0, 0)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     bounds = []
@@ -706,8 +713,6 @@ ROPE_IN_ATTENTION = True
 def rope_attention_ref(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,
                        v_cache: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
     """`rope_attention` in plain PyTorch: `rope_cache_ref`, then `split_k_ref` over [0, pos + 1)."""
-    from sparsedecode.kernels.rope_cache import rope_cache_ref
-
     q_rot = rope_cache_ref(q, k, v, cos, sin, pos, k_cache, v_cache)  # (B, Hq, D); the caches hold the entry
     return split_k_ref(q_rot, k_cache, v_cache, pos, scale=scale, end_offset=1)
 
@@ -723,23 +728,20 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, po
 
     Where `rope_cache` and then `split_k_attention` take two launches and a trip of the rotated
     queries through memory, here each split program rotates its query heads itself, and the one
-    program whose chunk holds pos rotates the new key, stores the entry and uses it in place of
-    the cache row it loaded (no program of the launch reads pos from memory). The rotation is
+    program whose chunk holds pos leaves that cache row (the last step's) out of its loop, adds
+    the new entry to its softmax after the loop and stores the entry (no program of the launch
+    reads pos from memory). The rotation is
     `rope_cache`'s: float32, rounded once to the cache dtype. Returns (out (B, Hq, D), lse (B, Hq)
     float32) as `split_k_attention` does. CUDA, or CPU under TRITON_INTERPRET=1;
     `rope_attention_ref` elsewhere.
     """
-    from sparsedecode.kernels.rope_cache import _check as check_rope
-
+    B, Hq, Hkv, D = check_rope(q, k, v, cos, sin, pos, k_cache, v_cache)
+    if Hq % Hkv:
+        raise InputError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    _check_kernel_args(D, num_splits)
     if triton is None or not (q.is_cuda or _interpreting()):
         raise InputError("the rope_attention kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1) with Triton; "
                          "use rope_attention_ref")
-    B, Hq, Hkv, D = check_rope(q, k, v, cos, sin, pos, k_cache, v_cache)
-    if Hq % Hkv or D > MAX_HEAD_DIM or D < 8:
-        raise InputError(f"rope_attention needs query heads a multiple of KV heads and a head dim in 8..{MAX_HEAD_DIM}; "
-                         f"got {Hq}, {Hkv} and {D}")
-    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
-        raise InputError(f"num_splits must be in 1..{MAX_SPLITS}; got {num_splits}")
     block_n, num_warps, num_stages = config or (0, 0, 0)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     return _rope_split_k_op(q, k, v, cos, sin, pos.reshape(1), k_cache, v_cache, float(scale), num_splits or 0,

@@ -246,10 +246,8 @@ class Block(nn.Module):
         q, k, v = a.qkv(x, norm=(self.input_layernorm, ss))
         x, ss = a.o_proj(a.attend(q, k, v, cos, sin, pos, None, host_len, tables), residual=x)
         gate, up = m.gate_up(x, norm=(self.post_attention_layernorm, ss))
-        swiglu = getattr(m.down_proj, "forward_swiglu", None)  # silu(gate) * up in down's load, if FUSE_SWIGLU
-        if swiglu is not None:
-            return swiglu(gate, up, residual=x)
-        return m.down_proj(F.silu(gate) * up, residual=x)
+        # a SparseLinear (see `fused`): silu(gate) * up in its load if FUSE_SWIGLU, else formed here
+        return m.down_proj.forward_swiglu(gate, up, residual=x)
 
 
 class Transformer(nn.Module):
