@@ -203,6 +203,8 @@ def _interpreter_worker() -> None:
             n += 1
     fails += _pairs_cases()
     n += 6
+    fails += _x_once_cases()
+    n += 3
     fails += _segment_cases()
     n += 15
     fails += _swiglu_cases()
@@ -223,7 +225,8 @@ def test_triton_kernel_under_interpreter():
     assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
 
 
-def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, evict="", bits=False):
+def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, evict="", bits=False,
+                        xonce=False, stride=0):
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -237,13 +240,15 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu,
                   EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n,
-                  RESID=False, NORM=False, SS_BLOCK=1)
+                  RESID=False, NORM=False, SS_BLOCK=1, XONCE=xonce, STRIDE=stride)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})
-    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "stride_w32")]  # what the launcher specialises
+    # what the launcher specialises (torch's allocations are 16-byte aligned; 4096-row splits are whole tiles)
+    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "stride_w32", "Scratch",
+                                           "rows_per_split", "K")]
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     try:
@@ -300,6 +305,14 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
         # only x is converted (8 weights per lane and row in ptx4, one x)
         assert pairs.count("cvt.f32.bf16") * 4 < ptx4.count("cvt.f32.bf16"), "pairs must not convert bf16 weights"
         assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 16", pairs) and "and.b32" in pairs
+    # X_ONCE with the row stride compiled in: the same predicated vectors, a tile's rows at
+    # constant offsets from one address (immediate offsets in sm_90 SASS)
+    n_cols = 14336
+    once = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, xonce=True, stride=n_cols).asm["ptx"]
+    veco = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", once, re.M)
+    assert len([v for v in veco if v[0]]) == 2 * per_thread, "X_ONCE: one predicated vector per row segment"
+    offsets = {int(c) for c in re.findall(r"add\.s64\s+%rd\d+, %rd\d+, (\d+);", once)}
+    assert {r * n_cols * elem for r in range(1, block_k)} <= offsets, "rows must be constant offsets of one address"
 
 
 
@@ -412,13 +425,65 @@ def test_fused_norm_and_residual_under_interpreter():
 
 def _with_pairs(pairs: bool, fn, *args, **kwargs):
     """fn(*args, **kwargs) with sparse_gemv.BF16_PAIRS set to `pairs`, restored after."""
+    return _with_knobs(dict(BF16_PAIRS=pairs), fn, *args, **kwargs)
+
+
+def _with_knobs(knobs: dict, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the sparse_gemv module knobs set as `knobs` says, restored after."""
     from sparsedecode.kernels import sparse_gemv as sg
 
-    default, sg.BF16_PAIRS = sg.BF16_PAIRS, pairs
+    saved = {k: getattr(sg, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(sg, k, v)
     try:
         return fn(*args, **kwargs)
     finally:
-        sg.BF16_PAIRS = default
+        for k, v in saved.items():
+            setattr(sg, k, v)
+
+
+def _x_once_cases(device="cpu") -> list[str]:
+    """X_ONCE (stages 4 forms each row's input once per split, in a scratch the split shares) and
+    ROW_STRIDE_CONST give bit for bit what stages 4 gives without them: plain, SwiGLU and normed
+    inputs, a residual output, aligned segments, a strided column slice, partial last splits and
+    tiles, every row dropped, and the dtypes; with 7 and 19 splits the split's scratch serves
+    several programs and splits of a single tile."""
+    from sparsedecode.kernels.sparse_gemv import sumsq
+
+    fails = []
+    base = dict(X_ONCE=False, ROW_STRIDE_CONST=False)
+    both, once, const = (dict(X_ONCE=True, ROW_STRIDE_CONST=True), dict(X_ONCE=True, ROW_STRIDE_CONST=False),
+                         dict(X_ONCE=False, ROW_STRIDE_CONST=True))
+    shapes = ((301, 130, (64, 16, 5, 1, 4)), (100, 40, (32, 8, 7, 1, 4))) if device == "cpu" else (
+        (301, 130, (64, 16, 5, 1, 4)), (577, 203, (64, 8, 19, 1, 4)), (4096, 14336, None), (14336, 4096, None))
+    for dtype in DTYPES:
+        for K, N, config in shapes:
+            x, w_t, b = make(K, N, dtype, device=device, seed=K + 11)
+            t = torch.tensor(threshold_for(x, 0.3), device=device)
+            calls = [("keep=0.3", (x, w_t, t, b), {}, (both, once, const))]
+            if dtype == torch.bfloat16 or device != "cpu":
+                up = make(K, 1, dtype, device=device, seed=K + 12)[0].reshape(x.shape)
+                res = make(N, 1, dtype, device=device, seed=K + 13)[0].reshape(1, N)
+                nw = (1.0 + 0.3 * make(K, 1, torch.float32, seed=K + 14)[0].reshape(K)).to(device, dtype)
+                half = 64 if N >= 128 else 16
+                calls += [("keep=1", (x, w_t, torch.tensor(0.0, device=device), b), {}, (both,)),
+                          ("all dropped", (x, w_t, math.inf, b), {}, (both,)),
+                          ("swiglu", (x, w_t, t, b), dict(up=up), (both,)),
+                          ("residual", (x, w_t, t, b), dict(residual=res), (both,)),
+                          ("norm", (x, w_t, t, None), dict(norm=(nw, sumsq(x), 1e-5)), (both,)),
+                          ("segments", (x, w_t, [t, torch.tensor(threshold_for(x, 0.7), device=device)], b),
+                           dict(segments=[half, N - half]), (both,)),
+                          ("strided slice", (x, w_t[:, 8:8 + N // 2], t, None), {}, (both,))]
+            for what, args, kwargs, variants in calls:
+                cfg = config if what != "strided slice" or config is None else (16, *config[1:])
+                want = _with_knobs(base, sparse_gemv, *args, config=cfg, **kwargs)
+                for knobs in variants:
+                    got = _with_knobs(knobs, sparse_gemv, *args, config=cfg, **kwargs)
+                    same = (all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) if isinstance(got, tuple)
+                            else torch.equal(got, want))
+                    if not same:
+                        fails.append(f"{knobs} {dtype} {K}x{N} {cfg} {what}: differs from stages 4 without it")
+    return fails
 
 
 def _pairs_cases() -> list[str]:
@@ -515,6 +580,12 @@ def test_loop_configs_on_cuda(config, pairs, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         fails += check(out, x, w_t, threshold_for(x, keep), b, f"{config} graph replay keep={keep}")
+    assert not fails, "\n".join(fails)
+
+
+@gpu
+def test_x_once_and_constant_stride_on_cuda():
+    fails = _x_once_cases(device="cuda")
     assert not fails, "\n".join(fails)
 
 
