@@ -444,7 +444,8 @@ def _with_knobs(knobs: dict, fn, *args, **kwargs):
 
 def _x_once_cases(device="cpu") -> list[str]:
     """X_ONCE (stages 4 forms each row's input once per split, in a scratch the split shares) and
-    ROW_STRIDE_CONST give bit for bit what stages 4 gives without them: plain, SwiGLU and normed
+    ROW_STRIDE_CONST give what stages 4 gives without them (bit for bit under the interpreter;
+    on CUDA, where the order of the splits' atomic adds varies, within rounding): plain, SwiGLU and normed
     inputs, a residual output, aligned segments, a strided column slice, partial last splits and
     tiles, every row dropped, and the dtypes; with 7 and 19 splits the split's scratch serves
     several programs and splits of a single tile."""
@@ -479,10 +480,15 @@ def _x_once_cases(device="cpu") -> list[str]:
                 want = _with_knobs(base, sparse_gemv, *args, config=cfg, **kwargs)
                 for knobs in variants:
                     got = _with_knobs(knobs, sparse_gemv, *args, config=cfg, **kwargs)
-                    same = (all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) if isinstance(got, tuple)
-                            else torch.equal(got, want))
-                    if not same:
-                        fails.append(f"{knobs} {dtype} {K}x{N} {cfg} {what}: differs from stages 4 without it")
+                    pairs = list(zip(got, want, strict=True)) if isinstance(got, tuple) else [(got, want)]
+                    if device == "cpu":  # the interpreter runs the splits in order: the same sums, bit for bit
+                        if not all(torch.equal(g, w) for g, w in pairs):
+                            fails.append(f"{knobs} {dtype} {K}x{N} {cfg} {what}: differs from stages 4 without it")
+                    else:  # the splits' fp32 atomic adds land in any order
+                        ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
+                        for g, w in pairs:
+                            tol = 2 * ulp * w.float().abs().max().item() + FLOOR[dtype]
+                            fails += [m for m in [mismatch(g, w, tol, f"{knobs} {dtype} {K}x{N} {what}")] if m]
     return fails
 
 
