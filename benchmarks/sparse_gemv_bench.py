@@ -72,9 +72,6 @@ def add_knob_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
                     help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs "
                     "(sparse_gemv.BF16_PAIRS; default: the module's)")
-    ap.add_argument("--x-once", action=argparse.BooleanOptionalAction, default=None,
-                    help="sparse GEMV stages 4 forms each row's input once per split, not per lane "
-                    "(sparse_gemv.X_ONCE; default: the module's)")
     ap.add_argument("--stride-const", action=argparse.BooleanOptionalAction, default=None,
                     help="sparse GEMV stages 4 compiles the weight's row stride in "
                     "(sparse_gemv.ROW_STRIDE_CONST; default: the module's)")
@@ -83,7 +80,7 @@ def add_knob_args(ap: argparse.ArgumentParser) -> None:
 def apply_knobs(args) -> dict:
     """Set the knobs of `add_knob_args` that were given; their effective values, for the record."""
     return override(sg, REGISTER_CAP=args.max_registers, WEIGHTS_EVICT_FIRST=args.evict_first,
-                    BF16_PAIRS=args.bf16_pairs, X_ONCE=args.x_once, ROW_STRIDE_CONST=args.stride_const)
+                    BF16_PAIRS=args.bf16_pairs, ROW_STRIDE_CONST=args.stride_const)
 
 
 def time_graph(fn, args_list, reps: int) -> list[float]:
@@ -318,8 +315,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "keep_target": keep, "threshold": t_cell, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
                 "config_label": label, "fused": fused, "pdl": args.pdl, "register_cap": sg.REGISTER_CAP,
-                "evict_first": sg.WEIGHTS_EVICT_FIRST, "bf16_pairs": sg.BF16_PAIRS, "x_once": sg.X_ONCE,
-                "stride_const": sg.ROW_STRIDE_CONST,
+                "evict_first": sg.WEIGHTS_EVICT_FIRST, "bf16_pairs": sg.BF16_PAIRS, "stride_const": sg.ROW_STRIDE_CONST,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,

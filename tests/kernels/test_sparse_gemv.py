@@ -203,7 +203,7 @@ def _interpreter_worker() -> None:
             n += 1
     fails += _pairs_cases()
     n += 6
-    fails += _x_once_cases()
+    fails += _stride_const_cases()
     n += 3
     fails += _segment_cases()
     n += 15
@@ -226,7 +226,7 @@ def test_triton_kernel_under_interpreter():
 
 
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, evict="", bits=False,
-                        xonce=False, stride=0):
+                        stride=0):
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -240,7 +240,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu,
                   EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n,
-                  RESID=False, NORM=False, SS_BLOCK=1, XONCE=xonce, STRIDE=stride)
+                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
     names = fn.arg_names
@@ -305,14 +305,16 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
         # only x is converted (8 weights per lane and row in ptx4, one x)
         assert pairs.count("cvt.f32.bf16") * 4 < ptx4.count("cvt.f32.bf16"), "pairs must not convert bf16 weights"
         assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 16", pairs) and "and.b32" in pairs
-    # X_ONCE with the row stride compiled in: the same predicated vectors, a tile's rows at
-    # constant offsets from one address (immediate offsets in sm_90 SASS)
+    # ROW_STRIDE_CONST: the same predicated vectors, a tile's rows at constant offsets from one
+    # address (immediate offsets in sm_90 SASS); without it, no such offsets
     n_cols = 14336
-    once = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, xonce=True, stride=n_cols).asm["ptx"]
-    veco = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", once, re.M)
-    assert len([v for v in veco if v[0]]) == 2 * per_thread, "X_ONCE: one predicated vector per row segment"
-    offsets = {int(c) for c in re.findall(r"add\.s64\s+%rd\d+, %rd\d+, (\d+);", once)}
-    assert {r * n_cols * elem for r in range(1, block_k)} <= offsets, "rows must be constant offsets of one address"
+    rows_at = [r * n_cols * elem for r in range(1, block_k)]
+    const = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, stride=n_cols).asm["ptx"]
+    vecc = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", const, re.M)
+    assert len(vecc) == 2 * per_thread and all(p for p, *_ in vecc), "one predicated vector per row segment"
+    offsets = {int(c) for c in re.findall(r"add\.s64\s+%rd\d+, %rd\d+, (\d+);", const)}
+    assert set(rows_at) <= offsets, "rows must be constant offsets of one address"
+    assert not set(rows_at) <= {int(c) for c in re.findall(r"add\.s64\s+%rd\d+, %rd\d+, (\d+);", ptx4)}
 
 
 
@@ -442,53 +444,48 @@ def _with_knobs(knobs: dict, fn, *args, **kwargs):
             setattr(sg, k, v)
 
 
-def _x_once_cases(device="cpu") -> list[str]:
-    """X_ONCE (stages 4 forms each row's input once per split, in a scratch the split shares) and
-    ROW_STRIDE_CONST give what stages 4 gives without them (bit for bit under the interpreter;
-    on CUDA, where the order of the splits' atomic adds varies, within rounding): plain, SwiGLU and normed
-    inputs, a residual output, aligned segments, a strided column slice, partial last splits and
-    tiles, every row dropped, and the dtypes; with 7 and 19 splits the split's scratch serves
-    several programs and splits of a single tile."""
+def _stride_const_cases(device="cpu") -> list[str]:
+    """ROW_STRIDE_CONST (stages 4 with the weight's row stride compiled in) gives what stages 4
+    gives without it (bit for bit under the interpreter; on CUDA, where the order of the splits'
+    atomic adds varies, within rounding): plain, SwiGLU and normed inputs, a residual output,
+    aligned segments, a strided column slice, partial last splits and tiles, every row dropped,
+    and the dtypes."""
     from sparsedecode.kernels.sparse_gemv import sumsq
 
     fails = []
-    base = dict(X_ONCE=False, ROW_STRIDE_CONST=False)
-    both, once, const = (dict(X_ONCE=True, ROW_STRIDE_CONST=True), dict(X_ONCE=True, ROW_STRIDE_CONST=False),
-                         dict(X_ONCE=False, ROW_STRIDE_CONST=True))
     shapes = ((301, 130, (64, 16, 5, 1, 4)), (100, 40, (32, 8, 7, 1, 4))) if device == "cpu" else (
         (301, 130, (64, 16, 5, 1, 4)), (577, 203, (64, 8, 19, 1, 4)), (4096, 14336, None), (14336, 4096, None))
     for dtype in DTYPES:
         for K, N, config in shapes:
             x, w_t, b = make(K, N, dtype, device=device, seed=K + 11)
             t = torch.tensor(threshold_for(x, 0.3), device=device)
-            calls = [("keep=0.3", (x, w_t, t, b), {}, (both, once, const))]
+            calls = [("keep=0.3", (x, w_t, t, b), {})]
             if dtype == torch.bfloat16 or device != "cpu":
                 up = make(K, 1, dtype, device=device, seed=K + 12)[0].reshape(x.shape)
                 res = make(N, 1, dtype, device=device, seed=K + 13)[0].reshape(1, N)
                 nw = (1.0 + 0.3 * make(K, 1, torch.float32, seed=K + 14)[0].reshape(K)).to(device, dtype)
                 half = 64 if N >= 128 else 16
-                calls += [("keep=1", (x, w_t, torch.tensor(0.0, device=device), b), {}, (both,)),
-                          ("all dropped", (x, w_t, math.inf, b), {}, (both,)),
-                          ("swiglu", (x, w_t, t, b), dict(up=up), (both,)),
-                          ("residual", (x, w_t, t, b), dict(residual=res), (both,)),
-                          ("norm", (x, w_t, t, None), dict(norm=(nw, sumsq(x), 1e-5)), (both,)),
+                calls += [("keep=1", (x, w_t, torch.tensor(0.0, device=device), b), {}),
+                          ("all dropped", (x, w_t, math.inf, b), {}),
+                          ("swiglu", (x, w_t, t, b), dict(up=up)),
+                          ("residual", (x, w_t, t, b), dict(residual=res)),
+                          ("norm", (x, w_t, t, None), dict(norm=(nw, sumsq(x), 1e-5))),
                           ("segments", (x, w_t, [t, torch.tensor(threshold_for(x, 0.7), device=device)], b),
-                           dict(segments=[half, N - half]), (both,)),
-                          ("strided slice", (x, w_t[:, 8:8 + N // 2], t, None), {}, (both,))]
-            for what, args, kwargs, variants in calls:
+                           dict(segments=[half, N - half])),
+                          ("strided slice", (x, w_t[:, 8:8 + N // 2], t, None), {})]
+            for what, args, kwargs in calls:
                 cfg = config if what != "strided slice" or config is None else (16, *config[1:])
-                want = _with_knobs(base, sparse_gemv, *args, config=cfg, **kwargs)
-                for knobs in variants:
-                    got = _with_knobs(knobs, sparse_gemv, *args, config=cfg, **kwargs)
-                    pairs = list(zip(got, want, strict=True)) if isinstance(got, tuple) else [(got, want)]
-                    if device == "cpu":  # the interpreter runs the splits in order: the same sums, bit for bit
-                        if not all(torch.equal(g, w) for g, w in pairs):
-                            fails.append(f"{knobs} {dtype} {K}x{N} {cfg} {what}: differs from stages 4 without it")
-                    else:  # the splits' fp32 atomic adds land in any order
-                        ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
-                        for g, w in pairs:
-                            tol = 2 * ulp * w.float().abs().max().item() + FLOOR[dtype]
-                            fails += [m for m in [mismatch(g, w, tol, f"{knobs} {dtype} {K}x{N} {what}")] if m]
+                want = _with_knobs(dict(ROW_STRIDE_CONST=False), sparse_gemv, *args, config=cfg, **kwargs)
+                got = _with_knobs(dict(ROW_STRIDE_CONST=True), sparse_gemv, *args, config=cfg, **kwargs)
+                pairs = list(zip(got, want, strict=True)) if isinstance(got, tuple) else [(got, want)]
+                if device == "cpu":  # the interpreter runs the splits in order: the same sums, bit for bit
+                    if not all(torch.equal(g, w) for g, w in pairs):
+                        fails.append(f"ROW_STRIDE_CONST {dtype} {K}x{N} {cfg} {what}: differs from stages 4 without it")
+                else:  # the splits' fp32 atomic adds land in any order
+                    ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
+                    for g, w in pairs:
+                        tol = 2 * ulp * w.float().abs().max().item() + FLOOR[dtype]
+                        fails += [m for m in [mismatch(g, w, tol, f"ROW_STRIDE_CONST {dtype} {K}x{N} {what}")] if m]
     return fails
 
 
@@ -590,8 +587,8 @@ def test_loop_configs_on_cuda(config, pairs, monkeypatch):
 
 
 @gpu
-def test_x_once_and_constant_stride_on_cuda():
-    fails = _x_once_cases(device="cuda")
+def test_constant_stride_on_cuda():
+    fails = _stride_const_cases(device="cuda")
     assert not fails, "\n".join(fails)
 
 

@@ -113,16 +113,6 @@ WEIGHTS_EVICT_FIRST = False
 # the llama-3.1-8b step at keep 0.5 from 84.0% to 85.0% of its byte bound in the same session
 # (records h200/sparse_gemv_20261130T1513Z_tensor_cores).
 BF16_PAIRS = True
-# True: stages 4 forms each row's input once per split rather than once per lane and row. A
-# prologue loads the split's x slice spread over the warp's lanes, forms the input there (the
-# bf16 conversion, SwiGLU's product or RMSNorm) and the threshold test, and stores the kept
-# inputs as float32, zero for a dropped row, in an L2 scratch that the split's programs share
-# (each writes the same values); the loop then reads them as float32 vectors and tests x != 0.
-# The loop it replaces converted (and normed) every row's x in every lane, about 3.5 instructions
-# a row for the conversion alone in the sm_90 loop, and the fused norm cost 0.8-1.9 us a call on
-# q|k|v and gate|up (records h200/sparse_gemv_20261130T1938Z_fused_gemv). Off until measured:
-# `sparse_gemv_bench.py --x-once`.
-X_ONCE = False
 # True: stages 4 compiles the weight's row stride in as a constant (one kernel per stride), so the
 # 16 rows of a tile load from one address plus immediate offsets; at run time each row's 64-bit
 # address costs two instructions (sm_90 SASS). Off until measured: `sparse_gemv_bench.py --stride-const`.
@@ -384,13 +374,20 @@ if triton is not None:
     def _load_tile(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
         """The (BLOCK_K, BLOCK_N) weight tile of rows whose |x| > t (and in range): masked rows
         issue no load. EVICT: the loads' cache eviction policy ('' or 'evict_first')."""
-        return _load_rows(W, rows, (tl.abs(x) > t) & in_k, offs_n, mask_n, stride_wk, EVEN_N, EVICT)
+        return _load_ptrs(W + rows[:, None] * stride_wk + offs_n[None, :], (tl.abs(x) > t) & in_k, mask_n, EVEN_N,
+                          EVICT)
 
     @triton.jit
-    def _load_rows(W, rows, keep, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
-        """The (BLOCK_K, BLOCK_N) weight tile of the rows where keep holds (`_load_tile`)."""
-        ptr = W + rows[:, None] * stride_wk + offs_n[None, :]
-        return _load_ptrs(ptr, keep, mask_n, EVEN_N, EVICT)
+    def _load_tile_at(W, k0, ar, in_k, x, t, offs_n, mask_n, stride, EVEN_N: tl.constexpr, EVICT: tl.constexpr,
+                      STRIDE: tl.constexpr):
+        """`_load_tile` of rows k0 + ar. With STRIDE (the row stride a constant) the tile's
+        pointers are one scalar address plus 64-bit offsets that fold to constants, so each
+        row's load takes an immediate offset (sm_90 SASS) instead of an address formed per row."""
+        if STRIDE:
+            ptr = (W + k0 * stride) + (ar[:, None].to(tl.int64) * stride + offs_n[None, :].to(tl.int64))
+        else:
+            ptr = W + (k0 + ar)[:, None] * stride + offs_n[None, :]
+        return _load_ptrs(ptr, (tl.abs(x) > t) & in_k, mask_n, EVEN_N, EVICT)
 
     @triton.jit
     def _load_ptrs(ptr, keep, mask_n, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
@@ -420,32 +417,6 @@ if triton is not None:
         tl.store(base + RPS + rank, xr.to(tl.int32, bitcast=True), mask=kept)
         tl.debug_barrier()  # the list is written before any thread reads it
         return base, n_kept
-
-    @triton.jit
-    def _prepare_x(X, U, Scratch, k_lo, k_hi, t, pid_k, RPS: tl.constexpr, GLU: tl.constexpr, SsIn, n_ss, K, eps,
-                   NORM: tl.constexpr, SS_BLOCK: tl.constexpr):
-        """Stages 4 with X_ONCE: the inputs of rows [k_lo, k_hi) formed once, spread over the warp's
-        lanes, and stored as float32 bits at Scratch + pid_k * RPS, zero for a dropped row and for
-        the rows past k_hi (RPS covers the loop's reads two tiles ahead). Every program of the
-        split stores the same values there, so whichever store a program's read sees is right.
-        Returns the split's base."""
-        offs = tl.arange(0, RPS)
-        rows = k_lo + offs
-        in_r = rows < k_hi
-        x = tl.load(X + rows, mask=in_r, other=0.0)
-        if GLU or NORM:  # the second operand (up, or the norm weight) in flight with x and the partials
-            u = tl.load(U + rows, mask=in_r, other=0.0)
-        if NORM:
-            x = _norm_x(x, u, _norm_scale(SsIn, n_ss, K, eps, NORM, SS_BLOCK))
-        if GLU:
-            g = x.to(tl.float32)
-            s_ = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty).to(tl.float32)
-            x = (s_ * u.to(tl.float32)).to(X.dtype.element_ty)
-        x = x.to(tl.float32)
-        base = Scratch + pid_k * RPS
-        tl.store(base + offs, tl.where((tl.abs(x) > t) & in_r, x, 0.0).to(tl.int32, bitcast=True))
-        tl.debug_barrier()  # written before any lane reads it
-        return base
 
     @triton.jit
     def _load_view(W, offs_n, mask_n, stride_wk, stride_w32, pid_n, N, BITS: tl.constexpr, COLS: tl.constexpr,
@@ -497,7 +468,7 @@ if triton is not None:
         U, GLU: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr, stride_w32, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
-        XONCE: tl.constexpr, STRIDE: tl.constexpr,
+        STRIDE: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the launch and this prologue overlap its tail
@@ -568,38 +539,23 @@ if triton is not None:
             acc_l = tl.zeros([COLS], dtype=tl.float32)
             acc_h = tl.zeros([COLS], dtype=tl.float32)
             ar = tl.arange(0, BLOCK_K)
-            if XONCE:  # the inputs formed once per row (X_ONCE); the loop reads them as float32
-                xb = _prepare_x(X, U, Scratch, k_lo, k_hi, t0, pid_k, RPS, GLU, SsIn, n_ss, K, eps, NORM, SS_BLOCK)
-                x_c = tl.load(xb + ar).to(tl.float32, bitcast=True)
-                # a tile's pointers: its first row's address (a scalar) plus 64-bit offsets fixed over
-                # the loop, so a row's address is not formed again per tile
-                offs_t = ar[:, None].to(tl.int64) * stride_l + offs_l[None, :].to(tl.int64)
-                w_c = _load_ptrs(Wl + k_lo * stride_l + offs_t, x_c != 0.0, mask_l, EVEN_N, EVICT)
-                x_n = tl.load(xb + BLOCK_K + ar).to(tl.float32, bitcast=True)
-                for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
-                    w_n = _load_ptrs(Wl + k0 * stride_l + offs_t, x_n != 0.0, mask_l, EVEN_N, EVICT)
-                    x_nn = tl.load(xb + (k0 - k_lo + BLOCK_K) + ar).to(tl.float32, bitcast=True)
-                    acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
-                    x_c, w_c, x_n = x_n, w_n, x_nn
-                _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
-                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
-                return
             if NORM:  # the first two x slices and the norm's partials in flight together, then r
                 p_c, p_n = k_lo + ar, k_lo + BLOCK_K + ar
                 xr_c, wr_c = tl.load(X + p_c, mask=p_c < k_hi, other=0.0), tl.load(U + p_c, mask=p_c < k_hi, other=0.0)
                 xr_n, wr_n = tl.load(X + p_n, mask=p_n < k_hi, other=0.0), tl.load(U + p_n, mask=p_n < k_hi, other=0.0)
                 r_norm = _norm_scale(SsIn, n_ss, K, eps, NORM, SS_BLOCK)
                 x_c = _norm_x(xr_c, wr_c, r_norm).to(tl.float32)
-                w_c = _load_tile(Wl, p_c, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
+                w_c = _load_tile_at(Wl, k_lo, ar, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
                 x_n = _norm_x(xr_n, wr_n, r_norm).to(tl.float32)
             else:
                 x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
-                w_c = _load_tile(Wl, k_lo + ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
+                w_c = _load_tile_at(Wl, k_lo, ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT,
+                                    STRIDE)
                 x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU,
                               r_norm, NORM)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
-                w_n = _load_tile(Wl, offs_k, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT)
+                w_n = _load_tile_at(Wl, k0, ar, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
                 acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
@@ -665,15 +621,8 @@ def _sparse_gemv_op(
                  HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0, num_warps=num_warps)
     # stages 8: each program's list of kept rows and their x, written before it is read, so never zeroed
     lists = 2 if stages == 8 else 0
-    # stages 4 with X_ONCE: each split's formed inputs, two tiles past its rows (`_prepare_x`)
-    x_once = X_ONCE and stages == 4 and not (len(bounds) and not aligned)
-    rps = _pow2(rows + 2 * block_k) if x_once else _pow2(rows)
-    if lists:
-        scratch = torch.empty(n_tiles * splits * rps * lists, device=x.device, dtype=torch.int32)
-    elif x_once:
-        scratch = torch.empty(splits * rps, device=x.device, dtype=torch.int32)
-    else:
-        scratch = ws_acc
+    scratch = (torch.empty(n_tiles * splits * _pow2(rows) * lists, device=x.device, dtype=torch.int32) if lists
+               else ws_acc)
     # bf16 read as int32 pairs (stages 4 and 8): N, the row stride and the base 4-byte aligned
     bits = (BF16_PAIRS and x.dtype == torch.bfloat16 and stages in (4, 8) and N % 2 == 0
             and w_t.stride(0) % 2 == 0 and w_t.data_ptr() % 4 == 0)
@@ -683,7 +632,7 @@ def _sparse_gemv_op(
            if x.is_cuda and not _interpreting() else {})
     _sparse_gemv_kernel[(n_tiles, splits)](
         *args, Scratch=scratch, SEG_ALIGNED=aligned, stride_w32=w_t.stride(0) // 2,
-        BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=rps, DBUF=stages in (4, 8), XONCE=x_once,
+        BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=_pow2(rows), DBUF=stages in (4, 8),
         STRIDE=w_t.stride(0) if ROW_STRIDE_CONST else 0, num_stages=1,
         U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
