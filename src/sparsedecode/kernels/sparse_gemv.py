@@ -114,9 +114,17 @@ WEIGHTS_EVICT_FIRST = False
 # (records h200/sparse_gemv_20261130T1513Z_tensor_cores).
 BF16_PAIRS = True
 # True: stages 4 compiles the weight's row stride in as a constant (one kernel per stride), so the
-# 16 rows of a tile load from one address plus immediate offsets; at run time each row's 64-bit
-# address costs two instructions (sm_90 SASS). Off until measured: `sparse_gemv_bench.py --stride-const`.
-ROW_STRIDE_CONST = False
+# 16 rows of a tile load from one address plus immediate offsets, where a row's 64-bit address
+# formed at run time costs two instructions (sm_90 loop of a gate_up tile: 449 instructions
+# against 501; 460 against 525 with the fused norm). On the H200 gate_up and down at keep 0.3
+# took 0.5-0.7 us less and at keeps 0.5 and 1 up to 0.3 us less, and the llama-3.1-8b step at
+# keep 0.5 was unchanged, at 90.0-90.2% of its byte bound (records
+# h200/sparse_gemv_20261130T2307Z_stride_offsets). The stride operand alone (rows still addressed
+# one by one) read 91.6% and 92.0% against 90.7% and 90.5% on another machine (records
+# h200/sparse_gemv_20261130T2257Z_stride_const). An earlier variant that also formed each row's
+# input once per split, in an L2 scratch, lost: its prologue puts a round trip to L2 before the
+# first weight load (records h200/sparse_gemv_20261130T2252Z_x_once; run 4430254 to repeat it).
+ROW_STRIDE_CONST = True
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
