@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--attn-min-split-keys", type=int,
                     help="fewest keys per split-K attention split (decode_attention.MIN_SPLIT_KEYS; default: "
                          "the module's)")
+    ap.add_argument("--attn-fold-tail", action=argparse.BooleanOptionalAction, default=None,
+                    help="fold a split-K attention tail of less than one block into the split before it "
+                         "(decode_attention.FOLD_TAIL; default: the module's)")
     ap.add_argument("--rope-cache", action=argparse.BooleanOptionalAction, default=None,
                     help="the dense and sparse steps' RoPE and cache write as one launch per layer "
                          "(kernels.rope_cache.ENABLED; default: the module's)")
@@ -112,7 +115,7 @@ def main() -> None:
         raise SystemExit(f"--variants: unknown {bad}; pick default, plain, or a '+'-joined set of pdl, swiglu "
                          "and norms")
     knobs = apply_knobs(a)
-    knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys)
+    knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys, FOLD_TAIL=a.attn_fold_tail)
     rope_one_launch = override(rope_cache, ENABLED=a.rope_cache)["ENABLED"]
     rope_in_attention = override(decode_attention, ROPE_IN_ATTENTION=a.rope_attention)["ROPE_IN_ATTENTION"]
     if a.gemv_configs:
@@ -137,7 +140,7 @@ def main() -> None:
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
             "register_cap": knobs["REGISTER_CAP"], "evict_first": knobs["WEIGHTS_EVICT_FIRST"],
             "bf16_pairs": knobs["BF16_PAIRS"], "stride_const": knobs["ROW_STRIDE_CONST"],
-            "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"],
+            "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"], "attn_fold_tail": knobs["FOLD_TAIL"],
             "rope_cache_one_launch": rope_one_launch, "rope_in_attention": rope_in_attention,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 

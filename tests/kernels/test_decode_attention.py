@@ -291,6 +291,65 @@ def _interpreter_worker() -> None:
     print(json.dumps({"cases": n, "fails": fails}))
 
 
+def test_fold_tail_rule():
+    """FOLD_TAIL's split count: a last split of fewer than BLOCK_N keys goes to the one before it
+    (17 splits of 1025 keys in 64-key chunks: 16 active, not 17), a longer one stays."""
+    from sparsedecode.kernels.decode_attention import _active_splits, _chunk_len
+
+    def active(length, splits, fold):
+        n = torch.tensor(length)
+        return int(_active_splits(n, _chunk_len(n, splits, 64), 64, fold))
+
+    assert [active(1025, 17, False), active(1025, 17, True)] == [17, 16]
+    assert [active(2049, 17, False), active(2049, 17, True)] == [17, 16]  # the step at 2K: 128-key chunks
+    assert active(1088, 17, True) == 17 and active(1089, 17, True) == 9  # a full 64-key tail; 128-key chunks, a 65-key tail
+    assert [active(64, 17, True), active(65, 17, True), active(0, 17, True)] == [1, 1, 0]
+
+
+def _fold_worker() -> None:
+    """With FOLD_TAIL: split-K attention (fused merge and two launches) and rope_attention
+    against float64 and split_k_ref where the tail folds (1025 keys in 17 splits; the new entry
+    of rope_attention in the folded tail) and where it does not."""
+    from sparsedecode.kernels import decode_attention as da
+    from sparsedecode.kernels.decode_attention import rope_attention, rope_attention_ref
+
+    da.FOLD_TAIL = True
+    fails, n = [], 0
+    for length, G, S in ((1025, 2, 17), (1089, 1, 17), (65, 3, 17), (1025, 4, 4)):
+        D = 32
+        q, k, v = make(2, 2, G, length + 3, D, torch.float32, seed=length + S)
+        end = torch.tensor([length, length - 700 if length > 700 else 1])
+        for fused in (True, False):
+            out, lse = split_k_attention(q, k, v, end, num_splits=S, fused_merge=fused)
+            what = f"FOLD_TAIL fused={fused} len={length} G={G} S={S}"
+            fails += check(out, lse, q, k, v, 0, end, what)
+            r_lse = split_k_ref(q, k, v, end, num_splits=S)[1]
+            fails += [m for m in [mismatch(lse, r_lse, 1e-5, what + " lse vs split_k_ref")] if m]
+            n += 1
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, T = 1, 4, 2, 32, 1100
+    q, k, v = (torch.randn(B, h * D, generator=gen) for h in (Hq, Hkv, Hkv))
+    ang = torch.randn(T, D // 2, generator=gen)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    for p in (1024, 1000, 1087, 3):  # length p + 1: 1025 and 1001 fold (p in the last split's extension), 1088 and 4 do not
+        kc, vc = torch.randn(B, Hkv, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
+        want_caches = [kc.clone(), vc.clone()]
+        pos = torch.tensor([p])
+        want, want_lse = rope_attention_ref(q, k, v, cos, sin, pos, *want_caches)
+        got, lse = rope_attention(q, k, v, cos, sin, pos, kc, vc, num_splits=17)
+        what = f"FOLD_TAIL rope_attention pos={p}"
+        fails += [m for m in [mismatch(got, want, 1e-4, what), mismatch(lse, want_lse, 1e-4, what + " lse"),
+                              mismatch(kc, want_caches[0], 1e-5, what + " k_cache")] if m]
+        n += 1
+    print(json.dumps({"cases": n, "fails": fails}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fold_tail_under_interpreter():
+    report = run_interpreted(__file__, "_fold_worker")
+    assert report["cases"] == 12 and not report["fails"], "\n".join(report["fails"])
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernel_under_interpreter():
     report = run_interpreted(__file__, "_interpreter_worker")
@@ -317,7 +376,7 @@ def test_kernel_compiles_for_hopper(dtype, D, G):
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     block_n, num_warps, num_stages = da._kernel_config(D, dtype)
     block_gm, _, tile_s = da._merge_blocks(G, D, 66)
-    split = dict(HKV=8, G=G, D=D, NUM_SPLITS=66, BLOCK_G=16, BLOCK_N=block_n,
+    split = dict(HKV=8, G=G, D=D, NUM_SPLITS=66, FOLD=False, BLOCK_G=16, BLOCK_N=block_n,
                  BLOCK_D=triton.next_power_of_2(D), BLOCK_GM=block_gm, TILE_S=tile_s,
                  START_T=False, END_T=True, PRECISION="ieee" if dtype == torch.float32 else "tf32",
                  DOT_F32=False, ROPE=False, HALF=D // 2)
@@ -327,7 +386,7 @@ def test_kernel_compiles_for_hopper(dtype, D, G):
         (da._split_kernel, dict(split, FUSED=True), split_types, num_stages),
         (da._split_kernel, dict(split, FUSED=True, ROPE=True), split_types, num_stages),  # rope_attention
         (da._split_kernel, dict(split, FUSED=False), split_types, num_stages),
-        (da._merge_kernel, dict(HQ=8 * G, D=D, NUM_SPLITS=66, BLOCK_S=128, TILE_S=16, BLOCK_N=block_n,
+        (da._merge_kernel, dict(HQ=8 * G, D=D, NUM_SPLITS=66, FOLD=False, BLOCK_S=128, TILE_S=16, BLOCK_N=block_n,
                                 BLOCK_D=triton.next_power_of_2(D), START_T=False, END_T=True),
          dict(Out=ty, Start="*i64", End="*i64"), 1),
     ]
@@ -371,6 +430,23 @@ def test_kernel_on_cuda(length, G, D, dtype):
     out, lse = split_k_attention(q, k, v, end, start)
     msgs = check(out, lse, q, k, v, start, end, f"cuda kernel len={length} G={G} D={D} {dtype}")
     assert not msgs, "\n".join(msgs)
+
+
+@gpu
+@pytest.mark.parametrize("fused", [True, False])
+def test_fold_tail_on_cuda(fused, monkeypatch):
+    """FOLD_TAIL at the step's shape (8 KV heads, G=4, D=128, a 2112-key allocation: 17 splits)
+    for lengths whose tail folds (2049, 2080) and does not (2112), against float64."""
+    from sparsedecode.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "FOLD_TAIL", True)
+    q, k, v = make(1, 8, 4, 2112, 128, torch.bfloat16, device="cuda", seed=2)
+    fails = []
+    for length in (2049, 2080, 2112):
+        end = torch.tensor([length], device="cuda")
+        out, lse = split_k_attention(q, k, v, end, fused_merge=fused)
+        fails += check(out, lse, q, k, v, 0, end, f"FOLD_TAIL cuda len={length} fused={fused}")
+    assert not fails, "\n".join(fails)
 
 
 @gpu

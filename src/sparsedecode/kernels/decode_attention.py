@@ -80,6 +80,13 @@ PROGRAMS_PER_SM = 2
 # h200/sparse_gemv_20261130T1525Z_attn_splits/attn); long allocations keep PROGRAMS_PER_SM's
 # count (33 at 128K). `proj_decode_h200.py --attn-min-split-keys` overrides it for timing.
 MIN_SPLIT_KEYS: int | None = 128
+# True: a last split that would hold fewer than BLOCK_N keys (less than one block) is folded into
+# the one before it, which then reads to the end of the range, one partial block more. At the step's 2049-key range (2K prompt, one decode token)
+# the 17 splits of a 2112-key allocation have 128-key chunks and the 17th holds one key, so 136
+# programs run on 132 SMs and the fused merge reads its 17 partials in two tiles of 16; folded,
+# 128 programs and one tile, the last split reading 129 keys. Off until measured:
+# `proj_decode_h200.py --attn-fold-tail`.
+FOLD_TAIL = False
 CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -117,6 +124,16 @@ def _chunk_len(length, num_splits: int, block_n: int):
     """Keys per split for a valid length (int or tensor): BLOCK_N-aligned equal shares, 0 if empty."""
     per = (length + num_splits - 1) // num_splits
     return (per + block_n - 1) // block_n * block_n
+
+
+def _active_splits(length: Tensor, chunk: Tensor, block_n: int, fold: bool) -> Tensor:
+    """Splits that read keys for a valid length (tensors): ceil(length / chunk), one fewer when
+    FOLD_TAIL folds a last split of fewer than block_n keys into the one before it."""
+    c = chunk.clamp_min(1)
+    n = (length + c - 1) // c
+    if fold:
+        n = n - ((n > 1) & (length - (n - 1) * chunk < block_n)).to(n.dtype)
+    return n
 
 
 def default_num_splits(T: int, batch_heads: int, device: torch.device, block_n: int = BLOCK_N) -> int:
@@ -203,9 +220,13 @@ def split_k_ref(
     if S == 1:
         member = (pos >= lo) & (pos < hi)  # (B|1, 1, T): one split covers the range
     else:
-        chunk = _chunk_len((hi - lo).clamp_min(0), S, block_n)  # (B|1, 1, 1), as the kernel derives it
-        first = lo + torch.arange(S, device=dev).view(1, S, 1) * chunk  # (B|1, S, 1)
-        member = (pos >= first) & (pos < torch.minimum(first + chunk, hi))  # (B|1, S, T)
+        length = (hi - lo).clamp_min(0)
+        chunk = _chunk_len(length, S, block_n)  # (B|1, 1, 1), as the kernel derives it
+        n_active = _active_splits(length, chunk, block_n, FOLD_TAIL)  # (B|1, 1, 1)
+        split = torch.arange(S, device=dev).view(1, S, 1)
+        first = lo + split * chunk  # (B|1, S, 1)
+        last = torch.where(split == n_active - 1, hi, torch.minimum(first + chunk, hi))  # the last reads to hi
+        member = (split < n_active) & (pos >= first) & (pos < last)  # (B|1, S, T)
 
     qg = q.view(B, Hkv, G, D).float()
     scores = torch.matmul(qg, k_cache.float().transpose(-1, -2)) * scale  # (B, Hkv, G, T)
@@ -281,6 +302,16 @@ if triton is not None:
         tl.store(Lse + b64 * HQ + heads, lse, mask=mask_g)
 
     @triton.jit
+    def _splits_of(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr):
+        """(chunk, n_active) of a valid length, as `_chunk_len` and `_active_splits` derive them:
+        split s < n_active reads [s * chunk, (s + 1) * chunk), the last one to the end."""
+        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        n_active = tl.cdiv(length, tl.maximum(chunk, 1))
+        if FOLD:
+            n_active = tl.where((n_active > 1) & (length - (n_active - 1) * chunk < BLOCK_N), n_active - 1, n_active)
+        return chunk, n_active
+
+    @triton.jit
     def _merge_group(
         O_part, L_part, Out, Lse, b64, h, n_active, stride_ob, stride_oh,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -336,7 +367,7 @@ if triton is not None:
         start_int, end_int, T, qk_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_ob, stride_oh, stride_start, stride_end,
-        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, FOLD: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, TILE_S: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
@@ -354,8 +385,7 @@ if triton is not None:
         lo_all, hi_all = _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int,
                                       T, START_T, END_T)
         length = tl.maximum(hi_all - lo_all, 0)
-        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        n_active = tl.cdiv(length, tl.maximum(chunk, 1))  # split s is active iff s * chunk < length
+        chunk, n_active = _splits_of(length, NUM_SPLITS, BLOCK_N, FOLD)  # split s is active iff s < n_active
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         heads = h * G + offs_g  # (BLOCK_G,)
@@ -364,7 +394,7 @@ if triton is not None:
         b64 = b.to(tl.int64)
         if split < n_active:
             lo = lo_all + split * chunk
-            hi = tl.minimum(lo + chunk, hi_all)
+            hi = tl.where(split == n_active - 1, hi_all, tl.minimum(lo + chunk, hi_all))  # the last reads to the end
             offs_n = tl.arange(0, BLOCK_N)
             q = tl.load(
                 Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -488,7 +518,7 @@ if triton is not None:
         O_part, L_part, Out, Lse, Start, End,
         start_int, end_int, T, stride_ob, stride_oh,
         stride_start, stride_end,
-        HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, FOLD: tl.constexpr, BLOCK_S: tl.constexpr,
         TILE_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr,
     ):
@@ -499,8 +529,7 @@ if triton is not None:
         lo_all, hi_all = _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int,
                                       T, START_T, END_T)
         length = tl.maximum(hi_all - lo_all, 0)
-        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        n_active = tl.cdiv(length, tl.maximum(chunk, 1))  # splits past it never wrote
+        chunk, n_active = _splits_of(length, NUM_SPLITS, BLOCK_N, FOLD)  # splits past n_active never wrote
         base = pid.to(tl.int64) * NUM_SPLITS
         offs_s = tl.arange(0, BLOCK_S)
         lse_s = tl.load(L_part + base + offs_s, mask=offs_s < n_active, other=float("-inf"))
@@ -584,7 +613,7 @@ def _launch(
         *bounds, scale * LOG2E,
         q.stride(0), D if rope is not None else q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), *strides,
-        HKV=Hkv, G=G, D=D, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(G)),
+        HKV=Hkv, G=G, D=D, NUM_SPLITS=num_splits, FOLD=FOLD_TAIL, BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_N=block_n, BLOCK_D=block_d,
         FUSED=fused_merge, BLOCK_GM=block_gm, TILE_S=tile_s,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -596,7 +625,7 @@ def _launch(
     if not fused_merge:
         _merge_kernel[(B * Hq,)](
             o_part, l_part, out, lse, *bounds, out.stride(0), out.stride(1), *strides,
-            HQ=Hq, D=D, NUM_SPLITS=num_splits, BLOCK_S=block_s,
+            HQ=Hq, D=D, NUM_SPLITS=num_splits, FOLD=FOLD_TAIL, BLOCK_S=block_s,
             TILE_S=16, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **flags,
         )
     return out, lse
