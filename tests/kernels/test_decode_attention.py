@@ -202,8 +202,9 @@ def _lengths_worker(fused: bool, splits: tuple[int, ...]) -> tuple[list[str], in
     Rows of one batch differ in length (row 1 reads half, so length 1 leaves it empty): one
     launch mixes an empty row, a single active split (written directly) and several active
     splits, with inactive ones past them (17 splits of 1000 keys: 16 of 64 keys active)
-    or a last one of 1 key (17 splits of 1025: 16 x 64 + 1; the CUDA test runs 4097, whose
-    split is 16 x 256 + 1, but the interpreter's time grows with the keys it walks).
+    or a last one of 1 key (17 splits of 1025: 16 x 64 + 1, which FOLD_TAIL gives to the 16th;
+    the CUDA test runs 4097, whose split is 16 x 256 + 1, but the interpreter's time grows with
+    the keys it walks).
     """
     fails, n = [], 0
     for i, (length, G) in enumerate((x, g) for x in (0, 1, 7, 1000, 1025) for g in (1, 3, 7)):
@@ -307,25 +308,27 @@ def test_fold_tail_rule():
 
 
 def _fold_worker() -> None:
-    """With FOLD_TAIL: split-K attention (fused merge and two launches) and rope_attention
-    against float64 and split_k_ref where the tail folds (1025 keys in 17 splits; the new entry
-    of rope_attention in the folded tail) and where it does not."""
+    """With FOLD_TAIL on and off: split-K attention (fused merge and two launches) against
+    float64 and split_k_ref where the tail folds (1025 keys in 17 splits) and where it does not;
+    with it on, rope_attention with the new entry in the folded tail and elsewhere."""
     from sparsedecode.kernels import decode_attention as da
     from sparsedecode.kernels.decode_attention import rope_attention, rope_attention_ref
 
-    da.FOLD_TAIL = True
     fails, n = [], 0
-    for length, G, S in ((1025, 2, 17), (1089, 1, 17), (65, 3, 17), (1025, 4, 4)):
+    for fold, length, G, S in ((True, 1025, 2, 17), (True, 1089, 1, 17), (True, 65, 3, 17), (True, 1025, 4, 4),
+                               (False, 1025, 2, 17), (False, 65, 3, 17)):
+        da.FOLD_TAIL = fold
         D = 32
         q, k, v = make(2, 2, G, length + 3, D, torch.float32, seed=length + S)
         end = torch.tensor([length, length - 700 if length > 700 else 1])
         for fused in (True, False):
             out, lse = split_k_attention(q, k, v, end, num_splits=S, fused_merge=fused)
-            what = f"FOLD_TAIL fused={fused} len={length} G={G} S={S}"
+            what = f"FOLD_TAIL={fold} fused={fused} len={length} G={G} S={S}"
             fails += check(out, lse, q, k, v, 0, end, what)
             r_lse = split_k_ref(q, k, v, end, num_splits=S)[1]
             fails += [m for m in [mismatch(lse, r_lse, 1e-5, what + " lse vs split_k_ref")] if m]
             n += 1
+    da.FOLD_TAIL = True
     gen = torch.Generator().manual_seed(5)
     B, Hq, Hkv, D, T = 1, 4, 2, 32, 1100
     q, k, v = (torch.randn(B, h * D, generator=gen) for h in (Hq, Hkv, Hkv))
@@ -347,7 +350,7 @@ def _fold_worker() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fold_tail_under_interpreter():
     report = run_interpreted(__file__, "_fold_worker")
-    assert report["cases"] == 12 and not report["fails"], "\n".join(report["fails"])
+    assert report["cases"] == 16 and not report["fails"], "\n".join(report["fails"])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -36,6 +36,8 @@ def test_tables_come_from_records_only(tmp_path):
     assert speed_tables([tmp_path / "b.json"]).count("\n\n") == 0  # one table, no empty ones
     marked = decode_table([{**decode, "rope_in_attention": False}, {**decode, "rope_in_attention": True}])
     assert [row.split(" | ")[0] for row in marked.splitlines()[2:]] == ["| proj0.5+rope_cache (teal)", "| proj0.5 (teal)"]
+    folds = decode_table([{**decode, "attn_fold_tail": False}, {**decode, "attn_fold_tail": True}])
+    assert [row.split(" | ")[0] for row in folds.splitlines()[2:]] == ["| proj0.5+unfolded (teal)", "| proj0.5 (teal)"]
 
 
 def test_unreadable_record_is_a_clear_error(tmp_path):

@@ -19,8 +19,10 @@ Design points:
   graph. The chunk length is derived on the device from the runtime length,
   chunk = BLOCK_N * ceil(ceil(len / NUM_SPLITS) / BLOCK_N), so every active
   program gets an equal share however short the valid range is within a large
-  allocation; the first n_active = ceil(len / chunk) splits are active and
-  the rest exit at once (n_active is 0 for an empty range).
+  allocation; the first n_active = ceil(len / chunk) splits are active (one
+  fewer when the last would hold less than one block of keys: FOLD_TAIL gives
+  those to the split before it) and the rest exit at once (n_active is 0 for
+  an empty range).
 - The merge is fused into the split kernel, one launch per call: a second
   merge launch costs ~4 us per layer on an H200 (0.13 ms per decode step at
   2K). Each active program writes its partial and LSE to a workspace,
@@ -84,9 +86,11 @@ MIN_SPLIT_KEYS: int | None = 128
 # the one before it, which then reads to the end of the range, one partial block more. At the step's 2049-key range (2K prompt, one decode token)
 # the 17 splits of a 2112-key allocation have 128-key chunks and the 17th holds one key, so 136
 # programs run on 132 SMs and the fused merge reads its 17 partials in two tiles of 16; folded,
-# 128 programs and one tile, the last split reading 129 keys. Off until measured:
-# `proj_decode_h200.py --attn-fold-tail`.
-FOLD_TAIL = False
+# 128 programs and one tile, the last split reading 129 keys. On the H200 the split kernel took
+# 322.4 and 321.7 us a step against 326.1 and 330.3 without, and the step read 91.7% and 92.0% of
+# its byte bound against 91.3% and 91.8% (records h200/sparse_gemv_20261130T2334Z_attn_fold).
+# `proj_decode_h200.py --no-attn-fold-tail` turns it off for timing.
+FOLD_TAIL = True
 CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

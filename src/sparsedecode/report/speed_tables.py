@@ -49,6 +49,15 @@ def gemv_table(records: list[dict]) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def _step_mode(r: dict) -> str:
+    """A step record's mode, marked where it ran off a default: '+rope_cache' when its attention
+    took RoPE from `rope_cache` in a launch of its own (--no-rope-attention), '+unfolded' when
+    split-K attention kept a short last split (--no-attn-fold-tail; records from before a knob
+    say nothing of it and are not marked)."""
+    return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
+            + ("+unfolded" if r.get("attn_fold_tail") is False else ""))
+
+
 def decode_table(records: list[dict]) -> str:
     """'proj_decode_bench' sparse modes beside their paired dense step and byte bound."""
     rows = ["| mode | compile | realized keep | step ms | dense ms | speedup | byte bound | % of bound | run |",
@@ -56,8 +65,7 @@ def decode_table(records: list[dict]) -> str:
     for r in records:
         if r["kind"] != "proj_decode_bench" or r["mode"] == "dense":
             continue
-        # a step whose attention took RoPE from `rope_cache` in a launch of its own (--no-rope-attention)
-        mode = r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
+        mode = _step_mode(r)
         rows.append(f"| {mode} ({r['calibration']['method']}) | {r['compile_mode'] or 'default'} "
                     f"| {r['realized_keep']:.3f} | {r['step_ms_median']:.3f} | {r['paired_dense_ms']:.3f} "
                     f"| {r['speedup']:.3f}× | {r['bound']:.3f}× | {100 * r['fraction_of_bound']:.1f}% "
@@ -174,7 +182,7 @@ def profile_table(records: list[dict]) -> str:
         for k in r["profile"]["kernels"]:
             by[kernel_group(k["name"])] += k["us_per_step"]
         launches = sum(k["calls_per_step"] for k in r["profile"]["kernels"])
-        rows.append(f"| {r['mode']} | {r['step_ms_median']:.3f} | {r['profile']['kernel_us_per_step'] / 1e3:.3f} | "
+        rows.append(f"| {_step_mode(r)} | {r['step_ms_median']:.3f} | {r['profile']['kernel_us_per_step'] / 1e3:.3f} | "
                     + " | ".join(f"{by[g] / 1e3:.3f}" for g in groups) + f" | {launches:.0f} | {_commit(r)} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
