@@ -83,10 +83,11 @@ PROGRAMS_PER_SM = 2
 # count (33 at 128K). `proj_decode_h200.py --attn-min-split-keys` overrides it for timing.
 MIN_SPLIT_KEYS: int | None = 128
 # True: a last split that would hold fewer than BLOCK_N keys (less than one block) is folded into
-# the one before it, which then reads to the end of the range, one partial block more. At the step's 2049-key range (2K prompt, one decode token)
-# the 17 splits of a 2112-key allocation have 128-key chunks and the 17th holds one key, so 136
-# programs run on 132 SMs and the fused merge reads its 17 partials in two tiles of 16; folded,
-# 128 programs and one tile, the last split reading 129 keys. On the H200 the split kernel took
+# the one before it, which then reads to the end of the range, one partial block more. At the
+# step's 2049-key range (2K prompt, one decode token) the 17 splits of a 2112-key allocation have
+# 128-key chunks and the 17th holds one key, so 136 programs run on 132 SMs and the fused merge
+# reads its 17 partials in two tiles of 16; folded, 128 programs and one tile, the last split
+# reading 129 keys. On the H200 the split kernel took
 # 322.4 and 321.7 us a step against 326.1 and 330.3 without, and the step read 91.7% and 92.0% of
 # its byte bound against 91.3% and 91.8% (records h200/sparse_gemv_20261130T2334Z_attn_fold).
 # `proj_decode_h200.py --no-attn-fold-tail` turns it off for timing.
