@@ -379,27 +379,18 @@ if triton is not None:
             return 1.0
 
     @triton.jit
-    def _load_tile(W, rows, in_k, x, t, offs_n, mask_n, stride_wk, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
-        """The (BLOCK_K, BLOCK_N) weight tile of rows whose |x| > t (and in range): masked rows
-        issue no load. EVICT: the loads' cache eviction policy ('' or 'evict_first')."""
-        return _load_ptrs(W + rows[:, None] * stride_wk + offs_n[None, :], (tl.abs(x) > t) & in_k, mask_n, EVEN_N,
-                          EVICT)
-
-    @triton.jit
-    def _load_tile_at(W, k0, ar, in_k, x, t, offs_n, mask_n, stride, EVEN_N: tl.constexpr, EVICT: tl.constexpr,
-                      STRIDE: tl.constexpr):
-        """`_load_tile` of rows k0 + ar. With STRIDE (the row stride a constant) the tile's
-        pointers are one scalar address plus 64-bit offsets that fold to constants, so each
-        row's load takes an immediate offset (sm_90 SASS) instead of an address formed per row."""
+    def _load_tile(W, k0, ar, in_k, x, t, offs_n, mask_n, stride, EVEN_N: tl.constexpr, EVICT: tl.constexpr,
+                   STRIDE: tl.constexpr):
+        """The (BLOCK_K, BLOCK_N) weight tile of rows k0 + ar whose |x| > t (and in range): masked
+        rows issue no load. EVICT: the loads' cache eviction policy ('' or 'evict_first'). With
+        STRIDE (the row stride a constant) the tile's pointers are one scalar address plus 64-bit
+        offsets that fold to constants, so each row's load takes an immediate offset (sm_90 SASS)
+        instead of an address formed per row."""
+        keep = (tl.abs(x) > t) & in_k
         if STRIDE:
             ptr = (W + k0 * stride) + (ar[:, None].to(tl.int64) * stride + offs_n[None, :].to(tl.int64))
         else:
             ptr = W + (k0 + ar)[:, None] * stride + offs_n[None, :]
-        return _load_ptrs(ptr, (tl.abs(x) > t) & in_k, mask_n, EVEN_N, EVICT)
-
-    @triton.jit
-    def _load_ptrs(ptr, keep, mask_n, EVEN_N: tl.constexpr, EVICT: tl.constexpr):
-        """Load a (BLOCK_K, BLOCK_N) tile at ptr, rows where keep holds (`_load_tile`)."""
         if EVEN_N:
             w = tl.load(ptr, mask=keep[:, None], other=0.0, eviction_policy=EVICT)
         else:
@@ -435,13 +426,9 @@ if triton is not None:
         immediate offsets rather than an address computed per row."""
         if BITS:
             offs = pid_n * COLS + tl.arange(0, COLS)
-            if STRIDE:
-                return W.to(tl.pointer_type(tl.int32)), offs, offs < N // 2, STRIDE // 2
-            return W.to(tl.pointer_type(tl.int32)), offs, offs < N // 2, stride_w32
+            return W.to(tl.pointer_type(tl.int32)), offs, offs < N // 2, STRIDE // 2 if STRIDE else stride_w32
         else:
-            if STRIDE:
-                return W, offs_n, mask_n, STRIDE
-            return W, offs_n, mask_n, stride_wk
+            return W, offs_n, mask_n, STRIDE if STRIDE else stride_wk
 
     @triton.jit
     def _columns(acc, acc_hi, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -553,17 +540,17 @@ if triton is not None:
                 xr_n, wr_n = tl.load(X + p_n, mask=p_n < k_hi, other=0.0), tl.load(U + p_n, mask=p_n < k_hi, other=0.0)
                 r_norm = _norm_scale(SsIn, n_ss, K, eps, NORM, SS_BLOCK)
                 x_c = _norm_x(xr_c, wr_c, r_norm).to(tl.float32)
-                w_c = _load_tile_at(Wl, k_lo, ar, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
+                w_c = _load_tile(Wl, k_lo, ar, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
                 x_n = _norm_x(xr_n, wr_n, r_norm).to(tl.float32)
             else:
                 x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
-                w_c = _load_tile_at(Wl, k_lo, ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT,
+                w_c = _load_tile(Wl, k_lo, ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT,
                                     STRIDE)
                 x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU,
                               r_norm, NORM)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
-                w_n = _load_tile_at(Wl, k0, ar, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
+                w_n = _load_tile(Wl, k0, ar, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
                 acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
@@ -641,7 +628,7 @@ def _sparse_gemv_op(
     _sparse_gemv_kernel[(n_tiles, splits)](
         *args, Scratch=scratch, SEG_ALIGNED=aligned, stride_w32=w_t.stride(0) // 2,
         BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=_pow2(rows), DBUF=stages in (4, 8),
-        STRIDE=w_t.stride(0) if ROW_STRIDE_CONST else 0, num_stages=1,
+        STRIDE=w_t.stride(0) if ROW_STRIDE_CONST and stages == 4 else 0, num_stages=1,  # stages 4 reads it
         U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
         SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
