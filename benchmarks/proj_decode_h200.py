@@ -139,7 +139,7 @@ def main() -> None:
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
             "register_cap": knobs["REGISTER_CAP"], "evict_first": knobs["WEIGHTS_EVICT_FIRST"],
-            "bf16_pairs": knobs["BF16_PAIRS"], "stride_const": knobs["ROW_STRIDE_CONST"],
+            "bf16_pairs": knobs["BF16_PAIRS"], "stride_const": knobs["ROW_STRIDE_CONST"], "gemv_warps": knobs["NUM_WARPS"],
             "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"], "attn_fold_tail": knobs["FOLD_TAIL"],
             "rope_cache_one_launch": rope_one_launch, "rope_in_attention": rope_in_attention,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import re
 import statistics
 from pathlib import Path
 
@@ -75,12 +76,15 @@ def add_knob_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--stride-const", action=argparse.BooleanOptionalAction, default=None,
                     help="sparse GEMV stages 4 compiles the weight's row stride in "
                     "(sparse_gemv.ROW_STRIDE_CONST; default: the module's)")
+    ap.add_argument("--gemv-warps", type=int, choices=(1, 2, 4, 8, 16),
+                    help="warps per sparse GEMV program in the default configs, the warps per SM kept "
+                    "(sparse_gemv.NUM_WARPS; default: the module's)")
 
 
 def apply_knobs(args) -> dict:
     """Set the knobs of `add_knob_args` that were given; their effective values, for the record."""
     return override(sg, REGISTER_CAP=args.max_registers, WEIGHTS_EVICT_FIRST=args.evict_first,
-                    BF16_PAIRS=args.bf16_pairs, ROW_STRIDE_CONST=args.stride_const)
+                    BF16_PAIRS=args.bf16_pairs, ROW_STRIDE_CONST=args.stride_const, NUM_WARPS=args.gemv_warps)
 
 
 def time_graph(fn, args_list, reps: int) -> list[float]:
@@ -131,6 +135,17 @@ def sweep_config(K: int, N: int, block_n: int, block_k: int, size: str, warps: i
 
 def sweep_label(block_n: int, block_k: int, size: str, warps: int, stages: int) -> str:
     return f"b{block_n}k{block_k}{size}w{warps}s{stages}"
+
+
+def parse_label(label: str) -> tuple:
+    """The SWEEP entry (BLOCK_N, BLOCK_K, split size, num_warps, num_stages) a label names,
+    e.g. 'b2048k16p2w8s4' (the inverse of `sweep_label`)."""
+    m = re.fullmatch(r"b(\d+)k(\d+)([pr]\d+)w(\d+)s(\d+)", label)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"config {label!r} is not a label like b2048k16p2w8s4 (BLOCK_N, BLOCK_K, p<programs per SM> or "
+            "r<rows per split>, warps, stages)")
+    return int(m[1]), int(m[2]), m[3], int(m[4]), int(m[5])
 
 
 def choose(records: list[dict], keeps=(0.5, 0.3), fused: str | None = None) -> list[dict]:
@@ -213,9 +228,11 @@ def even_input(K: int, keep: float, dev, dtype, gen) -> tuple[torch.Tensor, floa
     return x.to(dtype)[None], 0.5
 
 
-def launch_probe(name: str, args, dev: torch.device, run: str, timer=time_graph) -> dict:
-    """Per-call time of a kernel that does nothing on the default config's grid: what any
-    launch of that grid costs in the graph, whatever its bytes (the fixed cost)."""
+def launch_probe(name: str, args, dev: torch.device, run: str, cfg: tuple | None = None, label: str = "default",
+                 timer=time_graph) -> dict:
+    """Per-call time of a kernel that does nothing on a config's grid (the default config's when
+    cfg is None) with its warps: what any launch of that grid costs in the graph, whatever its
+    bytes (the fixed cost)."""
     import triton
     import triton.language as tl
 
@@ -225,7 +242,7 @@ def launch_probe(name: str, args, dev: torch.device, run: str, timer=time_graph)
             tl.store(Y, 1.0)
 
     K, N = SHAPES[name]
-    block_n, block_k, splits, warps, stages = sg.default_config(K, N, torch.bfloat16, dev)
+    block_n, block_k, splits, warps, stages = cfg or sg.default_config(K, N, torch.bfloat16, dev)
     grid = (-(-N // block_n), splits)
     y = torch.zeros(1, device=dev)
 
@@ -233,11 +250,11 @@ def launch_probe(name: str, args, dev: torch.device, run: str, timer=time_graph)
         _noop[grid](y, -1, num_warps=warps, **({"launch_pdl": True} if sg.PDL else {}))
 
     t = statistics.median(timer(call, [(y,)] * (args.copies * args.rounds), args.reps))
-    rec = stamp({"kind": "launch_probe", "shape": name, "K": K, "N": N, "grid": list(grid), "num_warps": warps,
-                 "pdl": args.pdl, "time_s": t, "copies": args.copies, "rounds": args.rounds, "reps": args.reps,
-                 "graph": True})
-    write_record(args.out / f"launch_probe-{name}-pdl{args.pdl}-{run}.json", rec)
-    print(f"{name:8s} empty kernel on grid {grid[0]}x{grid[1]} ({warps} warp{'s' * (warps > 1)}"
+    rec = stamp({"kind": "launch_probe", "shape": name, "K": K, "N": N, "config_label": label,
+                 "grid": list(grid), "num_warps": warps, "pdl": args.pdl, "time_s": t, "copies": args.copies,
+                 "rounds": args.rounds, "reps": args.reps, "graph": True})
+    write_record(args.out / f"launch_probe-{name}-{label}-pdl{args.pdl}-{run}.json", rec)
+    print(f"{name:8s} {label:14s} empty kernel on grid {grid[0]}x{grid[1]} ({warps} warp{'s' * (warps > 1)}"
           f", PDL {args.pdl}): {t * 1e6:.2f} us per call", flush=True)
     return rec
 
@@ -273,6 +290,9 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
     if args.sweep:
         variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in SWEEP
                      if args.sweep_stages is None or c[4] in args.sweep_stages]
+    variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in args.configs]
+    if args.probe:  # an empty kernel on each config's grid: what launching that grid costs
+        records += [launch_probe(name, args, dev, run, cfg, label) for label, cfg, _ in variants if _ is None]
     if args.fused:  # the default config as the fused decoder layer calls it (sparse_linear.FUSE_NORMS)
         variants += [("default+residual", default, "residual"), ("default+norm", default, "norm")]
     if args.fused_sweep:  # every swept config (and the default) called as the fused layer calls it
@@ -360,6 +380,9 @@ def main() -> None:
     ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 4, 8),
                     help="sweep only the SWEEP configs of these loop variants (1: plain, 4: two tiles in "
                     "flight, 8: a kept-row list with two tiles in flight)")
+    ap.add_argument("--configs", nargs="+", type=parse_label, default=[], metavar="LABEL",
+                    help="also time these tile configs, labelled as the sweep labels them (b2048k16p2w8s4: "
+                    "BLOCK_N 2048, BLOCK_K 16, about 2 programs per SM, 8 warps, stages 4)")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")
@@ -368,7 +391,8 @@ def main() -> None:
                     "of the call before; 'early' signals the next call at the start, 'exit' as programs exit")
     add_knob_args(ap)
     ap.add_argument("--probe", action="store_true",
-                    help="also time an empty kernel on each shape's default grid (the fixed cost of a launch)")
+                    help="also time an empty kernel on the grid of each shape's default and other configs "
+                    "(the fixed cost of a launch)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     if (args.out / COMBINED).exists():
@@ -380,9 +404,6 @@ def main() -> None:
     apply_knobs(args)
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
-    for name in args.shapes:
-        if args.probe:
-            records.append(launch_probe(name, args, dev, run))
     for name in args.shapes:
         recs, shape_rows = bench_shape(name, args, dev, run)
         records += recs

@@ -124,18 +124,25 @@ def test_bad_input_raises_clear_errors():
             sparse_gemv(x, w_t, 0.1)
 
 
-def test_default_config_fills_an_h200_in_one_wave(monkeypatch):
-    """At Llama-3.1-8B MLP shapes: one-warp programs over 512-byte row segments, close to
-    PROGRAMS_PER_SM per SM of 132 and never more (all resident at once), no empty split."""
+@pytest.mark.parametrize("num_warps", [1, 8])
+def test_default_config_fills_an_h200_in_one_wave(num_warps, monkeypatch):
+    """At Llama-3.1-8B MLP shapes: programs of NUM_WARPS warps over 512-byte row segments a warp,
+    close to PROGRAMS_PER_SM warps per SM of 132 and never more (all resident at once), no empty
+    split."""
     import sparsedecode.kernels.sparse_gemv as sg
 
     monkeypatch.setattr(sg, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(sg, "NUM_WARPS", num_warps)
     for K, N in ((4096, 14336), (14336, 4096)):
         block_n, block_k, splits, warps, stages = default_config(K, N, torch.bfloat16, torch.device("cuda", 0))
         programs = -(-N // block_n) * splits
-        assert block_n * 2 == 512 * warps, (K, N, block_n)
-        assert 0.75 * sg.PROGRAMS_PER_SM * 132 <= programs <= sg.PROGRAMS_PER_SM * 132, (K, N, splits)
+        assert warps == num_warps and block_n * 2 == 512 * warps, (K, N, block_n)
+        assert 0.75 * sg.PROGRAMS_PER_SM * 132 <= programs * warps <= sg.PROGRAMS_PER_SM * 132, (K, N, splits)
         assert (splits - 1) * sg._rows_per_split(K, block_k, splits) < K
+        regs = sg.max_registers(programs, warps, torch.device("cuda", 0))
+        assert regs == 128 and (65536 // (regs * 32 * warps)) * 132 >= programs, (K, N, regs)
+    if num_warps > 1:
+        return
     assert default_config(13, 7, torch.float16, torch.device("cpu"))[:2] == (16, 16)
     # the built-in H200 pick for the o projection: stages 8 (a kept-row list)
     assert default_config(4096, 4096, torch.bfloat16, torch.device("cuda", 0))[4] == 8
@@ -349,15 +356,20 @@ def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[s
     return fails
 
 
-def _norm_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[str]:
+def _norm_cases(device="cpu", dtypes=(torch.float32, torch.float16), warps=1) -> list[str]:
     """The fused RMSNorm of a decoder layer: a producer call with residual= returns residual +
     its output (rounded as eager rounds proj, then the sum) and per-tile sums of squares that
     add up to the new stream's; a consumer call with norm= equals the masked reference on
     rms_norm of that stream, single and segmented (on and off the BLOCK_N grid), on stages 1, 4
     and 8; the embedding's stream through `sumsq`. bfloat16 runs on CUDA (the interpreter
-    truncates where PyTorch rounds)."""
+    truncates where PyTorch rounds). warps: every config's num_warps times this."""
+    from sparsedecode.kernels.sparse_gemv import sparse_gemv as _sparse_gemv
     from sparsedecode.kernels.sparse_gemv import sparse_gemv_segments_ref, sumsq
     from sparsedecode.models.decoder import rms_norm
+
+    def sparse_gemv(*args, config=None, **kw):
+        config = config if config is None else (*config[:3], config[3] * warps, config[4])
+        return _sparse_gemv(*args, config=config, **kw)
 
     fails = []
     for dtype in dtypes:
@@ -551,7 +563,7 @@ def test_kernel_on_cuda(keep, K, N, dtype):
 @gpu
 @pytest.mark.parametrize("pairs", [False, True], ids=["bf16", "pairs"])
 @pytest.mark.parametrize("config", [(256, 8, 37, 1, 8), (512, 4, 20, 1, 8), (256, 4, 50, 1, 8), (256, 16, 37, 1, 4),
-                                    (256, 16, 37, 1, 1)], ids=str)
+                                    (256, 16, 37, 1, 1), (2048, 16, 37, 8, 4), (1024, 16, 37, 4, 4)], ids=str)
 def test_loop_configs_on_cuda(config, pairs, monkeypatch):
     """Stages 8 (each program lists its split's kept rows, then streams them two tiles at a
     time) and 4, with and without BF16_PAIRS, and the plain loop, against float64 on the
@@ -593,8 +605,14 @@ def test_constant_stride_on_cuda():
 
 
 @gpu
-def test_fused_norm_and_residual_on_cuda():
-    fails = _norm_cases(device="cuda", dtypes=(torch.bfloat16, torch.float16, torch.float32))
+@pytest.mark.parametrize("num_warps", [1, 8])
+def test_fused_norm_and_residual_on_cuda(num_warps, monkeypatch):
+    """The fused norm and residual on CUDA, also with programs of 8 warps (the residual's sum of
+    squares then reduces across warps)."""
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    monkeypatch.setattr(sg, "NUM_WARPS", num_warps)
+    fails = _norm_cases(device="cuda", dtypes=(torch.bfloat16, torch.float16, torch.float32), warps=num_warps)
     assert not fails, "\n".join(fails)
 
 

@@ -104,3 +104,52 @@ def test_gemv_table_shows_the_same_bytes_cublas_ratio_and_profile_table_groups_k
     row = profile_table([rec, {**rec, "profile": None}]).splitlines()
     assert len(row) == 3, "records without a profile give no row"
     assert row[2] == "| proj0.5 | 3.264 | 3.000 | 0.100 | 2.400 | 0.300 | 0.200 | 193 | b9e8bbb |"
+
+
+def sized(shape, N, keep, fixed, rate, label="default", warps=1, dense=None):
+    """A sparse_gemv_bench cell of K=4096 whose time is fixed + bytes / rate exactly."""
+    nbytes = int(keep * 4096) * N * 2 + 4096 * 2
+    rec = {"kind": "sparse_gemv_bench", "config_label": label, "shape": shape, "K": 4096, "N": N, "keep_target": keep,
+           "bytes_read": nbytes, "time_s": fixed + nbytes / rate, "byte_time_s": nbytes / 4.15e12, "byte_rate": 4.15e12,
+           "target_ratio": 1.15, "stride_const": True, "pattern": "random",
+           "config": {"num_warps": warps, "num_stages": 4, "block_n": 256 * warps, "block_k": 16},
+           "env": {"git_commit": "0123456789abcdef"}}
+    if dense is not None:
+        rec |= {"dense_time_s": dense[0] + (4096 * N * 2 + 8192) / dense[1], "dense_bytes": 4096 * N * 2 + 8192}
+    return rec
+
+
+def test_gemv_fit_recovers_a_fixed_cost_and_a_rate():
+    from sparsedecode.report.speed_tables import gemv_fit, gemv_fit_table
+
+    cells = [sized(s, n, 0.5, 4e-6, 4.2e12) for s, n in (("qkv", 6144), ("gate_up", 14336), ("gate_up2", 28672))]
+    fixed, rate, resid = gemv_fit(cells)
+    assert fixed == pytest.approx(4e-6, rel=1e-6) and rate == pytest.approx(4.2e12, rel=1e-6) and resid < 1e-12
+    cells[0]["time_s"] += 1e-6  # off the line: the fit moves and says by how much
+    assert gemv_fit(cells)[2] > 0.3e-6
+    with pytest.raises(InputError, match="two sizes"):
+        gemv_fit(cells[1:2])
+    recs = [sized(s, n, k, f, r, dense=(6e-6, 4.8e12)) for s, n in (("gate_up", 14336), ("gate_up2", 28672))
+            for k, f, r in ((1.0, 5e-6, 4.6e12), (0.3, 4e-6, 3.8e12))]
+    recs += [sized("gate_up", 14336, 0.5, 3e-6, 4.4e12, warps=8), sized("gate_up2", 28672, 0.5, 3e-6, 4.4e12, warps=8),
+             sized("down", 14336, 0.5, 3e-6, 4.4e12),  # one size of its config and K alone: no row
+             {"kind": "launch_probe", "shape": "gate_up", "config_label": "default", "time_s": 1.9e-6,
+              "env": {"git_commit": "0123456789abcdef"}}]
+    recs[-2]["K"] = 14336
+    rows = gemv_fit_table(recs).splitlines()[2:]
+    assert len(rows) == 4, rows
+    assert rows[0].startswith("| cuBLAS dense |  | 4096 | 1 | gate_up, gate_up2 | 6.00 | 4.80 | 0.00 |")
+    assert rows[1].startswith("| default | 1 | 4096 | 1 | gate_up, gate_up2 | 5.00 | 4.60 | 0.00 | 1.90 |")
+    assert rows[2].startswith("| default | 1 | 4096 | 0.3 | gate_up, gate_up2 | 4.00 | 3.80 |")
+    # the fixed cost 1.15x leaves gate_up at keep 0.3 and 3.8 TB/s: 1.15 * b / 4.15 - b / 3.8, b its bytes
+    b = int(0.3 * 4096) * 14336 * 2 + 8192
+    assert rows[2].endswith(f"| {(1.15 * b / 4.15e12 - b / 3.8e12) * 1e6:.2f} on gate_up | 0123456 |")
+    assert rows[3].startswith("| default | 8 | 4096 | 0.5 |"), "configs of other warps fit apart"
+
+
+def test_step_mode_marks_gemv_warps():
+    decode = {"kind": "proj_decode_bench", "mode": "proj0.5", "calibration": {"method": "teal"}, "compile_mode": "",
+              "realized_keep": 0.46, "step_ms_median": 3.0, "paired_dense_ms": 5.4, "speedup": 1.8, "bound": 1.96,
+              "fraction_of_bound": 0.92, "env": {"git_commit": None}}
+    rows = decode_table([{**decode, "gemv_warps": 8}, {**decode, "gemv_warps": 1}, decode]).splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == ["| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)"]

@@ -55,6 +55,11 @@ except ImportError:
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_BYTES = 512  # bytes of one row segment per warp: 4 lines of 128 B, one 16-byte vector per lane
 BLOCK_K = 16  # rows per loop iteration: 8 KB of weight per one-warp program at full keep
+# Warps per program. A program of w warps is w one-warp column tiles of one split side by side
+# (sm_90 layout: warps along the columns, each lane still summing its tile's rows in-thread), so
+# the grid holds PROGRAMS_PER_SM / w programs per SM: the same warps, w times fewer CTAs to launch
+# and w times fewer arrival counters. `sparse_gemv_bench.py --gemv-warps` and
+# `proj_decode_h200.py --gemv-warps` time it.
 NUM_WARPS = 1
 # The loop variant ("stages"): 1 plain, 4 two tiles in flight, 8 a kept-row list. Stages 3 (each
 # program first lists the kept rows of its split, ranks by a prefix sum stored in an L2 scratch,
@@ -234,8 +239,9 @@ def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
     and device.
 
     A measured config from TUNED when there is one; otherwise BLOCK_N spans ROW_BYTES of a
-    row (fewer for narrow N) and the K splits bring the grid to about `programs_per_sm`
-    programs per SM, each split a whole number of BLOCK_K rows.
+    row per warp (fewer for narrow N) and the K splits bring the grid to about
+    `programs_per_sm` warps per SM (programs of NUM_WARPS warps), each split a whole number
+    of BLOCK_K rows.
     """
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -248,7 +254,7 @@ def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
     n_tiles = -(-N // block_n)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        want = max(1, round(programs_per_sm * _sm_count(index) / n_tiles))
+        want = max(1, round(programs_per_sm * _sm_count(index) / (n_tiles * NUM_WARPS)))
     else:
         want = CPU_SPLITS
     return block_n, block_k, _splits(K, block_k, want), NUM_WARPS, NUM_STAGES

@@ -49,13 +49,67 @@ def gemv_table(records: list[dict]) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def gemv_fit(cells: list[dict]) -> tuple[float, float, float]:
+    """(fixed seconds F, streaming rate R in B/s, worst residual seconds) of the least-squares
+    line time = F + bytes / R through 'sparse_gemv_bench' cells of one config and keep at two
+    or more sizes: what a call costs whatever its bytes, and how fast it moves the bytes."""
+    n = len(cells)
+    xs, ys = [c["bytes_read"] for c in cells], [c["time_s"] for c in cells]
+    if n < 2 or len(set(xs)) < 2:
+        raise InputError(f"a fixed cost and a rate need cells of two sizes or more; got bytes {sorted(set(xs))}")
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - slope * mx
+    return fixed, 1.0 / slope, max(abs(y - fixed - slope * x) for x, y in zip(xs, ys, strict=True))
+
+
+def gemv_fit_table(records: list[dict]) -> str:
+    """Each config's time per call split into a fixed cost and a streaming rate (`gemv_fit`) over
+    the shapes of one K it ran at in one run, beside an empty kernel on its smallest shape's grid
+    ('launch_probe', where the run has one), and the fixed cost the 1.15x target leaves gate_up
+    (else the smallest shape) at the fitted rate: 1.15 x bytes / 4.15 TB/s - bytes / R
+    (negative: out of reach at that rate even with no fixed cost at all). cuBLAS's dense GEMV,
+    timed beside every shape, gets the same fit ('cuBLAS dense')."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["kind"] != "sparse_gemv_bench" or r.get("fused") or r["keep_target"] <= 0:
+            continue
+        c = r["config"]
+        key = (_commit(r), r["config_label"], c["num_warps"], c["num_stages"], c["block_n"], c["block_k"],
+               r.get("stride_const"), r.get("pattern"), r["K"], r["keep_target"])
+        groups.setdefault(key, []).append(r)
+        if r["config_label"] == "default" and r["keep_target"] == 1.0 and "dense_time_s" in r:
+            dense = {**r, "config_label": "cuBLAS dense", "time_s": r["dense_time_s"], "bytes_read": r["dense_bytes"],
+                     "byte_time_s": r["dense_bytes"] / r["byte_rate"]}
+            groups.setdefault((_commit(r), "cuBLAS dense", "", "", "", "", None, None, r["K"], 1.0), []).append(dense)
+    probes = {(_commit(r), r["shape"], r.get("config_label", "default")): r for r in records
+              if r["kind"] == "launch_probe"}
+    rows = ["| kernel config | warps | K | keep | shapes | fixed µs | stream TB/s | worst residual µs "
+            "| empty launch µs | fixed left by 1.15× | run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, cells in sorted(groups.items(), key=lambda kv: (tuple(map(str, kv[0][:-1])), -kv[0][-1])):
+        if len({c["N"] for c in cells}) < 2:
+            continue
+        fixed, rate, resid = gemv_fit(cells)
+        small = next((c for c in cells if c["shape"] == "gate_up"), min(cells, key=lambda c: c["bytes_read"]))
+        left = small["target_ratio"] * small["byte_time_s"] - small["bytes_read"] / rate
+        probe = probes.get((key[0], small["shape"], key[1]))
+        empty = "" if probe is None else f"{probe['time_s'] * 1e6:.2f}"
+        shapes = ", ".join(c["shape"] for c in sorted(cells, key=lambda c: c["N"]))
+        rows.append(f"| {key[1]} | {key[2]} | {key[8]} | {key[9]:g} | {shapes} | {fixed * 1e6:.2f} "
+                    f"| {rate / 1e12:.2f} | {resid * 1e6:.2f} | {empty} "
+                    f"| {left * 1e6:.2f} on {small['shape']} | {key[0]} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def _step_mode(r: dict) -> str:
     """A step record's mode, marked where it ran off a default: '+rope_cache' when its attention
     took RoPE from `rope_cache` in a launch of its own (--no-rope-attention), '+unfolded' when
-    split-K attention kept a short last split (--no-attn-fold-tail; records from before a knob
-    say nothing of it and are not marked)."""
+    split-K attention kept a short last split (--no-attn-fold-tail), '+wN' when the sparse GEMVs'
+    default configs ran N warps per program (--gemv-warps; records from before a knob say nothing
+    of it and are not marked)."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
-            + ("+unfolded" if r.get("attn_fold_tail") is False else ""))
+            + ("+unfolded" if r.get("attn_fold_tail") is False else "")
+            + (f"+w{r['gemv_warps']}" if r.get("gemv_warps", 1) != 1 else ""))
 
 
 def decode_table(records: list[dict]) -> str:
@@ -190,10 +244,10 @@ def profile_table(records: list[dict]) -> str:
 def speed_tables(paths) -> str:
     """Every table the given record files fill, separated by blank lines."""
     recs = load_records(paths)
-    tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, kv_select_table,
-                                kv_decode_table, passkey_table, profile_table)]
+    tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, gemv_fit_table,
+                                kv_select_table, kv_decode_table, passkey_table, profile_table)]
     return "\n\n".join(t for t in tables if t)
 
 
-__all__ = ["attention_table", "decode_table", "dense_table", "gemv_table", "kernel_group", "kv_decode_table",
+__all__ = ["attention_table", "decode_table", "dense_table", "gemv_fit", "gemv_fit_table", "gemv_table", "kernel_group", "kv_decode_table",
            "kv_select_table", "load_records", "passkey_table", "profile_table", "speed_tables"]
