@@ -58,8 +58,11 @@ BLOCK_K = 16  # rows per loop iteration: 8 KB of weight per one-warp program at 
 # Warps per program. A program of w warps is w one-warp column tiles of one split side by side
 # (sm_90 layout: warps along the columns, each lane still summing its tile's rows in-thread), so
 # the grid holds PROGRAMS_PER_SM / w programs per SM: the same warps, w times fewer CTAs to launch
-# and w times fewer arrival counters. `sparse_gemv_bench.py --gemv-warps` and
-# `proj_decode_h200.py --gemv-warps` time it.
+# and w times fewer arrival counters. Measured on the H200 (`sparse_gemv_bench.py --configs`, records
+# h200/sparse_gemv_20261201T0310Z_multiwarp): 2, 4 and 8 warps cut an empty launch of gate_up's grid
+# from 2.06 us to 1.43, 1.10 and 1.01, and gate_up and down at keeps 0.5 and 0.3 were no faster
+# (within -0.4 and +0.8 us of the default's 13-18 us): the launch is off the critical path. One warp.
+# `sparse_gemv_bench.py --gemv-warps` and `proj_decode_h200.py --gemv-warps` set it.
 NUM_WARPS = 1
 # The loop variant ("stages"): 1 plain, 4 two tiles in flight, 8 a kept-row list. Stages 3 (each
 # program first lists the kept rows of its split, ranks by a prefix sum stored in an L2 scratch,
