@@ -23,11 +23,14 @@ def test_cpu_smoke_campaign_runs_and_its_report_renders(tmp_path):
         pytest.skip(f"WikiText-2 raw not found at {WIKITEXT} (../shared next to the checkout)")
     text = (EXAMPLES / "cpu_smoke.toml").read_text()
     assert "\nseed = 0\n" in text
+    assert "contexts = [256, 512]" in text
     spec = tmp_path / "cpu_smoke.toml"
-    spec.write_text(text.replace("\nseed = 0\n", f'\nseed = 0\ntext = "{WIKITEXT}"\n'))
+    # one context of the example's two: each cell is a process of its own, and CI runs on 2 cores
+    spec.write_text(text.replace("\nseed = 0\n", f'\nseed = 0\ntext = "{WIKITEXT}"\n')
+                    .replace("contexts = [256, 512]", "contexts = [256]"))
     out = tmp_path / "run"
     summary = run_campaign(spec, out, progress=False, echo=lambda line: None)
-    assert (summary.ok, summary.failed, summary.pending) == (12, 0, 0), summary.failures
+    assert (summary.ok, summary.failed, summary.pending) == (6, 0, 0), summary.failures
     cells = plan(load_spec(spec))
     for c in cells:
         rec = json.loads((out / "cells" / c.group / f"{c.cell}_{c.context}_b{c.block}.json").read_text())
@@ -40,7 +43,7 @@ def test_cpu_smoke_campaign_runs_and_its_report_renders(tmp_path):
     assert rep["label"] == "CPU"
     (group,) = rep["groups"]
     speedups = [r for r in group["rows"] if r["cell"] != "dense"]
-    assert len(speedups) == 4  # proj50 and sel30 at both contexts, each paired over 2 blocks
+    assert len(speedups) == 2  # proj50 and sel30, each paired over 2 blocks
     assert all(r["blocks"] == [0, 1] and r["speedup"]["n_resamples"] == 4 and r["speedup"]["value"] > 0 for r in speedups)
     assert (out / "report" / "report.md").read_text().count("CPU") >= 1
     assert (out / "report" / "fig3_speedup.png").stat().st_size > 0
