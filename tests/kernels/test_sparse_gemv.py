@@ -232,6 +232,44 @@ def test_triton_kernel_under_interpreter():
     assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
 
 
+def _ablate_worker() -> None:
+    """The timing ablations (sparse_gemv.ABLATE) compute what they say, under TRITON_INTERPRET=1:
+    without x, the sum of the even rows whatever x and the threshold; without the finish, one
+    split's partial (the whole sum when there is one split); bias, norm and stages 8 refused."""
+    fails, n = [], 0
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w_t, _ = make(203, 70, dtype, seed=21)
+        t = torch.tensor(threshold_for(x, 0.3))
+        even = w_t[::2].float().sum(0, keepdim=True).to(dtype)
+        masked = sparse_gemv_ref(x, w_t, t)
+        slack = 2.0**-7 if dtype == torch.bfloat16 else 0.0
+        for ablate, splits, want, what in ((2, 3, even, "no x"), (1, 1, masked, "no finish, one split"),
+                                           (3, 1, even, "neither")):
+            for stride in (False, True):
+                y = _with_knobs(dict(ABLATE=ablate, ROW_STRIDE_CONST=stride), sparse_gemv, x, w_t, t,
+                                config=(32, 16, splits, 1, 4))
+                tol = 2 * 2.0**-7 * want.float().abs().max().item() + FLOOR[dtype] + slack
+                fails += [m for m in [mismatch(y, want, tol, f"ABLATE={ablate} ({what}) {dtype} stride={stride}")]
+                          if m]
+                n += 1
+    x, w_t, b = make(64, 32, torch.float32, seed=22)
+    for kwargs, config in ((dict(bias=b), (32, 16, 2, 1, 4)), ({}, (32, 8, 2, 1, 8)),
+                           (dict(residual=make(32, 1, torch.float32, seed=23)[0].reshape(1, 32)), (32, 16, 2, 1, 4))):
+        try:
+            _with_knobs(dict(ABLATE=1), sparse_gemv, x, w_t, 0.1, config=config, **kwargs)
+            fails.append(f"ABLATE with {list(kwargs) or config} must be refused")
+        except InputError as e:
+            fails += [] if "timing ablation" in str(e) else [f"ABLATE refusal unclear: {e}"]
+        n += 1
+    print(json.dumps({"cases": n, "fails": fails}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_timing_ablations_under_interpreter():
+    report = run_interpreted(__file__, "_ablate_worker")
+    assert report["cases"] == 15 and not report["fails"], "\n".join(report["fails"])
+
+
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, evict="", bits=False,
                         stride=0):
     try:
@@ -247,7 +285,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu,
                   EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n,
-                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride)
+                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride, ABLATE=0)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
     names = fn.arg_names

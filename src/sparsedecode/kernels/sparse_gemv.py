@@ -133,6 +133,12 @@ BF16_PAIRS = True
 # input once per split, in an L2 scratch, lost: its prologue puts a round trip to L2 before the
 # first weight load (records h200/sparse_gemv_20261130T2252Z_x_once; run 4430254 to repeat it).
 ROW_STRIDE_CONST = True
+# Timing ablations of stages 4, to find where a call's fixed cost goes (never for results: an ablated
+# call computes something else). A bitmask: 1, no split-K finish: each program stores its partial
+# straight to the output (the programs of a tile overwrite each other; no atomic adds, arrival count
+# or exchange); 2, no x: rows kept by parity (every even row, with x = 1) and no threshold load, so a
+# program's first weight loads wait on nothing. `sparse_gemv_bench.py --ablate` times them.
+ABLATE = 0
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -371,6 +377,15 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
+    def _x_slice(Xp, Up, offs, mask, GLU: tl.constexpr, r, NORM: tl.constexpr, ABLATE: tl.constexpr):
+        """`_load_x` of rows offs, or with the x ablation (ABLATE & 2) 1.0 on even rows and 0.0 on
+        odd ones, loading nothing."""
+        if ABLATE & 2:
+            return tl.where(mask & (offs % 2 == 0), 1.0, 0.0)
+        else:
+            return _load_x(Xp, Up, mask, GLU, r, NORM)
+
+    @triton.jit
     def _norm_x(x, w, r):
         """RMSNorm's output of loaded x and weight w, given r (`_load_x` with NORM), in x's dtype."""
         h = (x.to(tl.float32) * r).to(x.dtype).to(tl.float32)
@@ -472,7 +487,7 @@ if triton is not None:
         U, GLU: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr, stride_w32, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
-        STRIDE: tl.constexpr,
+        STRIDE: tl.constexpr, ABLATE: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the launch and this prologue overlap its tail
@@ -493,6 +508,8 @@ if triton is not None:
         # program when the bounds are whole tiles, else per column.
         if NSEG > 1 and not SEG_ALIGNED:
             t_col = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, offs_n, THR_T, NSEG)  # (BLOCK_N,)
+        elif ABLATE & 2:  # rows kept by parity: x is 0 or 1
+            t0 = 0.5
         else:
             t0 = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
         k_lo = pid_k * rows_per_split
@@ -552,19 +569,22 @@ if triton is not None:
                 w_c = _load_tile(Wl, k_lo, ar, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
                 x_n = _norm_x(xr_n, wr_n, r_norm).to(tl.float32)
             else:
-                x_c = _load_x(X + k_lo + ar, U + k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM)
-                w_c = _load_tile(Wl, k_lo, ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT,
-                                    STRIDE)
-                x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi, GLU,
-                              r_norm, NORM)
+                p_c, p_n = k_lo + ar, k_lo + BLOCK_K + ar
+                x_c = _x_slice(X + p_c, U + p_c, p_c, p_c < k_hi, GLU, r_norm, NORM, ABLATE)
+                w_c = _load_tile(Wl, k_lo, ar, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
+                x_n = _x_slice(X + p_n, U + p_n, p_n, p_n < k_hi, GLU, r_norm, NORM, ABLATE)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
                 w_n = _load_tile(Wl, k0, ar, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
-                x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
+                p_nn = offs_k + BLOCK_K
+                x_nn = _x_slice(X + p_nn, U + p_nn, p_nn, p_nn < k_hi, GLU, r_norm, NORM, ABLATE)
                 acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
-            _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
-                           mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
+            if ABLATE & 1:  # no split-K finish: this split's partial, stored over the others'
+                tl.store(Y + offs_n, _columns(acc_l, acc_h, BITS, BLOCK_N).to(Y.dtype.element_ty), mask=mask_n)
+            else:
+                _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
+                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -607,6 +627,10 @@ def _sparse_gemv_op(
                          "flight) and 8 (a kept-row list, two tiles in flight); stages 2, 3, 5, 6, 7 and 9 to 12 "
                          "were measured slower on the H200 and removed (pass another config= or change the TUNED "
                          "entry)")
+    if ABLATE and (stages != 4 or up is not None or residual is not None or norm_w is not None
+                   or len(thr_ts) > 1 or bias is not None):
+        raise InputError(f"sparse_gemv.ABLATE={ABLATE} (a timing ablation) applies to plain stages-4 calls without "
+                         f"bias; this call runs stages {stages} with up, residual, norm, segments or bias")
     # with a residual, each column tile's sum of squares of the new residual stream (else empty)
     ss = torch.empty(triton.cdiv(N, block_n) if residual is not None else 0, device=x.device, dtype=torch.float32)
     splits = _splits(K, block_k, splits)
@@ -638,6 +662,7 @@ def _sparse_gemv_op(
         *args, Scratch=scratch, SEG_ALIGNED=aligned, stride_w32=w_t.stride(0) // 2,
         BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=_pow2(rows), DBUF=stages in (4, 8),
         STRIDE=w_t.stride(0) if ROW_STRIDE_CONST and stages == 4 else 0, num_stages=1,  # stages 4 reads it
+        ABLATE=ABLATE,
         U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
         SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
