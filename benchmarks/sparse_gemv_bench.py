@@ -153,7 +153,8 @@ def choose(records: list[dict], keeps=(0.5, 0.3), fused: str | None = None) -> l
     the calls of one kind (`fused`: None for the plain call, else a `fused_fn` kind)."""
     by_shape: dict[str, dict[str, float]] = {}
     first: dict[tuple[str, str], dict] = {}
-    records = [r for r in records if r["kind"] == "sparse_gemv_bench" and r.get("fused") == fused]
+    records = [r for r in records if r["kind"] == "sparse_gemv_bench" and r.get("fused") == fused
+               and not r.get("ablate")]  # an ablated call computes something else
     for r in records:
         if any(abs(r["keep_target"] - k) < 1e-9 for k in keeps):
             cell = by_shape.setdefault(r["shape"], {})
@@ -259,6 +260,18 @@ def launch_probe(name: str, args, dev: torch.device, run: str, cfg: tuple | None
     return rec
 
 
+ABLATIONS = {"finish": 1, "x": 2, "both": 3}  # --ablate names: sparse_gemv.ABLATE bits
+
+
+def _with_ablation(bits: int, timer, fn, calls, reps: int) -> list[float]:
+    """timer(fn, calls, reps) with sparse_gemv.ABLATE = bits (captured in the graph), then reset."""
+    saved, sg.ABLATE = sg.ABLATE, bits
+    try:
+        return timer(fn, calls, reps)
+    finally:
+        sg.ABLATE = saved
+
+
 def dense_equivalent(kept: int, N: int, args, dev: torch.device, timer=time_graph) -> float:
     """Per-call time of cuBLAS's dense GEMV over a weight of just the kept rows ((N, kept) in
     nn.Linear's layout): the same bytes as the sparse call, read by the dense library kernel.
@@ -291,8 +304,10 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
         variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in SWEEP
                      if args.sweep_stages is None or c[4] in args.sweep_stages]
     variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in args.configs]
+    variants += [(f"default+ablate-{a}", default, None) for a in args.ablate]
     if args.probe:  # an empty kernel on each config's grid: what launching that grid costs
-        records += [launch_probe(name, args, dev, run, cfg, label) for label, cfg, _ in variants if _ is None]
+        records += [launch_probe(name, args, dev, run, cfg, label) for label, cfg, _ in variants
+                    if _ is None and "+ablate-" not in label]
     if args.fused:  # the default config as the fused decoder layer calls it (sparse_linear.FUSE_NORMS)
         variants += [("default+residual", default, "residual"), ("default+norm", default, "norm")]
     if args.fused_sweep:  # every swept config (and the default) called as the fused layer calls it
@@ -313,6 +328,9 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                   for kind, v in inputs.items()}
         equiv = None
         for label, cfg, fused in variants:
+            ablate = ABLATIONS.get(label.partition("+ablate-")[2], 0)
+            if ablate & 2 and (keep != 0.5 or args.pattern != "random"):
+                continue  # rows kept by parity: half of them, the bytes of keep 0.5 only
             t_cell = t_kind.get(fused, t_val)
             thr = torch.tensor(t_cell, device=dev)
             kept = int((inputs.get(fused, x).float().abs() > thr).sum())
@@ -321,9 +339,14 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
             if label == "default":
                 equiv = dense_equivalent(kept, N, args, dev, timer) if 0 < kept < K else None
             try:
-                err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", fused, residual, norm, up)
                 calls = [(x, w, thr, None, ws, cfg) for w in w_ts] * args.rounds
-                t = statistics.median(timer(fused_fn(fused, residual, norm, up), calls, args.reps))
+                if ablate:  # computes something else: timed, never checked
+                    err = None
+                    t = statistics.median(_with_ablation(ablate, timer, fused_fn(None, None, None, None), calls,
+                                                         args.reps))
+                else:
+                    err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", fused, residual, norm, up)
+                    t = statistics.median(timer(fused_fn(fused, residual, norm, up), calls, args.reps))
             except Exception as e:  # a sweep config can fail to compile or fit; report and go on
                 if label == "default":
                     raise
@@ -335,7 +358,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "keep_target": keep, "threshold": t_cell, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
                 "config_label": label, "fused": fused, "pdl": args.pdl, "register_cap": sg.REGISTER_CAP,
-                "evict_first": sg.WEIGHTS_EVICT_FIRST, "bf16_pairs": sg.BF16_PAIRS, "stride_const": sg.ROW_STRIDE_CONST,
+                "ablate": ablate, "evict_first": sg.WEIGHTS_EVICT_FIRST, "bf16_pairs": sg.BF16_PAIRS, "stride_const": sg.ROW_STRIDE_CONST,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
@@ -344,7 +367,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 **({} if equiv is None or fused else {"dense_equiv_time_s": equiv, "dense_equiv_shape": [kept, N],
                                                       "ratio_to_dense_equiv": t / equiv}),
             })
-            sub = args.out if label == "default" else args.out / ("sweep" if label[:1] == "b" else "fused")
+            sub = args.out if label == "default" else args.out / ("sweep" if label[:1] == "b" else "ablate" if ablate else "fused")
             write_record(sub / f"sparse_gemv_bench-{name}-keep{keep:g}-{label}-{run}.json", rec)
             records.append(rec)
             rows.append((name, keep, label, t * 1e6, rec["tb_per_s"], t / byte_time, t_dense / t))
@@ -383,6 +406,10 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", type=parse_label, default=[], metavar="LABEL",
                     help="also time these tile configs, labelled as the sweep labels them (b2048k16p2w8s4: "
                     "BLOCK_N 2048, BLOCK_K 16, about 2 programs per SM, 8 warps, stages 4)")
+    ap.add_argument("--ablate", nargs="+", choices=list(ABLATIONS), default=[],
+                    help="also time the default config with parts of its work removed (sparse_gemv.ABLATE; the "
+                    "results are wrong by design and not checked): 'finish' no split-K finish, 'x' no x or "
+                    "threshold loads (even rows kept: keep 0.5 only), 'both'")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")
