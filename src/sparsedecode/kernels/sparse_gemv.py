@@ -569,15 +569,16 @@ if triton is not None:
                 w_c = _load_tile(Wl, k_lo, ar, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
                 x_n = _norm_x(xr_n, wr_n, r_norm).to(tl.float32)
             else:
-                p_c, p_n = k_lo + ar, k_lo + BLOCK_K + ar
-                x_c = _x_slice(X + p_c, U + p_c, p_c, p_c < k_hi, GLU, r_norm, NORM, ABLATE)
-                w_c = _load_tile(Wl, k_lo, ar, p_c < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
-                x_n = _x_slice(X + p_n, U + p_n, p_n, p_n < k_hi, GLU, r_norm, NORM, ABLATE)
+                x_c = _x_slice(X + k_lo + ar, U + k_lo + ar, k_lo + ar, k_lo + ar < k_hi, GLU, r_norm, NORM, ABLATE)
+                w_c = _load_tile(Wl, k_lo, ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT,
+                                 STRIDE)
+                x_n = _x_slice(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar,
+                               k_lo + BLOCK_K + ar < k_hi, GLU, r_norm, NORM, ABLATE)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
                 w_n = _load_tile(Wl, k0, ar, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N, EVICT, STRIDE)
-                p_nn = offs_k + BLOCK_K
-                x_nn = _x_slice(X + p_nn, U + p_nn, p_nn, p_nn < k_hi, GLU, r_norm, NORM, ABLATE)
+                x_nn = _x_slice(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi,
+                                GLU, r_norm, NORM, ABLATE)
                 acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
             if ABLATE & 1:  # no split-K finish: this split's partial, stored over the others'
