@@ -94,7 +94,8 @@ def gemv_fit_table(records: list[dict]) -> str:
         left = small["target_ratio"] * small["byte_time_s"] - small["bytes_read"] / rate
         probe = probes.get((key[0], small["shape"], key[1]))
         empty = "" if probe is None else f"{probe['time_s'] * 1e6:.2f}"
-        shapes = ", ".join(c["shape"] for c in sorted(cells, key=lambda c: c["N"]))
+        names = list(dict.fromkeys(c["shape"] for c in sorted(cells, key=lambda c: c["N"])))
+        shapes = ", ".join(names) + (f" ({len(cells)} cells)" if len(cells) > len(names) else "")
         rows.append(f"| {key[1]} | {key[2]} | {key[8]} | {key[9]:g} | {shapes} | {fixed * 1e6:.2f} "
                     f"| {rate / 1e12:.2f} | {resid * 1e6:.2f} | {empty} "
                     f"| {left * 1e6:.2f} on {small['shape']} | {key[0]} |")
