@@ -137,7 +137,9 @@ ROW_STRIDE_CONST = True
 # call computes something else). A bitmask: 1, no split-K finish: each program stores its partial
 # straight to the output (the programs of a tile overwrite each other; no atomic adds, arrival count
 # or exchange); 2, no x: rows kept by parity (every even row, with x = 1) and no threshold load, so a
-# program's first weight loads wait on nothing. `sparse_gemv_bench.py --ablate` times them.
+# program's first weight loads wait on nothing. `sparse_gemv_bench.py --ablate` times them. On the
+# H200 the finish was 1.1-1.8 us of a call and the x chain 0.2-0.8 us; with both gone gate_up at
+# keep 0.5 ran 1.13-1.14x its byte time (records h200/sparse_gemv_20261201T0400Z_ablate_twice).
 ABLATE = 0
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
