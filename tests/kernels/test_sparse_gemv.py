@@ -270,6 +270,54 @@ def test_timing_ablations_under_interpreter():
     assert report["cases"] == 15 and not report["fails"], "\n".join(report["fails"])
 
 
+def _accumulate_worker() -> None:
+    """A gate|up call with accumulate=True (no split-K finish, the sums left in the workspace)
+    followed by swiglu_from_sums gives what the finishing call then eager silu(gate) * up gives,
+    on stages 1, 4 and 8, segmented and normed as the fused layer calls it; the workspace is
+    back at zero after, so the next call (either kind) is right; misuse is refused."""
+    from sparsedecode.kernels.sparse_gemv import sumsq, swiglu_from_sums
+
+    fails, n = [], 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
+        x, w_t, _ = make(301, 2 * 96, dtype, seed=31)  # gate | up, 96 each: 3 tiles of 64, a segment bound off the grid
+        nw = (1.0 + 0.3 * make(301, 1, torch.float32, seed=32)[0].reshape(301)).to(dtype)
+        norm = (nw, sumsq(x), 1e-5)
+        thr = [torch.tensor(threshold_for(x, 0.5)), torch.tensor(threshold_for(x, 0.3))]
+        ws = workspace(2 * 96, x.device)
+        for config in ((64, 16, 3, 1, 4), (64, 8, 4, 1, 8), (32, 16, 2, 1, 1)):
+            for call in range(2):  # twice on one workspace: it must be back at zero
+                y = sparse_gemv(x, w_t, thr, ws=ws, segments=[96, 96], config=config, norm=norm)
+                gate, up = y.split(96, dim=-1)
+                want = F.silu(gate) * up
+                token = sparse_gemv(x, w_t, thr, ws=ws, segments=[96, 96], config=config, norm=norm, accumulate=True)
+                got = swiglu_from_sums(ws, token, 96, x)
+                what = f"accumulate {dtype} config={config} call {call}"
+                tol = 4 * ulp * want.abs().max().item() + FLOOR[dtype]
+                fails += [m for m in [mismatch(got, want, tol, what)] if m]
+                if token.numel() != 0 or got.shape != (1, 96) or got.dtype != dtype:
+                    fails.append(f"{what}: token {tuple(token.shape)}, output {tuple(got.shape)} {got.dtype}")
+                if ws[0].abs().sum().item() or ws[1].abs().sum().item():
+                    fails.append(f"{what}: the workspace is not back at zero")
+                n += 1
+    x, w_t, b = make(64, 32, torch.float32, seed=33)
+    for kwargs, needle in ((dict(), "pass ws"), (dict(ws=workspace(32, x.device), bias=b), "no bias"),
+                           (dict(ws=workspace(32, x.device), residual=b.reshape(1, 32)), "no bias")):
+        try:
+            sparse_gemv(x, w_t, 0.1, accumulate=True, **kwargs)
+            fails.append(f"accumulate with {sorted(kwargs)} must be refused")
+        except InputError as e:
+            fails += [] if needle in str(e) else [f"accumulate refusal unclear: {e}"]
+        n += 1
+    print(json.dumps({"cases": n, "fails": fails}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_accumulate_and_swiglu_from_sums_under_interpreter():
+    report = run_interpreted(__file__, "_accumulate_worker")
+    assert report["cases"] == 21 and not report["fails"], "\n".join(report["fails"])
+
+
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, evict="", bits=False,
                         stride=0):
     try:
@@ -285,7 +333,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu,
                   EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n,
-                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride, ABLATE=0)
+                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride, ABLATE=0, ACCUM=False)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
     names = fn.arg_names
