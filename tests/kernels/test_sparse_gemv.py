@@ -232,6 +232,15 @@ def test_triton_kernel_under_interpreter():
     assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
 
 
+def _refused(needle: str, what: str, fn, *args, **kwargs) -> list[str]:
+    """[] when fn(*args, **kwargs) raises an InputError that says `needle`, else what went wrong."""
+    try:
+        fn(*args, **kwargs)
+    except InputError as e:
+        return [] if needle in str(e) else [f"{what}: unclear refusal: {e}"]
+    return [f"{what} must be refused"]
+
+
 def _ablate_worker() -> None:
     """The timing ablations (sparse_gemv.ABLATE) compute what they say, under TRITON_INTERPRET=1:
     without x, the sum of the even rows whatever x and the threshold; without the finish, one
@@ -255,11 +264,8 @@ def _ablate_worker() -> None:
     x, w_t, b = make(64, 32, torch.float32, seed=22)
     for kwargs, config in ((dict(bias=b), (32, 16, 2, 1, 4)), ({}, (32, 8, 2, 1, 8)),
                            (dict(residual=make(32, 1, torch.float32, seed=23)[0].reshape(1, 32)), (32, 16, 2, 1, 4))):
-        try:
-            _with_knobs(dict(ABLATE=1), sparse_gemv, x, w_t, 0.1, config=config, **kwargs)
-            fails.append(f"ABLATE with {list(kwargs) or config} must be refused")
-        except InputError as e:
-            fails += [] if "timing ablation" in str(e) else [f"ABLATE refusal unclear: {e}"]
+        fails += _refused("timing ablation", f"ABLATE with {list(kwargs) or config}",
+                          _with_knobs, dict(ABLATE=1), sparse_gemv, x, w_t, 0.1, config=config, **kwargs)
         n += 1
     print(json.dumps({"cases": n, "fails": fails}))
 
@@ -303,11 +309,8 @@ def _accumulate_worker() -> None:
     x, w_t, b = make(64, 32, torch.float32, seed=33)
     for kwargs, needle in ((dict(), "pass ws"), (dict(ws=workspace(32, x.device), bias=b), "no bias"),
                            (dict(ws=workspace(32, x.device), residual=b.reshape(1, 32)), "no bias")):
-        try:
-            sparse_gemv(x, w_t, 0.1, accumulate=True, **kwargs)
-            fails.append(f"accumulate with {sorted(kwargs)} must be refused")
-        except InputError as e:
-            fails += [] if needle in str(e) else [f"accumulate refusal unclear: {e}"]
+        fails += _refused(needle, f"accumulate with {sorted(kwargs)}", sparse_gemv, x, w_t, 0.1, accumulate=True,
+                          **kwargs)
         n += 1
     print(json.dumps({"cases": n, "fails": fails}))
 
