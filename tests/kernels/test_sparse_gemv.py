@@ -276,7 +276,7 @@ def test_timing_ablations_under_interpreter():
     assert report["cases"] == 15 and not report["fails"], "\n".join(report["fails"])
 
 
-def _accumulate_worker() -> None:
+def _accumulate_cases(device="cpu") -> tuple[list[str], int]:
     """A gate|up call with accumulate=True (no split-K finish, the sums left in the workspace)
     followed by swiglu_from_sums gives what the finishing call then eager silu(gate) * up gives,
     on stages 1, 4 and 8, segmented and normed as the fused layer calls it; the workspace is
@@ -286,10 +286,10 @@ def _accumulate_worker() -> None:
     fails, n = [], 0
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
-        x, w_t, _ = make(301, 2 * 96, dtype, seed=31)  # gate | up, 96 each: 3 tiles of 64, a segment bound off the grid
-        nw = (1.0 + 0.3 * make(301, 1, torch.float32, seed=32)[0].reshape(301)).to(dtype)
+        x, w_t, _ = make(301, 2 * 96, dtype, device=device, seed=31)  # gate | up, 96 each: 3 tiles of 64
+        nw = (1.0 + 0.3 * make(301, 1, torch.float32, seed=32)[0].reshape(301)).to(device, dtype)
         norm = (nw, sumsq(x), 1e-5)
-        thr = [torch.tensor(threshold_for(x, 0.5)), torch.tensor(threshold_for(x, 0.3))]
+        thr = [torch.tensor(threshold_for(x, 0.5), device=device), torch.tensor(threshold_for(x, 0.3), device=device)]
         ws = workspace(2 * 96, x.device)
         for config in ((64, 16, 3, 1, 4), (64, 8, 4, 1, 8), (32, 16, 2, 1, 1)):
             for call in range(2):  # twice on one workspace: it must be back at zero
@@ -306,13 +306,19 @@ def _accumulate_worker() -> None:
                 if ws[0].abs().sum().item() or ws[1].abs().sum().item():
                     fails.append(f"{what}: the workspace is not back at zero")
                 n += 1
-    x, w_t, b = make(64, 32, torch.float32, seed=33)
+    x, w_t, b = make(64, 32, torch.float32, device=device, seed=33)
     for kwargs, needle in ((dict(), "pass ws"), (dict(ws=workspace(32, x.device), bias=b), "no bias"),
                            (dict(ws=workspace(32, x.device), residual=b.reshape(1, 32)), "no bias")):
         fails += _refused(needle, f"accumulate with {sorted(kwargs)}", sparse_gemv, x, w_t, 0.1, accumulate=True,
                           **kwargs)
         n += 1
+    return fails, n
+
+
+def _accumulate_worker() -> None:
+    fails, n = _accumulate_cases()
     print(json.dumps({"cases": n, "fails": fails}))
+
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -685,6 +691,12 @@ def test_loop_configs_on_cuda(config, pairs, monkeypatch):
         torch.cuda.synchronize()
         fails += check(out, x, w_t, threshold_for(x, keep), b, f"{config} graph replay keep={keep}")
     assert not fails, "\n".join(fails)
+
+
+@gpu
+def test_accumulate_and_swiglu_from_sums_on_cuda():
+    fails, n = _accumulate_cases(device="cuda")
+    assert n == 21 and not fails, "\n".join(fails)
 
 
 @gpu

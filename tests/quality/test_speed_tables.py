@@ -149,9 +149,11 @@ def test_gemv_fit_recovers_a_fixed_cost_and_a_rate():
     assert twice[1].startswith("| default | 1 | 4096 | 1 | gate_up, gate_up2 (4 cells) | 5.00 | 4.60 | 0.00 |")
 
 
-def test_step_mode_marks_gemv_warps():
+def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
     decode = {"kind": "proj_decode_bench", "mode": "proj0.5", "calibration": {"method": "teal"}, "compile_mode": "",
               "realized_keep": 0.46, "step_ms_median": 3.0, "paired_dense_ms": 5.4, "speedup": 1.8, "bound": 1.96,
               "fraction_of_bound": 0.92, "env": {"git_commit": None}}
-    rows = decode_table([{**decode, "gemv_warps": 8}, {**decode, "gemv_warps": 1}, decode]).splitlines()[2:]
-    assert [row.split(" | ")[0] for row in rows] == ["| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)"]
+    rows = decode_table([{**decode, "gemv_warps": 8}, {**decode, "gemv_warps": 1}, decode,
+                         {**decode, "defer_gate_up_finish": True}, {**decode, "defer_gate_up_finish": False}])
+    assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
+        "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)"]

@@ -31,6 +31,7 @@ from sparsedecode.kernels.sparse_gemv import (
     keep_mask,
     sparse_gemv,
     sparse_gemv_ref,
+    swiglu_from_sums,
     workspace,
 )
 from sparsedecode.projection.thresholds import MODULE_OF
@@ -49,6 +50,12 @@ FUSE_SWIGLU = False
 # sums of squares, and q|k|v and gate|up norm their input as they load it. Two launches fewer
 # per layer; `models.decoder.Block.forward_fused`.
 FUSE_NORMS = True
+# True: in the fused decode step (FUSE_NORMS) gate|up skips its split-K finish and leaves its float32
+# sums in its workspace, and `kernels.sparse_gemv.swiglu_from_sums` forms down's input silu(gate) *
+# up from them (the launch the silu-and-multiply took anyway), zeroing them: the finish took
+# 1.1-1.8 us of a call on the H200 (records h200/sparse_gemv_20261201T0400Z_ablate_twice). Off
+# until the step is timed with it (`proj_decode_h200.py --defer-gate-up-finish`).
+DEFER_GATE_UP_FINISH = False
 
 
 class FixedDtypeBuffers(nn.Module):
@@ -239,6 +246,28 @@ class SparseConcat(FixedDtypeBuffers):
                         ws=(self.ws_acc, self.ws_count), segments=self.widths,
                         norm=None if rms is None else (rms.weight, ss, rms.eps))
         return list(y.split(self.widths, dim=-1))
+
+    @property
+    def defer_finish(self) -> bool:
+        """Whether the fused decode step runs this gate|up launch through `swiglu`
+        (DEFER_GATE_UP_FINISH; two sites of one width, no bias)."""
+        return DEFER_GATE_UP_FINISH and len(self.widths) == 2 and self.widths[0] == self.widths[1] and self.bias is None
+
+    def swiglu(self, x: Tensor, norm: tuple | None = None) -> Tensor:
+        """silu(gate) * up of one token (x (..., in)) as `forward` then eager would give it, in
+        two launches that skip gate|up's split-K finish: the segmented launch leaves its float32
+        sums in the workspace (`sparse_gemv(accumulate=True)`), `swiglu_from_sums` reads, rounds
+        and zeroes them. `norm` as in `forward`."""
+        rms, ss = norm if norm is not None else (None, None)
+        tracked = [m for m in self.sites if m.track]
+        if tracked:
+            counted = x if rms is None else rms(x)
+            for m in tracked:
+                m.count_kept(counted)
+        ws = (self.ws_acc, self.ws_count)
+        token = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], None, ws=ws, segments=self.widths,
+                            norm=None if rms is None else (rms.weight, ss, rms.eps), accumulate=True)
+        return swiglu_from_sums(ws, token, self.widths[0], x).reshape(*x.shape[:-1], self.widths[0])
 
     def extra_repr(self) -> str:
         return f"sites={[m.site for m in self.sites]}, widths={self.widths}"

@@ -106,11 +106,13 @@ def _step_mode(r: dict) -> str:
     """A step record's mode, marked where it ran off a default: '+rope_cache' when its attention
     took RoPE from `rope_cache` in a launch of its own (--no-rope-attention), '+unfolded' when
     split-K attention kept a short last split (--no-attn-fold-tail), '+wN' when the sparse GEMVs'
-    default configs ran N warps per program (--gemv-warps; records from before a knob say nothing
-    of it and are not marked)."""
+    default configs ran N warps per program (--gemv-warps), '+deferred' when gate|up skipped its
+    split-K finish (--defer-gate-up-finish; records from before a knob say nothing of it and are
+    not marked)."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
-            + (f"+w{r['gemv_warps']}" if r.get("gemv_warps", 1) != 1 else ""))
+            + (f"+w{r['gemv_warps']}" if r.get("gemv_warps", 1) != 1 else "")
+            + ("+deferred" if r.get("defer_gate_up_finish") else ""))
 
 
 def decode_table(records: list[dict]) -> str:
