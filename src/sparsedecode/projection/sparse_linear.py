@@ -53,8 +53,10 @@ FUSE_NORMS = True
 # True: in the fused decode step (FUSE_NORMS) gate|up skips its split-K finish and leaves its float32
 # sums in its workspace, and `kernels.sparse_gemv.swiglu_from_sums` forms down's input silu(gate) *
 # up from them (the launch the silu-and-multiply took anyway), zeroing them: the finish took
-# 1.1-1.8 us of a call on the H200 (records h200/sparse_gemv_20261201T0400Z_ablate_twice). Off
-# until the step is timed with it (`proj_decode_h200.py --defer-gate-up-finish`).
+# 1.1-1.8 us of a call on the H200 (records h200/sparse_gemv_20261201T0400Z_ablate_twice). Off: the
+# step was no faster with it (90.0% and 90.3% of its bound against 90.3% and 90.4%, the sparse GEMVs
+# 2265.3 us a step against 2265.0; records h200/sparse_gemv_20261201T0455Z_defer_finish): the call
+# keeps its atomic adds, and the ablation's gain was in those (it stored each partial plainly).
 DEFER_GATE_UP_FINISH = False
 
 
