@@ -277,11 +277,11 @@ def test_timing_ablations_under_interpreter():
 
 
 def _accumulate_cases(device="cpu") -> tuple[list[str], int]:
-    """A gate|up call with accumulate=True (no split-K finish, the sums left in the workspace)
-    followed by swiglu_from_sums gives what the finishing call then eager silu(gate) * up gives,
-    on stages 1, 4 and 8, segmented and normed as the fused layer calls it; the workspace is
-    back at zero after, so the next call (either kind) is right; misuse is refused."""
-    from sparsedecode.kernels.sparse_gemv import sumsq, swiglu_from_sums
+    """A gate|up call with accumulate=True (no split-K finish: each split's partial in a row of
+    its own) followed by swiglu_from_sums gives what the finishing call then eager silu(gate) *
+    up gives, on stages 1, 4 and 8, segmented and normed as the fused layer calls it, twice on
+    one workspace (the rows are overwritten, never zeroed); misuse is refused."""
+    from sparsedecode.kernels.sparse_gemv import split_count, sumsq, swiglu_from_sums
 
     fails, n = [], 0
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -290,25 +290,28 @@ def _accumulate_cases(device="cpu") -> tuple[list[str], int]:
         nw = (1.0 + 0.3 * make(301, 1, torch.float32, seed=32)[0].reshape(301)).to(device, dtype)
         norm = (nw, sumsq(x), 1e-5)
         thr = [torch.tensor(threshold_for(x, 0.5), device=device), torch.tensor(threshold_for(x, 0.3), device=device)]
-        ws = workspace(2 * 96, x.device)
         for config in ((64, 16, 3, 1, 4), (64, 8, 4, 1, 8), (32, 16, 2, 1, 1)):
-            for call in range(2):  # twice on one workspace: it must be back at zero
+            splits = split_count(301, 2 * 96, dtype, device, config)
+            ws, parts = workspace(2 * 96, x.device), workspace(2 * 96, x.device, splits=splits)
+            for call in range(2):  # twice on one workspace: rows overwritten
                 y = sparse_gemv(x, w_t, thr, ws=ws, segments=[96, 96], config=config, norm=norm)
                 gate, up = y.split(96, dim=-1)
                 want = F.silu(gate) * up
-                token = sparse_gemv(x, w_t, thr, ws=ws, segments=[96, 96], config=config, norm=norm, accumulate=True)
-                got = swiglu_from_sums(ws, token, 96, x)
+                token = sparse_gemv(x, w_t, thr, ws=parts, segments=[96, 96], config=config, norm=norm,
+                                    accumulate=True)
+                got = swiglu_from_sums(parts, token, 96, splits, x)
                 what = f"accumulate {dtype} config={config} call {call}"
                 tol = 4 * ulp * want.abs().max().item() + FLOOR[dtype]
                 fails += [m for m in [mismatch(got, want, tol, what)] if m]
                 if token.numel() != 0 or got.shape != (1, 96) or got.dtype != dtype:
                     fails.append(f"{what}: token {tuple(token.shape)}, output {tuple(got.shape)} {got.dtype}")
-                if ws[0].abs().sum().item() or ws[1].abs().sum().item():
-                    fails.append(f"{what}: the workspace is not back at zero")
+                if ws[0].abs().sum().item() or ws[1].abs().sum().item() or parts[1].abs().sum().item():
+                    fails.append(f"{what}: a workspace's sums or counters are not at zero")
                 n += 1
     x, w_t, b = make(64, 32, torch.float32, device=device, seed=33)
     for kwargs, needle in ((dict(), "pass ws"), (dict(ws=workspace(32, x.device), bias=b), "no bias"),
-                           (dict(ws=workspace(32, x.device), residual=b.reshape(1, 32)), "no bias")):
+                           (dict(ws=workspace(32, x.device), residual=b.reshape(1, 32)), "no bias"),
+                           (dict(ws=workspace(32, x.device), config=(32, 16, 2, 1, 4)), "partial rows")):
         fails += _refused(needle, f"accumulate with {sorted(kwargs)}", sparse_gemv, x, w_t, 0.1, accumulate=True,
                           **kwargs)
         n += 1
@@ -324,7 +327,7 @@ def _accumulate_worker() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_accumulate_and_swiglu_from_sums_under_interpreter():
     report = run_interpreted(__file__, "_accumulate_worker")
-    assert report["cases"] == 21 and not report["fails"], "\n".join(report["fails"])
+    assert report["cases"] == 22 and not report["fails"], "\n".join(report["fails"])
 
 
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, evict="", bits=False,
@@ -696,7 +699,7 @@ def test_loop_configs_on_cuda(config, pairs, monkeypatch):
 @gpu
 def test_accumulate_and_swiglu_from_sums_on_cuda():
     fails, n = _accumulate_cases(device="cuda")
-    assert n == 21 and not fails, "\n".join(fails)
+    assert n == 22 and not fails, "\n".join(fails)
 
 
 @gpu

@@ -271,6 +271,13 @@ def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
     return block_n, block_k, _splits(K, block_k, want), NUM_WARPS, NUM_STAGES
 
 
+def split_count(K: int, N: int, dtype: torch.dtype, device, config=None) -> int:
+    """The K splits a call of that shape (and config, else the default) runs: the partial rows
+    an accumulate=True call stores."""
+    block_n, block_k, splits, _, _ = config or default_config(K, N, dtype, torch.device(device))
+    return _splits(K, block_k, splits)
+
+
 def max_registers(programs: int, num_warps: int, device) -> int:
     """Registers per thread that let every program of the grid be resident at once.
 
@@ -300,13 +307,15 @@ def _splits(K: int, block_k: int, want: int) -> int:
     return -(-K // _rows_per_split(K, block_k, want))
 
 
-def workspace(N: int, device, block_n: int = MIN_BLOCK) -> tuple[Tensor, Tensor]:
-    """Zeroed (fp32 partial sums (N,), int32 arrival counters (tiles,)) for N outputs.
+def workspace(N: int, device, block_n: int = MIN_BLOCK, splits: int = 1) -> tuple[Tensor, Tensor]:
+    """Zeroed (fp32 partial sums (splits * N,), int32 arrival counters (tiles,)) for N outputs.
 
     The kernel leaves both at zero again, so one workspace serves any number of calls
     in sequence (and in a CUDA graph); sized for the smallest BLOCK_N, it fits any config.
+    `splits` > 1: room for a call with accumulate=True, which stores each split's partial
+    in a row of its own (`split_count`).
     """
-    return (torch.zeros(N, device=device, dtype=torch.float32),
+    return (torch.zeros(splits * N, device=device, dtype=torch.float32),
             torch.zeros(-(-N // block_n), device=device, dtype=torch.int32))
 
 
@@ -330,19 +339,21 @@ if triton is not None:
 
     @triton.jit
     def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
-                       Res, SsOut, RESID: tl.constexpr, ACCUM: tl.constexpr = False):
+                       Res, SsOut, RESID: tl.constexpr, ACCUM: tl.constexpr = False, part_row=0):
         """Add this split's fp32 partial of a column tile; the last split to arrive writes
         the sum (+ bias) to Y and leaves the workspace and the tile's counter at zero. With
-        ACCUM only the partial is added: the sums stay in the workspace for a consumer to
-        read and zero (`swiglu_from_sums`), and no program waits on an arrival count.
+        ACCUM the partial is stored plainly at Acc + part_row (the split's own row of a
+        splits x N workspace): no atomic adds, no arrival count; a consumer sums the rows
+        (`swiglu_from_sums`).
 
         With RESID, Y is the residual stream after the projection: the sum rounded to Y's
         dtype, plus the residual at Res, rounded again (as eager `x + proj(h)` rounds), and
         the tile's sum of squares of those rounded values goes to SsOut[tile], so the next
         RMSNorm needs no reduction kernel (`sparse_gemv(norm=...)` reads the partials)."""
-        tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
         if ACCUM:
+            tl.store(Acc + part_row + offs_n, acc, mask=mask_n)
             return
+        tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
         # All lanes' partial adds precede the release of the arrival count (bar.sync, then a
         # release atomic, which is cumulative); the last arrival acquires it and so sees them.
         tl.debug_barrier()
@@ -554,7 +565,7 @@ if triton is not None:
                 x_c, w_c, off_n, x_n = x_n, w_n, off_nn, x_nn
             acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # the last tile (all zeros if empty)
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
-                           num_splits, HAS_BIAS, Res, SsOut, RESID, ACCUM)
+                           num_splits, HAS_BIAS, Res, SsOut, RESID, ACCUM, pid_k * N)
             return
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
@@ -591,7 +602,7 @@ if triton is not None:
                 tl.store(Y + offs_n, _columns(acc_l, acc_h, BITS, BLOCK_N).to(Y.dtype.element_ty), mask=mask_n)
             else:
                 _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
-                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, ACCUM)
+                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, ACCUM, pid_k * N)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -613,7 +624,7 @@ if triton is not None:
             # accumulator costs 8 registers, leaving registers for loads in flight.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
         _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID,
-                       ACCUM)
+                       ACCUM, pid_k * N)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -645,7 +656,10 @@ def _sparse_gemv_op(
     splits = _splits(K, block_k, splits)
     if ws_acc is None or ws_count is None:
         ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
-    y = torch.empty(0 if accumulate else N, device=x.device, dtype=x.dtype)  # accumulate: the sums stay in ws
+    if accumulate and ws_acc.numel() < splits * N:
+        raise InputError(f"sparse_gemv(accumulate=True) stores {splits} partial rows of {N}: ws must be "
+                         f"workspace(N, device, splits={splits}); got {ws_acc.numel()} floats")
+    y = torch.empty(0 if accumulate else N, device=x.device, dtype=x.dtype)  # accumulate: partials stay in ws
     n_tiles = triton.cdiv(N, block_n)
     thr = list(thr_ts) + [ws_acc] * (3 - len(thr_ts))  # unused pointer slots
     b1, b2 = (list(bounds) + [N, N])[:2]
@@ -735,10 +749,11 @@ def sparse_gemv(
     rounded as `models.decoder.RMSNorm` rounds, formed in the kernel's x loads; the threshold
     applies to the normed input.
 
-    With `accumulate` the call skips the split-K finish: its float32 sums stay in ws[0][:N] and
-    it returns an empty tensor, an order token for the consumer that reads and zeroes them
-    (`swiglu_from_sums`); no program waits on an arrival count, which took 1.1-1.8 µs of a call
-    on the H200 (`ABLATE`). It needs `ws` and takes no bias or residual.
+    With `accumulate` the call has no split-K finish: each split stores its float32 partial in a
+    row of its own of ws[0] (`workspace(N, device, splits=split_count(...))`) and the call returns
+    an empty tensor, an order token for the consumer that sums the rows (`swiglu_from_sums`); no
+    atomic adds, no arrival count (the finish took 1.1-1.8 µs of a call on the H200, `ABLATE`).
+    It needs `ws` and takes no bias or residual.
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -817,48 +832,51 @@ def sparse_gemv(
 if triton is not None:
 
     @triton.jit
-    def _swiglu_sums_kernel(Acc, Y, width, BLOCK: tl.constexpr):
-        """silu(gate) * up from the float32 sums of a gate|up call with accumulate: each sum
-        rounded to Y's dtype (as the finish rounds), silu rounded, the product rounded (as eager
-        rounds `F.silu(gate) * up`); the sums left at zero."""
+    def _swiglu_sums_kernel(Acc, Y, width, splits, BLOCK: tl.constexpr):
+        """silu(gate) * up from the float32 partial rows (splits x 2 width) of a gate|up call with
+        accumulate: each column's sum over the rows rounded to Y's dtype (as the finish rounds),
+        silu rounded, the product rounded (as eager rounds `F.silu(gate) * up`)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < width
-        g = tl.load(Acc + offs, mask=mask, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
-        u = tl.load(Acc + width + offs, mask=mask, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+        u = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in range(splits):
+            g += tl.load(Acc + r * 2 * width + offs, mask=mask, other=0.0)
+            u += tl.load(Acc + r * 2 * width + width + offs, mask=mask, other=0.0)
+        g = g.to(Y.dtype.element_ty).to(tl.float32)
+        u = u.to(Y.dtype.element_ty).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         tl.store(Y + offs, (s * u).to(Y.dtype.element_ty), mask=mask)
-        tl.store(Acc + offs, tl.zeros_like(g), mask=mask)
-        tl.store(Acc + width + offs, tl.zeros_like(g), mask=mask)
 
 
 SWIGLU_BLOCK = 1024  # outputs per program of `swiglu_from_sums`
 
 
 @torch.library.custom_op("sparsedecode::swiglu_from_sums", mutates_args=())
-def _swiglu_sums_op(ws_acc: Tensor, token: Tensor, width: int, like: Tensor) -> Tensor:
-    # Declared pure although it zeroes the workspace, as `sparse_gemv` is (see there); `token`, the
-    # accumulating call's output, orders it after that call.
+def _swiglu_sums_op(ws_acc: Tensor, token: Tensor, width: int, splits: int, like: Tensor) -> Tensor:
+    # Declared pure although it reads a workspace the accumulating call wrote, as `sparse_gemv` is
+    # (see there); `token`, that call's output, orders it after that call.
     y = torch.empty(width, device=ws_acc.device, dtype=like.dtype)
-    _swiglu_sums_kernel[(triton.cdiv(width, SWIGLU_BLOCK),)](ws_acc, y, width, BLOCK=SWIGLU_BLOCK)
+    _swiglu_sums_kernel[(triton.cdiv(width, SWIGLU_BLOCK),)](ws_acc, y, width, splits, BLOCK=SWIGLU_BLOCK)
     return y
 
 
 @_swiglu_sums_op.register_fake
-def _(ws_acc, token, width, like):
+def _(ws_acc, token, width, splits, like):
     return like.new_empty(width)
 
 
-def swiglu_from_sums(ws: tuple[Tensor, Tensor], token: Tensor, width: int, like: Tensor) -> Tensor:
-    """SwiGLU's down input silu(gate) * up, (1, width) in like's dtype, from the float32 sums a
-    gate|up call with `accumulate=True` left in ws[0] (gate in [0, width), up in [width, 2 width));
-    leaves those sums at zero, so the workspace serves the next call. One launch, the one the
-    silu-and-multiply took anyway, so the gate|up call's split-K finish is off the step."""
+def swiglu_from_sums(ws: tuple[Tensor, Tensor], token: Tensor, width: int, splits: int, like: Tensor) -> Tensor:
+    """SwiGLU's down input silu(gate) * up, (1, width) in like's dtype, from the `splits` float32
+    partial rows a gate|up call with `accumulate=True` left in ws[0] (each row gate in [0, width),
+    up in [width, 2 width)). One launch, the one the silu-and-multiply took anyway, so the
+    gate|up call has no split-K finish: no atomic adds, no arrival count."""
     if not (ws[0].is_cuda or _interpreting()):
         raise InputError("swiglu_from_sums runs the Triton kernel: CUDA, or CPU with TRITON_INTERPRET=1")
-    if ws[0].dtype != torch.float32 or ws[0].numel() < 2 * width or token.device != ws[0].device:
-        raise InputError(f"swiglu_from_sums wants the float32 workspace (>= {2 * width},) of the accumulating "
-                         f"gate|up call and its token; got {ws[0].dtype} ({ws[0].numel()},)")
-    return _swiglu_sums_op(ws[0], token, width, like.reshape(-1)[:1]).reshape(1, width)
+    if ws[0].dtype != torch.float32 or ws[0].numel() < splits * 2 * width or token.device != ws[0].device:
+        raise InputError(f"swiglu_from_sums wants the float32 workspace ({splits} x {2 * width}) of the "
+                         f"accumulating gate|up call and its token; got {ws[0].dtype} ({ws[0].numel()},)")
+    return _swiglu_sums_op(ws[0], token, width, splits, like.reshape(-1)[:1]).reshape(1, width)
 
 
 def sumsq(x: Tensor) -> Tensor:
@@ -881,5 +899,5 @@ def sparse_gemv_segments_ref(x: Tensor, w_t: Tensor, thresholds: list, segments:
 
 __all__ = [
     "TUNED", "default_config", "keep_mask", "load_tuned", "sparse_gemv", "sparse_gemv_ref",
-    "sparse_gemv_segments_ref", "swiglu_from_sums", "workspace",
+    "sparse_gemv_segments_ref", "split_count", "swiglu_from_sums", "workspace",
 ]
