@@ -92,9 +92,6 @@ def main() -> None:
     ap.add_argument("--attn-fold-tail", action=argparse.BooleanOptionalAction, default=None,
                     help="fold a split-K attention tail of less than one block into the split before it "
                          "(decode_attention.FOLD_TAIL; default: the module's)")
-    ap.add_argument("--defer-gate-up-finish", action=argparse.BooleanOptionalAction, default=None,
-                    help="the fused step's gate|up skips its split-K finish and swiglu_from_sums forms down's "
-                         "input from its sums (sparse_linear.DEFER_GATE_UP_FINISH; default: the module's)")
     ap.add_argument("--rope-cache", action=argparse.BooleanOptionalAction, default=None,
                     help="the dense and sparse steps' RoPE and cache write as one launch per layer "
                          "(kernels.rope_cache.ENABLED; default: the module's)")
@@ -119,7 +116,6 @@ def main() -> None:
                          "and norms")
     knobs = apply_knobs(a)
     knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys, FOLD_TAIL=a.attn_fold_tail)
-    knobs |= override(sparse_linear, DEFER_GATE_UP_FINISH=a.defer_gate_up_finish)
     rope_one_launch = override(rope_cache, ENABLED=a.rope_cache)["ENABLED"]
     rope_in_attention = override(decode_attention, ROPE_IN_ATTENTION=a.rope_attention)["ROPE_IN_ATTENTION"]
     if a.gemv_configs:
@@ -145,7 +141,6 @@ def main() -> None:
             "register_cap": knobs["REGISTER_CAP"], "evict_first": knobs["WEIGHTS_EVICT_FIRST"],
             "bf16_pairs": knobs["BF16_PAIRS"], "stride_const": knobs["ROW_STRIDE_CONST"], "gemv_warps": knobs["NUM_WARPS"],
             "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"], "attn_fold_tail": knobs["FOLD_TAIL"],
-            "defer_gate_up_finish": knobs["DEFER_GATE_UP_FINISH"],
             "rope_cache_one_launch": rope_one_launch, "rope_in_attention": rope_in_attention,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 

@@ -4,6 +4,7 @@
 # swiglu_from_sums forms down's input from them. The CUDA test of accumulate and swiglu_from_sums,
 # then the llama-3.1-8b step (keep 0.5, 2K) without and with it, twice each, alternating, the first
 # of each profiled.
+# Run at 622ed85 (atomic adds kept) or 7a26b6d (partial rows); both lost and the knob was removed after.
 #   OUT=/some/dir PYTHONPATH=src bash benchmarks/device/defer_finish.sh
 set -u
 source "$(dirname "$0")/lib.sh"

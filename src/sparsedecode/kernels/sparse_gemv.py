@@ -139,7 +139,11 @@ ROW_STRIDE_CONST = True
 # or exchange); 2, no x: rows kept by parity (every even row, with x = 1) and no threshold load, so a
 # program's first weight loads wait on nothing. `sparse_gemv_bench.py --ablate` times them. On the
 # H200 the finish was 1.1-1.8 us of a call and the x chain 0.2-0.8 us; with both gone gate_up at
-# keep 0.5 ran 1.13-1.14x its byte time (records h200/sparse_gemv_20261201T0400Z_ablate_twice).
+# keep 0.5 ran 1.13-1.14x its byte time (records h200/sparse_gemv_20261201T0400Z_ablate_twice). In the
+# decode step that did not come off: gate|up without its arrival count and exchange (atomic adds kept,
+# SwiGLU formed from the sums by a kernel of its own) ran no faster, and with each split's partial
+# stored plainly in a row of its own it ran slower (records h200/sparse_gemv_20261201T0455Z_defer_finish,
+# h200/sparse_gemv_20261201T0500Z_defer_rows; the code, DEFER_GATE_UP_FINISH, is at 7a26b6d).
 ABLATE = 0
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
@@ -271,13 +275,6 @@ def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
     return block_n, block_k, _splits(K, block_k, want), NUM_WARPS, NUM_STAGES
 
 
-def split_count(K: int, N: int, dtype: torch.dtype, device, config=None) -> int:
-    """The K splits a call of that shape (and config, else the default) runs: the partial rows
-    an accumulate=True call stores."""
-    block_n, block_k, splits, _, _ = config or default_config(K, N, dtype, torch.device(device))
-    return _splits(K, block_k, splits)
-
-
 def max_registers(programs: int, num_warps: int, device) -> int:
     """Registers per thread that let every program of the grid be resident at once.
 
@@ -307,15 +304,13 @@ def _splits(K: int, block_k: int, want: int) -> int:
     return -(-K // _rows_per_split(K, block_k, want))
 
 
-def workspace(N: int, device, block_n: int = MIN_BLOCK, splits: int = 1) -> tuple[Tensor, Tensor]:
-    """Zeroed (fp32 partial sums (splits * N,), int32 arrival counters (tiles,)) for N outputs.
+def workspace(N: int, device, block_n: int = MIN_BLOCK) -> tuple[Tensor, Tensor]:
+    """Zeroed (fp32 partial sums (N,), int32 arrival counters (tiles,)) for N outputs.
 
     The kernel leaves both at zero again, so one workspace serves any number of calls
     in sequence (and in a CUDA graph); sized for the smallest BLOCK_N, it fits any config.
-    `splits` > 1: room for a call with accumulate=True, which stores each split's partial
-    in a row of its own (`split_count`).
     """
-    return (torch.zeros(splits * N, device=device, dtype=torch.float32),
+    return (torch.zeros(N, device=device, dtype=torch.float32),
             torch.zeros(-(-N // block_n), device=device, dtype=torch.int32))
 
 
@@ -339,20 +334,14 @@ if triton is not None:
 
     @triton.jit
     def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
-                       Res, SsOut, RESID: tl.constexpr, ACCUM: tl.constexpr = False, part_row=0):
+                       Res, SsOut, RESID: tl.constexpr):
         """Add this split's fp32 partial of a column tile; the last split to arrive writes
-        the sum (+ bias) to Y and leaves the workspace and the tile's counter at zero. With
-        ACCUM the partial is stored plainly at Acc + part_row (the split's own row of a
-        splits x N workspace): no atomic adds, no arrival count; a consumer sums the rows
-        (`swiglu_from_sums`).
+        the sum (+ bias) to Y and leaves the workspace and the tile's counter at zero.
 
         With RESID, Y is the residual stream after the projection: the sum rounded to Y's
         dtype, plus the residual at Res, rounded again (as eager `x + proj(h)` rounds), and
         the tile's sum of squares of those rounded values goes to SsOut[tile], so the next
         RMSNorm needs no reduction kernel (`sparse_gemv(norm=...)` reads the partials)."""
-        if ACCUM:
-            tl.store(Acc + part_row + offs_n, acc, mask=mask_n)
-            return
         tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
         # All lanes' partial adds precede the release of the arrival count (bar.sync, then a
         # release atomic, which is cumulative); the last arrival acquires it and so sees them.
@@ -504,7 +493,7 @@ if triton is not None:
         U, GLU: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr, stride_w32, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
-        STRIDE: tl.constexpr, ABLATE: tl.constexpr, ACCUM: tl.constexpr,
+        STRIDE: tl.constexpr, ABLATE: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the launch and this prologue overlap its tail
@@ -565,7 +554,7 @@ if triton is not None:
                 x_c, w_c, off_n, x_n = x_n, w_n, off_nn, x_nn
             acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # the last tile (all zeros if empty)
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
-                           num_splits, HAS_BIAS, Res, SsOut, RESID, ACCUM, pid_k * N)
+                           num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
@@ -602,7 +591,7 @@ if triton is not None:
                 tl.store(Y + offs_n, _columns(acc_l, acc_h, BITS, BLOCK_N).to(Y.dtype.element_ty), mask=mask_n)
             else:
                 _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
-                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, ACCUM, pid_k * N)
+                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -623,8 +612,7 @@ if triton is not None:
             # holds all BLOCK_K rows of its 8 columns, so this is in-thread adds and the
             # accumulator costs 8 registers, leaving registers for loads in flight.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
-        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID,
-                       ACCUM, pid_k * N)
+        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -633,7 +621,6 @@ def _sparse_gemv_op(
     ws_acc: Tensor | None, ws_count: Tensor | None,
     block_n: int, block_k: int, splits: int, num_warps: int, stages: int, up: Tensor | None = None,
     residual: Tensor | None = None, norm_w: Tensor | None = None, ss_in: Tensor | None = None, eps: float = 0.0,
-    accumulate: bool = False,
 ) -> tuple[Tensor, Tensor]:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
@@ -656,10 +643,7 @@ def _sparse_gemv_op(
     splits = _splits(K, block_k, splits)
     if ws_acc is None or ws_count is None:
         ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
-    if accumulate and ws_acc.numel() < splits * N:
-        raise InputError(f"sparse_gemv(accumulate=True) stores {splits} partial rows of {N}: ws must be "
-                         f"workspace(N, device, splits={splits}); got {ws_acc.numel()} floats")
-    y = torch.empty(0 if accumulate else N, device=x.device, dtype=x.dtype)  # accumulate: partials stay in ws
+    y = torch.empty(N, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(N, block_n)
     thr = list(thr_ts) + [ws_acc] * (3 - len(thr_ts))  # unused pointer slots
     b1, b2 = (list(bounds) + [N, N])[:2]
@@ -685,7 +669,7 @@ def _sparse_gemv_op(
         *args, Scratch=scratch, SEG_ALIGNED=aligned, stride_w32=w_t.stride(0) // 2,
         BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=_pow2(rows), DBUF=stages in (4, 8),
         STRIDE=w_t.stride(0) if ROW_STRIDE_CONST and stages == 4 else 0, num_stages=1,  # stages 4 reads it
-        ABLATE=ABLATE, ACCUM=accumulate,
+        ABLATE=ABLATE,
         U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
         SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
@@ -698,11 +682,11 @@ def _sparse_gemv_op(
 
 @_sparse_gemv_op.register_fake
 def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, block_n, block_k, splits, num_warps, stages,
-      up=None, residual=None, norm_w=None, ss_in=None, eps=0.0, accumulate=False):
+      up=None, residual=None, norm_w=None, ss_in=None, eps=0.0):
     K, N = w_t.shape
     if not block_n:
         block_n = default_config(K, N, x.dtype, x.device)[0]
-    return x.new_empty(0 if accumulate else N), x.new_empty(-(-N // block_n) if residual is not None else 0, dtype=torch.float32)
+    return x.new_empty(N), x.new_empty(-(-N // block_n) if residual is not None else 0, dtype=torch.float32)
 
 
 def _bounds(segments: list[int]) -> list[int]:
@@ -714,7 +698,7 @@ def sparse_gemv(
     x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None,
     ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
     segments: list[int] | None = None, up: Tensor | None = None, *,
-    residual: Tensor | None = None, norm: tuple[Tensor, Tensor, float] | None = None, accumulate: bool = False,
+    residual: Tensor | None = None, norm: tuple[Tensor, Tensor, float] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Input-sparse GEMV of one token with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -748,12 +732,6 @@ def sparse_gemv(
     from such a call, and the input is RMSNorm(x) = weight * (x / sqrt(mean(x^2) + eps)),
     rounded as `models.decoder.RMSNorm` rounds, formed in the kernel's x loads; the threshold
     applies to the normed input.
-
-    With `accumulate` the call has no split-K finish: each split stores its float32 partial in a
-    row of its own of ws[0] (`workspace(N, device, splits=split_count(...))`) and the call returns
-    an empty tensor, an order token for the consumer that sums the rows (`swiglu_from_sums`); no
-    atomic adds, no arrival count (the finish took 1.1-1.8 µs of a call on the H200, `ABLATE`).
-    It needs `ws` and takes no bias or residual.
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -810,9 +788,6 @@ def sparse_gemv(
                              f"BLOCK_K >= {MIN_BLOCK_K}; got {config}")
         if ws is not None and ws[1].numel() < -(-N // block_n):
             raise InputError(f"ws has {ws[1].numel()} counters; BLOCK_N={block_n} needs {-(-N // block_n)}")
-    if accumulate and (ws is None or bias is not None or residual is not None):
-        raise InputError("sparse_gemv(accumulate=True) leaves its sums in the workspace: pass ws=workspace(N, "
-                         "device), and no bias or residual (those are added by the finish it skips)")
     if isinstance(thresholds[0], Tensor):
         thr_ts, thr_f = [t.reshape(()) for t in thresholds], 0.0
     else:
@@ -821,62 +796,9 @@ def sparse_gemv(
     norm_w, ss_in, eps = norm if norm is not None else (None, None, 0.0)
     y, ss = _sparse_gemv_op(x.reshape(K), w_t, thr_ts, thr_f, bounds, bias, *(ws or (None, None)),
                             *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K),
-                            None if residual is None else residual.reshape(N), norm_w, ss_in, float(eps),
-                            accumulate)
-    if accumulate:
-        return y
+                            None if residual is None else residual.reshape(N), norm_w, ss_in, float(eps))
     y = y.reshape(*x.shape[:-1], N)
     return y if residual is None else (y, ss)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _swiglu_sums_kernel(Acc, Y, width, splits, BLOCK: tl.constexpr):
-        """silu(gate) * up from the float32 partial rows (splits x 2 width) of a gate|up call with
-        accumulate: each column's sum over the rows rounded to Y's dtype (as the finish rounds),
-        silu rounded, the product rounded (as eager rounds `F.silu(gate) * up`)."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < width
-        g = tl.zeros([BLOCK], dtype=tl.float32)
-        u = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in range(splits):
-            g += tl.load(Acc + r * 2 * width + offs, mask=mask, other=0.0)
-            u += tl.load(Acc + r * 2 * width + width + offs, mask=mask, other=0.0)
-        g = g.to(Y.dtype.element_ty).to(tl.float32)
-        u = u.to(Y.dtype.element_ty).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-        tl.store(Y + offs, (s * u).to(Y.dtype.element_ty), mask=mask)
-
-
-SWIGLU_BLOCK = 1024  # outputs per program of `swiglu_from_sums`
-
-
-@torch.library.custom_op("sparsedecode::swiglu_from_sums", mutates_args=())
-def _swiglu_sums_op(ws_acc: Tensor, token: Tensor, width: int, splits: int, like: Tensor) -> Tensor:
-    # Declared pure although it reads a workspace the accumulating call wrote, as `sparse_gemv` is
-    # (see there); `token`, that call's output, orders it after that call.
-    y = torch.empty(width, device=ws_acc.device, dtype=like.dtype)
-    _swiglu_sums_kernel[(triton.cdiv(width, SWIGLU_BLOCK),)](ws_acc, y, width, splits, BLOCK=SWIGLU_BLOCK)
-    return y
-
-
-@_swiglu_sums_op.register_fake
-def _(ws_acc, token, width, splits, like):
-    return like.new_empty(width)
-
-
-def swiglu_from_sums(ws: tuple[Tensor, Tensor], token: Tensor, width: int, splits: int, like: Tensor) -> Tensor:
-    """SwiGLU's down input silu(gate) * up, (1, width) in like's dtype, from the `splits` float32
-    partial rows a gate|up call with `accumulate=True` left in ws[0] (each row gate in [0, width),
-    up in [width, 2 width)). One launch, the one the silu-and-multiply took anyway, so the
-    gate|up call has no split-K finish: no atomic adds, no arrival count."""
-    if not (ws[0].is_cuda or _interpreting()):
-        raise InputError("swiglu_from_sums runs the Triton kernel: CUDA, or CPU with TRITON_INTERPRET=1")
-    if ws[0].dtype != torch.float32 or ws[0].numel() < splits * 2 * width or token.device != ws[0].device:
-        raise InputError(f"swiglu_from_sums wants the float32 workspace ({splits} x {2 * width}) of the "
-                         f"accumulating gate|up call and its token; got {ws[0].dtype} ({ws[0].numel()},)")
-    return _swiglu_sums_op(ws[0], token, width, splits, like.reshape(-1)[:1]).reshape(1, width)
 
 
 def sumsq(x: Tensor) -> Tensor:
@@ -899,5 +821,5 @@ def sparse_gemv_segments_ref(x: Tensor, w_t: Tensor, thresholds: list, segments:
 
 __all__ = [
     "TUNED", "default_config", "keep_mask", "load_tuned", "sparse_gemv", "sparse_gemv_ref",
-    "sparse_gemv_segments_ref", "split_count", "swiglu_from_sums", "workspace",
+    "sparse_gemv_segments_ref", "workspace",
 ]

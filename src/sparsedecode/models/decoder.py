@@ -245,8 +245,6 @@ class Block(nn.Module):
         a, m = self.self_attn, self.mlp
         q, k, v = a.qkv(x, norm=(self.input_layernorm, ss))
         x, ss = a.o_proj(a.attend(q, k, v, cos, sin, pos, None, host_len, tables), residual=x)
-        if getattr(m.gate_up, "defer_finish", False):  # gate|up's split-K finish skipped (DEFER_GATE_UP_FINISH)
-            return m.down_proj(m.gate_up.swiglu(x, norm=(self.post_attention_layernorm, ss)), residual=x)
         gate, up = m.gate_up(x, norm=(self.post_attention_layernorm, ss))
         # a SparseLinear (see `fused`): silu(gate) * up in its load if FUSE_SWIGLU, else formed here
         return m.down_proj.forward_swiglu(gate, up, residual=x)

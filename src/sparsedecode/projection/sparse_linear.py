@@ -31,8 +31,6 @@ from sparsedecode.kernels.sparse_gemv import (
     keep_mask,
     sparse_gemv,
     sparse_gemv_ref,
-    split_count,
-    swiglu_from_sums,
     workspace,
 )
 from sparsedecode.projection.thresholds import MODULE_OF
@@ -51,16 +49,6 @@ FUSE_SWIGLU = False
 # sums of squares, and q|k|v and gate|up norm their input as they load it. Two launches fewer
 # per layer; `models.decoder.Block.forward_fused`.
 FUSE_NORMS = True
-# True: in the fused decode step (FUSE_NORMS) gate|up skips its split-K finish and leaves its float32
-# sums in its workspace, and `kernels.sparse_gemv.swiglu_from_sums` forms down's input silu(gate) *
-# up from them (the launch the silu-and-multiply took anyway), zeroing them: the finish took
-# 1.1-1.8 us of a call on the H200 (records h200/sparse_gemv_20261201T0400Z_ablate_twice). Off: the
-# step was no faster with it (90.0% and 90.3% of its bound against 90.3% and 90.4%, the sparse GEMVs
-# 2265.3 us a step against 2265.0; records h200/sparse_gemv_20261201T0455Z_defer_finish): the call
-# keeps its atomic adds, and the ablation's gain was in those (it stored each partial plainly).
-# Since then gate|up stores each split's partial in a row of its own (no atomics) and
-# swiglu_from_sums sums the rows: `benchmarks/device/defer_finish.sh` times that.
-DEFER_GATE_UP_FINISH = False
 
 
 class FixedDtypeBuffers(nn.Module):
@@ -71,7 +59,7 @@ class FixedDtypeBuffers(nn.Module):
     FIXED_DTYPE: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
-        fixed = {name: self._buffers.pop(name) for name in self.FIXED_DTYPE if name in self._buffers}
+        fixed = {name: self._buffers.pop(name) for name in self.FIXED_DTYPE}
         super()._apply(fn, recurse)
         dev = next(self.parameters()).device
         for name, buf in fixed.items():
@@ -207,7 +195,7 @@ class SparseConcat(FixedDtypeBuffers):
     registered where they were. Build it after the model is on its device.
     """
 
-    FIXED_DTYPE = ("ws_acc", "ws_parts")
+    FIXED_DTYPE = ("ws_acc",)
 
     def __init__(self, sites: list[SparseLinear]):
         super().__init__()
@@ -230,11 +218,6 @@ class SparseConcat(FixedDtypeBuffers):
         acc, count = workspace(w_t.shape[1], w_t.device)
         self.register_buffer("ws_acc", acc, persistent=False)
         self.register_buffer("ws_count", count, persistent=False)
-        self.parts = 0  # partial rows of `swiglu`'s workspace (DEFER_GATE_UP_FINISH when built)
-        if DEFER_GATE_UP_FINISH and len(self.widths) == 2 and self.widths[0] == self.widths[1] and self.bias is None:
-            self.parts = split_count(*w_t.shape, w_t.dtype, w_t.device)
-            self.register_buffer("ws_parts", workspace(w_t.shape[1], w_t.device, splits=self.parts)[0],
-                                 persistent=False)
 
     @property
     def fuse_norms(self) -> bool:
@@ -256,28 +239,6 @@ class SparseConcat(FixedDtypeBuffers):
                         ws=(self.ws_acc, self.ws_count), segments=self.widths,
                         norm=None if rms is None else (rms.weight, ss, rms.eps))
         return list(y.split(self.widths, dim=-1))
-
-    @property
-    def defer_finish(self) -> bool:
-        """Whether the fused decode step runs this gate|up launch through `swiglu`
-        (DEFER_GATE_UP_FINISH; two sites of one width, no bias)."""
-        return DEFER_GATE_UP_FINISH and self.parts > 0
-
-    def swiglu(self, x: Tensor, norm: tuple | None = None) -> Tensor:
-        """silu(gate) * up of one token (x (..., in)) as `forward` then eager would give it, in
-        two launches that skip gate|up's split-K finish: the segmented launch leaves its float32
-        sums in the workspace (`sparse_gemv(accumulate=True)`), `swiglu_from_sums` reads, rounds
-        and zeroes them. `norm` as in `forward`."""
-        rms, ss = norm if norm is not None else (None, None)
-        tracked = [m for m in self.sites if m.track]
-        if tracked:
-            counted = x if rms is None else rms(x)
-            for m in tracked:
-                m.count_kept(counted)
-        ws = (self.ws_parts, self.ws_count)
-        token = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], None, ws=ws, segments=self.widths,
-                            norm=None if rms is None else (rms.weight, ss, rms.eps), accumulate=True)
-        return swiglu_from_sums(ws, token, self.widths[0], self.parts, x).reshape(*x.shape[:-1], self.widths[0])
 
     def extra_repr(self) -> str:
         return f"sites={[m.site for m in self.sites]}, widths={self.widths}"
