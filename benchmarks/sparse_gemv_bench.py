@@ -306,8 +306,8 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
     variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in args.configs]
     variants += [(f"default+ablate-{a}", default, None) for a in args.ablate]
     if args.probe:  # an empty kernel on each config's grid: what launching that grid costs
-        records += [launch_probe(name, args, dev, run, cfg, label) for label, cfg, _ in variants
-                    if _ is None and "+ablate-" not in label]
+        records += [launch_probe(name, args, dev, run, cfg, label) for label, cfg, fused in variants
+                    if fused is None and "+ablate-" not in label]
     if args.fused:  # the default config as the fused decoder layer calls it (sparse_linear.FUSE_NORMS)
         variants += [("default+residual", default, "residual"), ("default+norm", default, "norm")]
     if args.fused_sweep:  # every swept config (and the default) called as the fused layer calls it
