@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from dense_decode_h200 import summary, time_steps  # benchmarks/ is the script's folder
-from sparse_gemv_bench import add_knob_args, apply_knobs
+from sparse_gemv_bench import ABLATIONS, add_knob_args, apply_knobs
 
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
@@ -107,7 +107,15 @@ def main() -> None:
                          "(programmatic dependent launch of the sparse GEMVs), 'swiglu' (silu(gate) * up formed "
                          "in down's input load) and 'norms' (the RMSNorms and residual adds inside the sparse "
                          "GEMVs, sparse_linear.FUSE_NORMS), e.g. 'pdl+norms'")
+    ap.add_argument("--ablate", nargs="+", choices=("x", "x+reds", "both"), default=[],
+                    help="also time each variant with every sparse GEMV ablated (sparse_gemv.ABLATE; wrong by "
+                    "design, timed only): 'x', rows kept by parity (keep 0.5) with no x or threshold loads; "
+                    "'x+reds', that and the split-K finish's atomic adds alone (no arrival count, exchange or "
+                    "output); 'both', that and no finish at all. Every sparse call then runs stages 4 (the "
+                    "built-in TUNED configs set aside), so they differ only in the finish")
     a = ap.parse_args()
+    if a.ablate and a.method != "teal":
+        raise SystemExit("--ablate applies to the teal step's sparse GEMVs; --method cats runs other kernels")
     variants = a.variants.split(",")
     bad = [v for v in variants if v not in ("default", "plain")
            and not set(v.split("+")) <= {"pdl", "swiglu", "norms"}]
@@ -212,6 +220,24 @@ def main() -> None:
                   f"speedup {speedup:.3f}x, bound "
                   f"{bound:.3f}x, {100 * speedup / bound:.1f}% of bound", flush=True)
             keep_record(rec)
+            for ablation in a.ablate:  # the same variant, every sparse GEMV ablated: its step time only
+                tuned = dict(sg.TUNED)
+                sg.TUNED.clear()
+                sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = (
+                    rec["pdl"], rec["fuse_swiglu"], rec["fuse_norms"])
+                sg.ABLATE = ABLATIONS[ablation]
+                try:
+                    ab = timed(f"{mode}+ablate-{ablation}", {
+                        "proj_keep": keep, "ablated_keep": 0.5, "gemv_ablate": ablation, "gemv_configs": {},
+                        "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
+                        "fuse_norms": sparse_linear.FUSE_NORMS, "paired_sparse_ms": rec["step_ms_median"]})
+                finally:
+                    sg.ABLATE = 0
+                    sg.TUNED.update(tuned)
+                    sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = defaults
+                print(f"  ablated ({ablation}): {ab['step_ms_median']:.3f} ms against {rec['step_ms_median']:.3f} "
+                      "(timing only: every sparse GEMV keeps even rows, its output wrong by design)", flush=True)
+                keep_record(ab)
         if a.method == "teal":
             densify_(eng.model)
     (a.out / "proj_decode_records.json").write_text(json.dumps(records, indent=1))

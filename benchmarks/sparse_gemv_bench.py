@@ -260,7 +260,7 @@ def launch_probe(name: str, args, dev: torch.device, run: str, cfg: tuple | None
     return rec
 
 
-ABLATIONS = {"finish": 1, "x": 2, "both": 3}  # --ablate names: sparse_gemv.ABLATE bits
+ABLATIONS = {"finish": 1, "x": 2, "both": 3, "reds": 4, "x+reds": 6}  # --ablate names: sparse_gemv.ABLATE bits
 
 
 def _with_ablation(bits: int, timer, fn, calls, reps: int) -> list[float]:
@@ -344,6 +344,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                     err = None
                     t = statistics.median(_with_ablation(ablate, timer, fused_fn(None, None, None, None), calls,
                                                          args.reps))
+                    ws[0].zero_()  # the atomic adds alone (bit 4) leave their sums there
                 else:
                     err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", fused, residual, norm, up)
                     t = statistics.median(timer(fused_fn(fused, residual, norm, up), calls, args.reps))
@@ -409,7 +410,8 @@ def main() -> None:
     ap.add_argument("--ablate", nargs="+", choices=list(ABLATIONS), default=[],
                     help="also time the default config with parts of its work removed (sparse_gemv.ABLATE; the "
                     "results are wrong by design and not checked): 'finish' no split-K finish, 'x' no x or "
-                    "threshold loads (even rows kept: keep 0.5 only), 'both'")
+                    "threshold loads (even rows kept: keep 0.5 only), 'both', 'reds' the finish's atomic adds "
+                    "alone (no arrival count, exchange or output), 'x+reds'")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

@@ -28,6 +28,7 @@ from sparsedecode.kernels.sparse_gemv import (
     sparse_gemv,
     sparse_gemv_ref,
     sparse_gemv_segments_ref,
+    sumsq,
     workspace,
 )
 
@@ -235,7 +236,8 @@ def test_triton_kernel_under_interpreter():
 def _ablate_worker() -> None:
     """The timing ablations (sparse_gemv.ABLATE) compute what they say, under TRITON_INTERPRET=1:
     without x, the sum of the even rows whatever x and the threshold; without the finish, one
-    split's partial (the whole sum when there is one split); bias, norm and stages 8 refused."""
+    split's partial (the whole sum when there is one split); with its atomic adds alone, the sum in
+    the workspace; fused calls with the x ablation only; bias and stages 8 refused."""
     fails, n = [], 0
     for dtype in (torch.float32, torch.bfloat16):
         x, w_t, _ = make(203, 70, dtype, seed=21)
@@ -252,22 +254,59 @@ def _ablate_worker() -> None:
                 fails += [m for m in [mismatch(y, want, tol, f"ABLATE={ablate} ({what}) {dtype} stride={stride}")]
                           if m]
                 n += 1
-    x, w_t, b = make(64, 32, torch.float32, seed=22)
-    for kwargs, config in ((dict(bias=b), (32, 16, 2, 1, 4)), ({}, (32, 8, 2, 1, 8)),
-                           (dict(residual=make(32, 1, torch.float32, seed=23)[0].reshape(1, 32)), (32, 16, 2, 1, 4))):
+    # The decode step's fused calls take the x ablation (their kept rows then follow no ablated input):
+    # norm, up and segments on the tile grid ignored, and with the finish gone too a residual call
+    # stores its partial and sums of squares of 1.0.
+    x, w_t, b = make(64, 64, torch.float32, seed=22)
+    t1 = torch.tensor(0.1)
+    even = w_t[::2].sum(0, keepdim=True)
+    res = make(64, 1, torch.float32, seed=23)[0].reshape(1, 64)
+    norm = (1.0 + 0.1 * make(64, 1, torch.float32, seed=24)[0].reshape(64), sumsq(x), 1e-5)
+    for ablate, kwargs, thr in ((2, dict(norm=norm), t1), (2, dict(up=x.flip(-1)), t1),
+                                (2, dict(segments=[32, 32]), [t1, t1]), (3, dict(residual=res), t1)):
+        got = _with_knobs(dict(ABLATE=ablate), sparse_gemv, x, w_t, thr, config=(32, 16, 1, 1, 4), **kwargs)
+        y, ss = got if "residual" in kwargs else (got, None)
+        what = f"ABLATE={ablate} with {list(kwargs)}"
+        fails += [m for m in [mismatch(y, even, 1e-5, what)] if m]
+        if ss is not None and not torch.equal(ss, torch.ones(2)):
+            fails.append(f"{what}: sums of squares {ss.tolist()}, want [1.0, 1.0]")
+        n += 1
+    for ablate, kwargs, config in ((1, dict(bias=b), (32, 16, 2, 1, 4)), (1, {}, (32, 8, 2, 1, 8)),
+                                   (1, dict(residual=res), (32, 16, 2, 1, 4)), (2, dict(bias=b), (32, 16, 2, 1, 4)),
+                                   (1, dict(norm=norm), (32, 16, 2, 1, 4)), (1, dict(up=x), (32, 16, 2, 1, 4))):
         try:
-            _with_knobs(dict(ABLATE=1), sparse_gemv, x, w_t, 0.1, config=config, **kwargs)
-            fails.append(f"ABLATE with {list(kwargs) or config} must be refused")
+            _with_knobs(dict(ABLATE=ablate), sparse_gemv, x, w_t, 0.1, config=config, **kwargs)
+            fails.append(f"ABLATE={ablate} with {list(kwargs) or config} must be refused")
         except InputError as e:
             fails += [] if "timing ablation" in str(e) else [f"ABLATE refusal unclear: {e}"]
         n += 1
-    print(json.dumps({"cases": n, "fails": fails}))
+    # The finish's atomic adds alone: the sum (of every split) is left in the workspace, fp32
+    for ablate, kwargs, want in ((4, {}, sparse_gemv_ref(x, w_t, t1)), (6, dict(residual=res), even)):
+        ws = workspace(64, x.device)
+        got = _with_knobs(dict(ABLATE=ablate), sparse_gemv, x, w_t, t1, ws=ws, config=(32, 16, 3, 1, 4), **kwargs)
+        fails += [m for m in [mismatch(ws[0][None], want, 1e-5, f"ABLATE={ablate} workspace")] if m]
+        if "residual" in kwargs and not torch.equal(got[1], torch.ones(2)):
+            fails.append(f"ABLATE={ablate}: sums of squares {got[1].tolist()}, want [1.0, 1.0]")
+        n += 1
+    for ablate in (5, 7):
+        try:
+            _with_knobs(dict(ABLATE=ablate), sparse_gemv, x, w_t, t1, config=(32, 16, 3, 1, 4))
+            fails.append(f"ABLATE={ablate} (bits 1 and 4) must be refused")
+        except InputError as e:
+            fails += [] if "not together" in str(e) else [f"ABLATE={ablate} refusal unclear: {e}"]
+        n += 1
+    try:  # segments off the tile grid take another loop, which has no ablation
+        _with_knobs(dict(ABLATE=2), sparse_gemv, x, w_t, [t1, t1], config=(32, 16, 1, 1, 4), segments=[20, 44])
+        fails.append("ABLATE with segments off the tile grid must be refused")
+    except InputError as e:
+        fails += [] if "timing ablation" in str(e) else [f"ABLATE refusal unclear: {e}"]
+    print(json.dumps({"cases": n + 1, "fails": fails}))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_timing_ablations_under_interpreter():
     report = run_interpreted(__file__, "_ablate_worker")
-    assert report["cases"] == 15 and not report["fails"], "\n".join(report["fails"])
+    assert report["cases"] == 27 and not report["fails"], "\n".join(report["fails"])
 
 
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, evict="", bits=False,

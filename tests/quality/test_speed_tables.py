@@ -157,3 +157,19 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
                          {**decode, "defer_gate_up_finish": True}, {**decode, "defer_gate_up_finish": False}])
     assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
         "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)"]
+
+
+def test_ablated_steps_get_no_bound_but_a_profile_row():
+    from sparsedecode.report.speed_tables import profile_table
+
+    decode = {"kind": "proj_decode_bench", "mode": "proj0.5", "calibration": {"method": "teal"}, "compile_mode": "",
+              "realized_keep": 0.46, "step_ms_median": 3.0, "paired_dense_ms": 5.4, "speedup": 1.8, "bound": 1.96,
+              "fraction_of_bound": 0.92, "env": {"git_commit": None},
+              "profile": {"kernel_us_per_step": 2900.0, "kernels": [
+                  {"name": "_sparse_gemv_kernel", "calls_per_step": 128, "us_per_step": 2300.0}]}}
+    ablated = {**decode, "mode": "proj0.5+ablate-both", "gemv_ablate": "both", "step_ms_median": 2.8}
+    for key in ("realized_keep", "speedup", "bound", "fraction_of_bound"):
+        ablated.pop(key)
+    assert [row.split(" | ")[0] for row in decode_table([decode, ablated]).splitlines()[2:]] == ["| proj0.5 (teal)"]
+    assert [row.split(" | ")[:2] for row in profile_table([decode, ablated]).splitlines()[2:]] == [
+        ["| proj0.5", "3.000"], ["| proj0.5+ablate-both", "2.800"]]

@@ -137,7 +137,10 @@ ROW_STRIDE_CONST = True
 # call computes something else). A bitmask: 1, no split-K finish: each program stores its partial
 # straight to the output (the programs of a tile overwrite each other; no atomic adds, arrival count
 # or exchange); 2, no x: rows kept by parity (every even row, with x = 1) and no threshold load, so a
-# program's first weight loads wait on nothing. `sparse_gemv_bench.py --ablate` times them. On the
+# program's first weight loads wait on nothing; 4, the finish's atomic adds only (no arrival count,
+# exchange or output: the sum stays in the workspace, which is then not zero again). Calls with up,
+# residual, norm or segments take them only with bit 2, so that no kept row follows an ablated input
+# (`proj_decode_h200.py --ablate` runs the decode step so). `sparse_gemv_bench.py --ablate` times them. On the
 # H200 the finish was 1.1-1.8 us of a call and the x chain 0.2-0.8 us; with both gone gate_up at
 # keep 0.5 ran 1.13-1.14x its byte time (records h200/sparse_gemv_20261201T0400Z_ablate_twice). In the
 # decode step that did not come off: gate|up without its arrival count and exchange (atomic adds kept,
@@ -566,7 +569,7 @@ if triton is not None:
             acc_l = tl.zeros([COLS], dtype=tl.float32)
             acc_h = tl.zeros([COLS], dtype=tl.float32)
             ar = tl.arange(0, BLOCK_K)
-            if NORM:  # the first two x slices and the norm's partials in flight together, then r
+            if NORM and not ABLATE & 2:  # the first two x slices and the norm's partials in flight, then r
                 p_c, p_n = k_lo + ar, k_lo + BLOCK_K + ar
                 xr_c, wr_c = tl.load(X + p_c, mask=p_c < k_hi, other=0.0), tl.load(U + p_c, mask=p_c < k_hi, other=0.0)
                 xr_n, wr_n = tl.load(X + p_n, mask=p_n < k_hi, other=0.0), tl.load(U + p_n, mask=p_n < k_hi, other=0.0)
@@ -589,6 +592,12 @@ if triton is not None:
                 x_c, w_c, x_n = x_n, w_n, x_nn
             if ABLATE & 1:  # no split-K finish: this split's partial, stored over the others'
                 tl.store(Y + offs_n, _columns(acc_l, acc_h, BITS, BLOCK_N).to(Y.dtype.element_ty), mask=mask_n)
+                if RESID:  # a sum of squares the next norm can read (its x is ablated too)
+                    tl.store(SsOut + pid_n, 1.0)
+            elif ABLATE & 4:  # the finish's atomic adds alone: the sum stays in the workspace, Y is not written
+                tl.atomic_add(Acc + offs_n, _columns(acc_l, acc_h, BITS, BLOCK_N), mask=mask_n, sem="relaxed")
+                if RESID:
+                    tl.store(SsOut + pid_n, 1.0)
             else:
                 _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
                                mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
@@ -634,10 +643,15 @@ def _sparse_gemv_op(
                          "flight) and 8 (a kept-row list, two tiles in flight); stages 2, 3, 5, 6, 7 and 9 to 12 "
                          "were measured slower on the H200 and removed (pass another config= or change the TUNED "
                          "entry)")
-    if ABLATE and (stages != 4 or up is not None or residual is not None or norm_w is not None
-                   or len(thr_ts) > 1 or bias is not None):
-        raise InputError(f"sparse_gemv.ABLATE={ABLATE} (a timing ablation) applies to plain stages-4 calls without "
-                         f"bias; this call runs stages {stages} with up, residual, norm, segments or bias")
+    fused = up is not None or residual is not None or norm_w is not None or len(thr_ts) > 1
+    if ABLATE and (stages != 4 or bias is not None or (fused and not ABLATE & 2) or ABLATE & 5 == 5
+                   or any(b % block_n for b in bounds)):
+        raise InputError(f"sparse_gemv.ABLATE={ABLATE} (a timing ablation) applies to stages-4 calls without bias "
+                         f"or segments off the tile grid, and to calls with up, residual, norm or segments only "
+                         f"with the x ablation (bit 2: their kept rows would otherwise follow ablated inputs), bits 1 "
+                         f"and 4 (no finish, its atomic adds alone) not together; "
+                         f"this call runs stages {stages}{' with bias' if bias is not None else ''}"
+                         f"{' fused' if fused else ''}")
     # with a residual, each column tile's sum of squares of the new residual stream (else empty)
     ss = torch.empty(triton.cdiv(N, block_n) if residual is not None else 0, device=x.device, dtype=torch.float32)
     splits = _splits(K, block_k, splits)

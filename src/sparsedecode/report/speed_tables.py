@@ -108,7 +108,7 @@ def _step_mode(r: dict) -> str:
     split-K attention kept a short last split (--no-attn-fold-tail), '+wN' when the sparse GEMVs'
     default configs ran N warps per program (--gemv-warps), '+deferred' when gate|up skipped its
     split-K finish (--defer-gate-up-finish; records from before a knob say nothing of it and are
-    not marked)."""
+    not marked). A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
             + (f"+w{r['gemv_warps']}" if r.get("gemv_warps", 1) != 1 else "")
@@ -120,8 +120,8 @@ def decode_table(records: list[dict]) -> str:
     rows = ["| mode | compile | realized keep | step ms | dense ms | speedup | byte bound | % of bound | run |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        if r["kind"] != "proj_decode_bench" or r["mode"] == "dense":
-            continue
+        if r["kind"] != "proj_decode_bench" or r["mode"] == "dense" or r.get("gemv_ablate"):
+            continue  # an ablated step computes something else: no bound applies
         mode = _step_mode(r)
         rows.append(f"| {mode} ({r['calibration']['method']}) | {r['compile_mode'] or 'default'} "
                     f"| {r['realized_keep']:.3f} | {r['step_ms_median']:.3f} | {r['paired_dense_ms']:.3f} "
