@@ -33,14 +33,21 @@ from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.projection import sparse_linear
 from sparsedecode.projection.calibrate import get_calibrator
 from sparsedecode.projection.cats_runtime import cats_
-from sparsedecode.projection.sparse_linear import densify_, realized_projection_keep, sparsify_
+from sparsedecode.projection.sparse_linear import (
+    densify_,
+    projection_call_bytes,
+    realized_projection_keep,
+    sparsify_,
+)
 from sparsedecode.records import stamp, write_record
 from sparsedecode.report.speed_tables import kernel_group
 
 
 def profile_step(step, steps: int) -> dict:
     """Device time per step of each kernel over `steps` replays (PyTorch profiler, CUDA activity):
-    rows sorted by time, their sum, and the kernel groups the decode step is made of."""
+    rows sorted by time, their sum, and the kernel groups the decode step is made of. A kernel
+    called several times a step also gets its call sites: the mean time of its i-th call of a
+    step, in launch order (the sparse GEMV's 4 per layer are q|k|v, o, gate|up, down)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -48,14 +55,18 @@ def profile_step(step, steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    rows = {}
+    launches: dict[str, list] = {}
     for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        r = rows.setdefault(e.name, [0, 0.0])
-        r[0] += 1
-        r[1] += e.device_time
+        if e.device_type.name == "CUDA":
+            launches.setdefault(e.name, []).append((e.time_range.start, e.device_time))
+    rows = {name: [len(c), sum(us for _, us in c)] for name, c in launches.items()}
     table = sorted(([name, n / steps, us / steps] for name, (n, us) in rows.items()), key=lambda r: -r[2])
+    sites = {}
+    for name, c in launches.items():
+        per_step = len(c) // steps
+        if per_step >= 2 and per_step * steps == len(c):
+            us = [t for _, t in sorted(c)]
+            sites[name] = [sum(us[j * per_step + i] for j in range(steps)) / steps for i in range(per_step)]
 
     groups: dict[str, float] = {}
     for name, _, us in table:
@@ -65,7 +76,8 @@ def profile_step(step, steps: int) -> dict:
         print(f"    {us:9.1f} us/step  {calls:6.1f} calls  {name[:90]}", flush=True)
     print(f"    kernels {total:.1f} us/step: " + ", ".join(f"{g} {us:.1f}" for g, us in groups.items()), flush=True)
     return {"steps": steps, "kernel_us_per_step": total, "groups_us_per_step": groups,
-            "kernels": [{"name": name, "calls_per_step": calls, "us_per_step": us} for name, calls, us in table]}
+            "kernels": [{"name": name, "calls_per_step": calls, "us_per_step": us} for name, calls, us in table],
+            "sites_us": sites}
 
 
 def main() -> None:
@@ -199,6 +211,7 @@ def main() -> None:
         else:
             realized = realized_projection_keep(eng.model)
             bound = bounds(dims, n, realized, 1.0).projection
+            per_call = projection_call_bytes(eng.model)
         install(eng.model, th.values, track=False)  # timed without the counting adds
         defaults = (sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS)
         for variant in variants:
@@ -210,6 +223,7 @@ def main() -> None:
                                                                          f"+{variant}")
             fused = sum(layer.fused() for layer in eng.model.layers)  # layers that run forward_fused
             rec = timed(mode, {"proj_keep": keep, "realized_keep": realized, "calibrate_s": calib_s,
+                               "call_bytes": per_call if a.method == "teal" else None,
                                "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
                                "fuse_norms": sparse_linear.FUSE_NORMS, "layers_norms_fused": fused})
             sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = defaults
@@ -229,6 +243,7 @@ def main() -> None:
                 try:
                     ab = timed(f"{mode}+ablate-{ablation}", {
                         "proj_keep": keep, "ablated_keep": 0.5, "gemv_ablate": ablation, "gemv_configs": {},
+                        "call_bytes": {c: {"read": 0.5 * b["dense"], "dense": b["dense"]} for c, b in per_call.items()},
                         "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
                         "fuse_norms": sparse_linear.FUSE_NORMS, "paired_sparse_ms": rec["step_ms_median"]})
                 finally:

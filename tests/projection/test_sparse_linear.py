@@ -24,6 +24,7 @@ from sparsedecode.projection.sparse_linear import (
     SparseConcat,
     SparseLinear,
     densify_,
+    projection_call_bytes,
     realized_projection_keep,
     site_key,
     sparse_modules,
@@ -117,6 +118,17 @@ def test_thresholds_change_decode_not_prefill_and_keep_is_realized(engine):
         num, den = num + frac * params, den + params
     kept = num / den
     assert realized_projection_keep(engine.model) == pytest.approx(kept, rel=1e-12)
+    # The same keeps per sparse GEMV launch of a layer (the decode benchmark's per-call byte times)
+    calls = projection_call_bytes(engine.model)
+    assert list(calls) == ["q|k|v", "o", "gate|up", "down"]
+    members = {"q|k|v": ("q", "k", "v"), "o": ("o",), "gate|up": ("gate", "up"), "down": ("down",)}
+    for call, names in members.items():
+        mine = [m for k, m in mods.items() if k.rsplit(".", 1)[-1] in names]
+        weights = [m.in_features * m.out_features * m.w_t.element_size() for m in mine]
+        assert len(mine) == 2 * len(names) and calls[call]["dense"] == sum(weights), call
+        assert calls[call]["read"] == pytest.approx(
+            sum(w * m.realized_keep() for w, m in zip(weights, mine, strict=True)), rel=1e-12), call
+    assert sum(c["read"] for c in calls.values()) / sum(c["dense"] for c in calls.values()) == pytest.approx(kept)
     p, d = run(engine)
     assert torch.equal(p, zero_p), "prefill must not depend on the thresholds"
     assert (d - dense_d).abs().max().item() > 1e-3, "positive thresholds must change decode logits"

@@ -173,3 +173,21 @@ def test_ablated_steps_get_no_bound_but_a_profile_row():
     assert [row.split(" | ")[0] for row in decode_table([decode, ablated]).splitlines()[2:]] == ["| proj0.5 (teal)"]
     assert [row.split(" | ")[:2] for row in profile_table([decode, ablated]).splitlines()[2:]] == [
         ["| proj0.5", "3.000"], ["| proj0.5+ablate-both", "2.800"]]
+
+
+def test_step_gemv_table_sets_each_call_site_beside_its_byte_time():
+    from sparsedecode.report.speed_tables import step_gemv_table
+
+    # two layers of (q|k|v, o, gate|up, down) launches, and the weight bytes the step read per call
+    sites = [8.0, 6.0, 20.0, 18.0, 10.0, 8.0, 22.0, 20.0]
+    read = {"q|k|v": 2 * 20.75e6, "o": 2 * 16.6e6, "gate|up": 2 * 62.25e6, "down": 2 * 58.1e6}
+    rec = {"kind": "proj_decode_bench", "mode": "proj0.5", "env": {"git_commit": "0123456789"},
+           "call_bytes": {c: {"read": b, "dense": 4 * b} for c, b in read.items()},
+           "profile": {"sites_us": {"_sparse_gemv_kernel": sites, "_split_kernel": [9.0, 9.0]}}}
+    rows = step_gemv_table([rec, {**rec, "profile": {"sites_us": {}}}]).splitlines()[2:]
+    assert rows == ["| proj0.5 | q\\|k\\|v | 9.00 | 20.8 | 5.00 | 1.80 | 0123456 |",
+                    "| proj0.5 | o | 7.00 | 16.6 | 4.00 | 1.75 | 0123456 |",
+                    "| proj0.5 | gate\\|up | 21.00 | 62.2 | 15.00 | 1.40 | 0123456 |",
+                    "| proj0.5 | down | 19.00 | 58.1 | 14.00 | 1.36 | 0123456 |"]
+    with pytest.raises(InputError, match="not 4 a layer"):
+        step_gemv_table([{**rec, "profile": {"sites_us": {"_sparse_gemv_kernel": sites[:7]}}}])

@@ -347,7 +347,30 @@ def realized_projection_keep(model) -> float:
     return sum(r * p for r, p in rows) / sum(p for _, p in rows)
 
 
+# The sparse GEMV launch each site's weight rows are read in by the fused decoder layer
+CALL_OF_SITE = {"q": "q|k|v", "k": "q|k|v", "v": "q|k|v", "o": "o", "gate": "gate|up", "up": "gate|up", "down": "down"}
+
+
+def projection_call_bytes(model) -> dict[str, dict[str, float]]:
+    """Weight bytes per one-token step of each of a layer's sparse GEMV calls, summed over layers:
+    {call: {"read": kept rows' bytes, "dense": the whole weights' bytes}} for calls q|k|v, o,
+    gate|up and down, from each tracked site's realized keep (`realized_projection_keep` is
+    their read over dense). The decode benchmark sets them beside each call's profiled time."""
+    out: dict[str, dict[str, float]] = {}
+    for mod in sparse_modules(model):
+        kept, total = mod.kept.tolist()
+        if not (mod.track and total):
+            continue
+        weight = mod.in_features * mod.out_features * mod.w_t.element_size()
+        row = out.setdefault(CALL_OF_SITE[mod.site.rsplit(".", 1)[-1]], {"read": 0.0, "dense": 0.0})
+        row["read"] += weight * kept / total
+        row["dense"] += weight
+    if not out:
+        raise InputError("no tracked sparse decode calls: sparsify_(..., track=True) and run decode steps first")
+    return out
+
+
 __all__ = [
-    "FUSED", "FixedDtypeBuffers", "SITE_KEYS", "SparseConcat", "SparseLinear", "densify_", "unfuse_", "realized_projection_keep", "site_key", "sparse_modules",
-    "sparsify_",
+    "CALL_OF_SITE", "FUSED", "FixedDtypeBuffers", "SITE_KEYS", "SparseConcat", "SparseLinear", "densify_", "unfuse_",
+    "projection_call_bytes", "realized_projection_keep", "site_key", "sparse_modules", "sparsify_",
 ]

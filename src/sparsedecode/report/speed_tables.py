@@ -244,13 +244,43 @@ def profile_table(records: list[dict]) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+STEP_GEMV_CALLS = ("q|k|v", "o", "gate|up", "down")  # a fused decoder layer's sparse GEMVs, in launch order
+STEP_BYTE_RATE = 4.15e12  # bytes/s: the H200's measured streaming rate, as sparse_gemv_bench's byte time
+
+
+def step_gemv_table(records: list[dict]) -> str:
+    """The sparse GEMV judged inside the decode step: per call of a layer (q|k|v, o, gate|up,
+    down), its mean device time over the layers in a profiled 'proj_decode_bench' record (the
+    profile's call sites of `_sparse_gemv_kernel`, 4 a layer in launch order) beside the byte
+    time of the weight bytes it read (the record's `call_bytes`: each site's realized keep; for
+    an ablated step, rows kept by parity, half of each weight). The pipes of a call's name are
+    escaped for Markdown."""
+    rows = ["| mode | call | µs per call | weight MB per call | byte time µs | × byte time | run |",
+            "|---|---|---|---|---|---|---|"]
+    for r in records:
+        sites = ((r.get("profile") or {}).get("sites_us") or {}).get("_sparse_gemv_kernel")
+        if r["kind"] != "proj_decode_bench" or not sites or not r.get("call_bytes"):
+            continue
+        if len(sites) % len(STEP_GEMV_CALLS):
+            raise InputError(f"{r['mode']}: {len(sites)} sparse GEMV calls a step, not {len(STEP_GEMV_CALLS)} a layer")
+        layers = len(sites) // len(STEP_GEMV_CALLS)
+        for i, call in enumerate(STEP_GEMV_CALLS):
+            us = sum(sites[i::len(STEP_GEMV_CALLS)]) / layers
+            read = r["call_bytes"][call]["read"] / layers
+            byte_us = read / STEP_BYTE_RATE * 1e6
+            name = call.replace("|", "\\|")
+            rows.append(f"| {_step_mode(r)} | {name} | {us:.2f} | {read / 1e6:.1f} | {byte_us:.2f} "
+                        f"| {us / byte_us:.2f} | {_commit(r)} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def speed_tables(paths) -> str:
     """Every table the given record files fill, separated by blank lines."""
     recs = load_records(paths)
     tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, gemv_fit_table,
-                                kv_select_table, kv_decode_table, passkey_table, profile_table)]
+                                kv_select_table, kv_decode_table, passkey_table, profile_table, step_gemv_table)]
     return "\n\n".join(t for t in tables if t)
 
 
 __all__ = ["attention_table", "decode_table", "dense_table", "gemv_fit", "gemv_fit_table", "gemv_table", "kernel_group", "kv_decode_table",
-           "kv_select_table", "load_records", "passkey_table", "profile_table", "speed_tables"]
+           "kv_select_table", "load_records", "passkey_table", "profile_table", "speed_tables", "step_gemv_table"]
