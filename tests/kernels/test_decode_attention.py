@@ -387,12 +387,13 @@ def test_kernel_compiles_for_hopper(dtype, D, G):
     split = dict(HKV=8, G=G, D=D, NUM_SPLITS=66, FOLD=False, BLOCK_G=16, BLOCK_N=block_n,
                  BLOCK_D=triton.next_power_of_2(D), BLOCK_GM=block_gm, TILE_S=tile_s,
                  START_T=False, END_T=True, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                 DOT_F32=False, ROPE=False, HALF=D // 2)
+                 DOT_F32=False, ROPE=False, HALF=D // 2, PDL=False)
     split_types = dict(Q=ty, K=ty, V=ty, Out=ty, Count="*i32", Start="*i64", End="*i64", qk_scale="fp32",
                        Knew=ty, Vnew=ty, Cos=ty, Sin=ty)
     kernels = [
         (da._split_kernel, dict(split, FUSED=True), split_types, num_stages),
         (da._split_kernel, dict(split, FUSED=True, ROPE=True), split_types, num_stages),  # rope_attention
+        (da._split_kernel, dict(split, FUSED=True, ROPE=True, PDL=True), split_types, num_stages),
         (da._split_kernel, dict(split, FUSED=False), split_types, num_stages),
         (da._merge_kernel, dict(HQ=8 * G, D=D, NUM_SPLITS=66, FOLD=False, BLOCK_S=128, TILE_S=16, BLOCK_N=block_n,
                                 BLOCK_D=triton.next_power_of_2(D), START_T=False, END_T=True),
@@ -421,6 +422,13 @@ def test_kernel_compiles_for_hopper(dtype, D, G):
                 "a CTA barrier must separate the partial stores from the arrival"
             )
             assert re.search(r"atom\.global\.gpu\.\w+\.exch", ptx[arrive.end():]), "the counter reset"
+            # PDL: the grid-dependency wait comes before any global access; without it, no wait
+            if consts.get("PDL"):
+                first = min(ptx.index(op) for op in ("ld.global", "cp.async") if op in ptx)
+                assert "griddepcontrol.wait" in ptx and ptx.index("griddepcontrol.wait") < first
+                assert "griddepcontrol.launch_dependents" in ptx
+            else:
+                assert "griddepcontrol" not in ptx, "without PDL the kernel must not wait on a grid dependency"
 
 
 # ---- CUDA -----------------------------------------------------------------------------------
@@ -524,3 +532,36 @@ def test_graph_replays_reuse_the_counters(fused):
         for i, (out, lse) in enumerate(outs):
             msgs = check(out, lse, q * (i + 1), k, v, 0, end, f"fused={fused} replay end={n} call {i}")
             assert not msgs, "\n".join(msgs)
+
+
+@gpu
+def test_pdl_chain_between_sparse_gemvs_in_a_graph(monkeypatch):
+    """The decode step's order, attention then a projection of its output then attention of that,
+    with the attention and the sparse GEMVs launched as programmatic dependents (each waits for
+    the kernel before it) and captured in a graph: what the same chain gives without PDL."""
+    from sparsedecode.kernels import decode_attention as da
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    q, k, v = make(1, 8, 4, 4096, 128, torch.bfloat16, device="cuda", seed=7)
+    w = (torch.randn(4096, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(8)) / 64).to(q.dtype)
+    thr, ws, end = torch.tensor(0.01, device="cuda"), sg.workspace(4096, "cuda"), torch.tensor([3001], device="cuda")
+
+    def chain(h):
+        for _ in range(3):  # each launch reads what the one before wrote
+            out, _ = da.split_k_attention(h.view(1, 32, 128), k, v, end)
+            h = sg.sparse_gemv(out.view(1, 4096), w, thr, ws=ws) * 4.0
+        return h
+
+    want = chain(q.view(1, 4096))
+    monkeypatch.setattr(da, "PDL", True)
+    monkeypatch.setattr(sg, "PDL", True)
+    chain(q.view(1, 4096))  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(q.view(1, 4096))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    # the GEMV's split-K atomics add in any order: equal to float32 rounding, not bit for bit
+    msg = mismatch(got, want, 2.0**-6 * want.float().abs().max().item(), "PDL chain vs the same without PDL")
+    assert msg is None, msg

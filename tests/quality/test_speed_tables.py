@@ -154,9 +154,11 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
               "realized_keep": 0.46, "step_ms_median": 3.0, "paired_dense_ms": 5.4, "speedup": 1.8, "bound": 1.96,
               "fraction_of_bound": 0.92, "env": {"git_commit": None}}
     rows = decode_table([{**decode, "gemv_warps": 8}, {**decode, "gemv_warps": 1}, decode,
-                         {**decode, "defer_gate_up_finish": True}, {**decode, "defer_gate_up_finish": False}])
+                         {**decode, "defer_gate_up_finish": True}, {**decode, "defer_gate_up_finish": False},
+                         {**decode, "attn_pdl": True}, {**decode, "attn_pdl": False}])
     assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
-        "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)"]
+        "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)",
+        "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)"]
 
 
 def test_ablated_steps_get_no_bound_but_a_profile_row():

@@ -92,6 +92,11 @@ MIN_SPLIT_KEYS: int | None = 128
 # its byte bound against 91.3% and 91.8% (records h200/sparse_gemv_20261130T2334Z_attn_fold).
 # `proj_decode_h200.py --no-attn-fold-tail` turns it off for timing.
 FOLD_TAIL = True
+# Programmatic dependent launch (Hopper and later), as `sparse_gemv.PDL`: the split kernel may
+# launch while the kernel before it (the q|k|v projection in the decode step) drains, its programs
+# waiting at the top (`gdc_wait`) until that kernel's writes are visible, and it lets the kernel
+# after it (the o projection) launch at once. Off until measured: `proj_decode_h200.py --attn-pdl`.
+PDL = False
 CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -377,12 +382,17 @@ if triton is not None:
         FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, TILE_S: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         Knew, Vnew, Cos, Sin, stride_knb, stride_vnb, zero, ROPE: tl.constexpr, HALF: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # Scores use tl.dot with the G query heads padded to BLOCK_G >= 16 rows. The
         # alternative, a broadcast multiply + sum, materialises G*BLOCK_N*D products in
         # registers and forces tiny tiles or spills; the tensor-core dot wastes only
         # arithmetic on the padding rows, and the tensor cores idle in memory-bound
         # decode anyway, so the loads (16-byte vectors along D) set the pace.
+        if PDL:  # a programmatic dependent: every memory access waits for the kernel before; the
+            # next kernel may launch now (its programs wait likewise for this one to finish)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = pid_bh // HKV
@@ -613,6 +623,7 @@ def _launch(
     flags = dict(START_T=start_t is not None, END_T=end_t is not None)
     block_gm, block_s, tile_s = _merge_blocks(G, D, num_splits)
     k_new, v_new, cos, sin = rope if rope is not None else (q, q, q, q)
+    pdl = PDL and q.is_cuda and not _interpreting()
     _split_kernel[(B * Hkv, num_splits)](
         q, k_cache, v_cache, o_part, l_part, out, lse, counters if fused_merge else l_part,
         *bounds, scale * LOG2E,
@@ -624,8 +635,8 @@ def _launch(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
         Knew=k_new, Vnew=v_new, Cos=cos, Sin=sin, stride_knb=k_new.stride(0), stride_vnb=v_new.stride(0), zero=0,
-        ROPE=rope is not None, HALF=D // 2,
-        num_warps=num_warps, num_stages=num_stages, **flags,
+        ROPE=rope is not None, HALF=D // 2, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **flags, **({"launch_pdl": True} if pdl else {}),
     )
     if not fused_merge:
         _merge_kernel[(B * Hq,)](

@@ -108,11 +108,13 @@ def _step_mode(r: dict) -> str:
     split-K attention kept a short last split (--no-attn-fold-tail), '+wN' when the sparse GEMVs'
     default configs ran N warps per program (--gemv-warps), '+deferred' when gate|up skipped its
     split-K finish (--defer-gate-up-finish; records from before a knob say nothing of it and are
-    not marked). A timing ablation's mode already says so ('proj0.5+ablate-x')."""
+    not marked), '+attnpdl' when the split-K attention was launched as a programmatic dependent
+    (--attn-pdl). A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
             + (f"+w{r['gemv_warps']}" if r.get("gemv_warps", 1) != 1 else "")
-            + ("+deferred" if r.get("defer_gate_up_finish") else ""))
+            + ("+deferred" if r.get("defer_gate_up_finish") else "")
+            + ("+attnpdl" if r.get("attn_pdl") else ""))
 
 
 def decode_table(records: list[dict]) -> str:
