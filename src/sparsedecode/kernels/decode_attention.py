@@ -95,7 +95,11 @@ FOLD_TAIL = True
 # Programmatic dependent launch (Hopper and later), as `sparse_gemv.PDL`: the split kernel may
 # launch while the kernel before it (the q|k|v projection in the decode step) drains, its programs
 # waiting at the top (`gdc_wait`) until that kernel's writes are visible, and it lets the kernel
-# after it (the o projection) launch at once. Off until measured: `proj_decode_h200.py --attn-pdl`.
+# after it (the o projection) launch at once. Off: in the llama-3.1-8b decode step at keep 0.5 and
+# 2K it made the sparse step slower in two runs each, 2.925 and 2.926 ms against 2.912 and 2.915 with
+# the sparse GEMVs launched plainly, 2.938 and 2.940 against 2.837 and 2.840 with them launched so
+# too, while the dense step ran 5.203 and 5.200 ms against 5.231 and 5.229 (records
+# h200/sparse_gemv_20261201T0625Z_pdl, `--attn-pdl`).
 PDL = False
 CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
 MAX_HEAD_DIM = 256

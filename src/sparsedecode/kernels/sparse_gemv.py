@@ -103,12 +103,17 @@ NUM_STAGES = 4
 # and 2-8 warps per program were slower too. With two tiles in flight per warp (stages 4) 16
 # programs per SM beat 24 and 32 (records h200/sparse_gemv_20261130T095622Z).
 PROGRAMS_PER_SM = 16
-# Programmatic dependent launch (Hopper and later): each launch may start while the kernel
-# before it drains, its programs waiting at the top (`gdc_wait`) until that kernel's writes are
-# visible. Off: back to back it took 0.6-0.7 us off a call (gate_up and down at keeps 0.5 and 0.3,
-# `sparse_gemv_bench.py --pdl early`), but the llama-3.1-8b decode step at keep 0.5 ran 3.312 ms
-# with it against 3.247 ms without (records h200/sparse_gemv_20261130T1305Z).
-PDL = False
+# Programmatic dependent launch (Hopper and later): each launch may start while the kernel before it
+# drains, its programs waiting at the top (`gdc_wait`) until that kernel's writes are visible. On.
+# Standalone, back to back, it took 0.6-0.7 us off a call (gate_up and down at keeps 0.5 and 0.3,
+# `sparse_gemv_bench.py --pdl early`). In the llama-3.1-8b decode step at keep 0.5 it lost while the
+# RMSNorms and residual adds ran in kernels of their own (3.312 ms against 3.247, records
+# h200/sparse_gemv_20261130T1305Z); with them inside the GEMVs (sparse_linear.FUSE_NORMS) three of a
+# layer's four sparse launches follow another sparse launch, and the step read 93.4% and 93.5% of its
+# byte bound against 91.0% and 91.1% without it, and 92.4% against 90.1% in an earlier run (records
+# h200/sparse_gemv_20261201T0625Z_pdl, h200/sparse_gemv_20261201T0620Z_step_calls). The split-K
+# attention launched so too (`decode_attention.PDL`) made that step slower. Only CUDA launches use it.
+PDL = True
 PDL_TRIGGER = True  # with PDL, signal the next kernel at the start (else as each program exits)
 # True: weight loads carry the evict-first cache hint (each weight byte is read once per step, so
 # the hint keeps x, the workspace and the next kernel's data in L2; TEAL's kernel uses such

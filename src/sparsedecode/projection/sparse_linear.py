@@ -39,10 +39,13 @@ from sparsedecode.projection.thresholds import site_key as threshold_key
 SITE_KEYS = {module: short for short, module in MODULE_OF.items()}  # 'gate_proj' -> 'gate'
 FF_SITES = ("gate_proj", "up_proj", "down_proj")
 # True: the sparse down projection forms silu(gate) * up in its kernel's input load (one launch
-# fewer per layer), with or without FUSE_NORMS. Off: on the H200 the llama-3.1-8b step at keep 0.5
-# ran 3.402 ms with it and 3.247 ms without (every down program recomputes silu for its rows;
-# records h200/sparse_gemv_20261130T1305Z/step, before the register cap of max_registers).
-FUSE_SWIGLU = False
+# fewer per layer), with or without FUSE_NORMS. On: with the sparse GEMVs launched as programmatic
+# dependents (`sparse_gemv.PDL`) down then follows gate|up directly, and the llama-3.1-8b step at
+# keep 0.5 read 93.8% and 93.9% of its byte bound against 93.4% and 93.5% without it (records
+# h200/sparse_gemv_20261201T0625Z_pdl). Without PDL, before the register cap of max_registers, it
+# lost: 3.402 ms against 3.247 (every down program recomputes silu for its rows; records
+# h200/sparse_gemv_20261130T1305Z/step).
+FUSE_SWIGLU = True
 # True: where q|k|v and gate|up run as one sparse launch each (CUDA, or TRITON_INTERPRET=1) and o
 # and down are sparse, a decode step's RMSNorms and residual adds run inside the sparse GEMVs
 # (`kernels.sparse_gemv` residual= and norm=): o and down add the residual and leave per-tile
