@@ -40,3 +40,15 @@ def embedded_engine():
 
     yield get
     _ENGINES.clear()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """An empty Dynamo cache for a test that compiles an engine: engines compiled by earlier tests
+    (other shapes and dtypes) count against torch._dynamo's recompile limit (8) on the same code
+    objects, and a fullgraph compile past it fails (seen with the CUDA test files run together in
+    one process on the H200)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield

@@ -6,7 +6,8 @@ import torch
 
 import sparsedecode
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("fresh_dynamo")]
 
 CFG = dict(
     model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=3,

@@ -120,12 +120,17 @@ def test_steps_routed_dense_are_the_dense_model_and_routed_sparse_the_cats_model
     eng.sparsify(_cats(eng))
     ids = IDS[:40]
     dense, sparse = _decode(dense_eng, ids), _decode(cats_eng, ids)
-    assert not torch.equal(dense[1:], sparse[1:])  # the prefill is dense in both
+    scale = dense.abs().max().item()
+    assert (dense[1:] - sparse[1:]).abs().max().item() > 1e-3 * scale  # the prefill is dense in both
 
     all_dense = calibrate_routing(table, eng, IDS, 0.0)  # tau at the lowest score, unseen dense
     assert all_dense.routed == 0.0 and not all_dense.sparse_of().any()
     eng.route(all_dense)
-    assert torch.equal(_decode(eng, ids), dense)  # bitwise: every MLP is the original one
+    # Every decode step's MLP is the original one, bitwise; the prefill runs down from the CATS
+    # engine's transposed weight (SparseLinear), whose fp32 sums may round differently by BLAS
+    # and CPU (bitwise equal on some machines, ~1e-7 relative on others), and the cache carries that.
+    routed = _decode(eng, ids)
+    assert (routed - dense).abs().max().item() <= 1e-6 * scale
     assert eng.routed_fraction() == 0.0
 
     all_sparse = calibrate_routing(dataclasses.replace(table, unseen="sparse"), eng, IDS, 1.0)

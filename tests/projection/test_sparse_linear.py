@@ -193,6 +193,7 @@ def test_dtype_cast_keeps_threshold_counts_and_workspace():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and triton")
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_sparse_engine_on_cuda_matches_masked_reference():
     cpu = tiny_engine(dtype="float32")
     gpu = tiny_engine(device="cuda", dtype="float32")
