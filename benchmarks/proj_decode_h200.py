@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument("--rope-attention", action=argparse.BooleanOptionalAction, default=None,
                     help="the dense and sparse steps' RoPE, cache write and attention as one launch per layer "
                          "(kernels.decode_attention.ROPE_IN_ATTENTION; default: the module's)")
+    ap.add_argument("--pdl-trigger", choices=("early", "exit"),
+                    help="where a sparse GEMV launched with PDL lets the next kernel launch: at its start "
+                         "(early) or as its programs exit (sparse_gemv.PDL_TRIGGER; default: the module's)")
     ap.add_argument("--attn-pdl", action=argparse.BooleanOptionalAction, default=None,
                     help="launch the split-K attention as a programmatic dependent (decode_attention.PDL; "
                          "default: the module's); the sparse GEMVs' PDL is the 'pdl' variant")
@@ -140,6 +143,7 @@ def main() -> None:
     knobs = apply_knobs(a)
     knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys, FOLD_TAIL=a.attn_fold_tail)
     attn_pdl = override(decode_attention, PDL=a.attn_pdl)["PDL"]
+    trigger = override(sg, PDL_TRIGGER=None if a.pdl_trigger is None else a.pdl_trigger == "early")["PDL_TRIGGER"]
     rope_one_launch = override(rope_cache, ENABLED=a.rope_cache)["ENABLED"]
     rope_in_attention = override(decode_attention, ROPE_IN_ATTENTION=a.rope_attention)["ROPE_IN_ATTENTION"]
     if a.gemv_configs:
@@ -165,6 +169,7 @@ def main() -> None:
             "register_cap": knobs["REGISTER_CAP"], "evict_first": knobs["WEIGHTS_EVICT_FIRST"],
             "bf16_pairs": knobs["BF16_PAIRS"], "stride_const": knobs["ROW_STRIDE_CONST"], "gemv_warps": knobs["NUM_WARPS"],
             "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"], "attn_fold_tail": knobs["FOLD_TAIL"], "attn_pdl": attn_pdl,
+            "pdl_trigger": "early" if trigger else "exit",
             "rope_cache_one_launch": rope_one_launch, "rope_in_attention": rope_in_attention,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
 

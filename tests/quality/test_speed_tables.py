@@ -155,10 +155,12 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
               "fraction_of_bound": 0.92, "env": {"git_commit": None}}
     rows = decode_table([{**decode, "gemv_warps": 8}, {**decode, "gemv_warps": 1}, decode,
                          {**decode, "defer_gate_up_finish": True}, {**decode, "defer_gate_up_finish": False},
-                         {**decode, "attn_pdl": True}, {**decode, "attn_pdl": False}])
+                         {**decode, "attn_pdl": True}, {**decode, "attn_pdl": False},
+                         {**decode, "pdl": True, "pdl_trigger": "exit"}, {**decode, "pdl": False, "pdl_trigger": "exit"},
+                         {**decode, "pdl": True, "pdl_trigger": "early"}])
     assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
         "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)",
-        "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)"]
+        "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)", "| proj0.5+exit (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)"]
 
 
 def test_ablated_steps_get_no_bound_but_a_profile_row():

@@ -109,12 +109,14 @@ def _step_mode(r: dict) -> str:
     default configs ran N warps per program (--gemv-warps), '+deferred' when gate|up skipped its
     split-K finish (--defer-gate-up-finish; records from before a knob say nothing of it and are
     not marked), '+attnpdl' when the split-K attention was launched as a programmatic dependent
-    (--attn-pdl). A timing ablation's mode already says so ('proj0.5+ablate-x')."""
+    (--attn-pdl), '+exit' when the sparse GEMVs launched with PDL let the next kernel launch only as
+    their programs exit (--pdl-trigger exit). A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
             + (f"+w{r['gemv_warps']}" if r.get("gemv_warps", 1) != 1 else "")
             + ("+deferred" if r.get("defer_gate_up_finish") else "")
-            + ("+attnpdl" if r.get("attn_pdl") else ""))
+            + ("+attnpdl" if r.get("attn_pdl") else "")
+            + ("+exit" if r.get("pdl") and r.get("pdl_trigger") == "exit" else ""))
 
 
 def decode_table(records: list[dict]) -> str:
