@@ -114,7 +114,9 @@ PROGRAMS_PER_SM = 16
 # h200/sparse_gemv_20261201T0625Z_pdl, h200/sparse_gemv_20261201T0620Z_step_calls). The split-K
 # attention launched so too (`decode_attention.PDL`) made that step slower. Only CUDA launches use it.
 PDL = True
-PDL_TRIGGER = True  # with PDL, signal the next kernel at the start (else as each program exits)
+# With PDL, let the next kernel launch at the start (else as each program exits). In the step the exit
+# trigger read 90.6% of the bound, as without PDL, against 93.4% (records h200/sparse_gemv_20261201T0650Z_pdl_trigger).
+PDL_TRIGGER = True
 # True: weight loads carry the evict-first cache hint (each weight byte is read once per step, so
 # the hint keeps x, the workspace and the next kernel's data in L2; TEAL's kernel uses such
 # hints). Off until measured: `sparse_gemv_bench.py --evict-first`.
