@@ -28,7 +28,7 @@ from sparse_gemv_bench import ABLATIONS, add_knob_args, apply_knobs
 
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
-from sparsedecode.kernels import decode_attention, override, rope_cache
+from sparsedecode.kernels import decode_attention, knobs, override, rope_cache
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.projection import sparse_linear
 from sparsedecode.projection.calibrate import get_calibrator
@@ -140,8 +140,8 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; pick default, plain, or a '+'-joined set of pdl, swiglu "
                          "and norms")
-    knobs = apply_knobs(a)
-    knobs |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys, FOLD_TAIL=a.attn_fold_tail)
+    settings = apply_knobs(a)
+    settings |= override(decode_attention, MIN_SPLIT_KEYS=a.attn_min_split_keys, FOLD_TAIL=a.attn_fold_tail)
     attn_pdl = override(decode_attention, PDL=a.attn_pdl)["PDL"]
     trigger = override(sg, PDL_TRIGGER=None if a.pdl_trigger is None else a.pdl_trigger == "early")["PDL_TRIGGER"]
     rope_one_launch = override(rope_cache, ENABLED=a.rope_cache)["ENABLED"]
@@ -166,9 +166,9 @@ def main() -> None:
             "fill": "random", "calibration": {"method": a.method, "greedy": False,
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
-            "register_cap": knobs["REGISTER_CAP"], "evict_first": knobs["WEIGHTS_EVICT_FIRST"],
-            "bf16_pairs": knobs["BF16_PAIRS"], "stride_const": knobs["ROW_STRIDE_CONST"], "gemv_warps": knobs["NUM_WARPS"],
-            "attn_min_split_keys": knobs["MIN_SPLIT_KEYS"], "attn_fold_tail": knobs["FOLD_TAIL"], "attn_pdl": attn_pdl,
+            "register_cap": settings["REGISTER_CAP"], "evict_first": settings["WEIGHTS_EVICT_FIRST"],
+            "bf16_pairs": settings["BF16_PAIRS"], "stride_const": settings["ROW_STRIDE_CONST"], "gemv_warps": settings["NUM_WARPS"],
+            "attn_min_split_keys": settings["MIN_SPLIT_KEYS"], "attn_fold_tail": settings["FOLD_TAIL"], "attn_pdl": attn_pdl,
             "pdl_trigger": "early" if trigger else "exit",
             "rope_cache_one_launch": rope_one_launch, "rope_in_attention": rope_in_attention,
             "protocol": f"{a.warmup} warm-up steps, {a.repeats} repeats x {a.steps} steps, CUDA events"}
@@ -244,21 +244,14 @@ def main() -> None:
                   f"{bound:.3f}x, {100 * speedup / bound:.1f}% of bound", flush=True)
             keep_record(rec)
             for ablation in a.ablate:  # the same variant, every sparse GEMV ablated: its step time only
-                tuned = dict(sg.TUNED)
-                sg.TUNED.clear()
-                sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = (
-                    rec["pdl"], rec["fuse_swiglu"], rec["fuse_norms"])
-                sg.ABLATE = ABLATIONS[ablation]
-                try:
+                # every call on stages 4 (TUNED set aside), the loop the ablations apply to
+                with knobs(sg, ABLATE=ABLATIONS[ablation], TUNED={}, PDL=rec["pdl"]), \
+                        knobs(sparse_linear, FUSE_SWIGLU=rec["fuse_swiglu"], FUSE_NORMS=rec["fuse_norms"]):
                     ab = timed(f"{mode}+ablate-{ablation}", {
                         "proj_keep": keep, "ablated_keep": 0.5, "gemv_ablate": ablation, "gemv_configs": {},
                         "call_bytes": {c: {"read": 0.5 * b["dense"], "dense": b["dense"]} for c, b in per_call.items()},
                         "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
                         "fuse_norms": sparse_linear.FUSE_NORMS, "paired_sparse_ms": rec["step_ms_median"]})
-                finally:
-                    sg.ABLATE = 0
-                    sg.TUNED.update(tuned)
-                    sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = defaults
                 print(f"  ablated ({ablation}): {ab['step_ms_median']:.3f} ms against {rec['step_ms_median']:.3f} "
                       "(timing only: every sparse GEMV keeps even rows, its output wrong by design)", flush=True)
                 keep_record(ab)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsedecode.kernels import override
+from sparsedecode.kernels import knobs, override
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.models.decoder import rms_norm
 from sparsedecode.records import stamp, write_record
@@ -265,11 +265,8 @@ ABLATIONS = {"finish": 1, "x": 2, "both": 3, "reds": 4, "x+reds": 6}  # --ablate
 
 def _with_ablation(bits: int, timer, fn, calls, reps: int) -> list[float]:
     """timer(fn, calls, reps) with sparse_gemv.ABLATE = bits (captured in the graph), then reset."""
-    saved, sg.ABLATE = sg.ABLATE, bits
-    try:
+    with knobs(sg, ABLATE=bits):
         return timer(fn, calls, reps)
-    finally:
-        sg.ABLATE = saved
 
 
 def dense_equivalent(kept: int, N: int, args, dev: torch.device, timer=time_graph) -> float:

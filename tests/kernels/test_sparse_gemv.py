@@ -519,18 +519,13 @@ def _with_pairs(pairs: bool, fn, *args, **kwargs):
     return _with_knobs(dict(BF16_PAIRS=pairs), fn, *args, **kwargs)
 
 
-def _with_knobs(knobs: dict, fn, *args, **kwargs):
-    """fn(*args, **kwargs) with the sparse_gemv module knobs set as `knobs` says, restored after."""
+def _with_knobs(values: dict, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the sparse_gemv module knobs set as `values` says, restored after."""
+    from sparsedecode.kernels import knobs
     from sparsedecode.kernels import sparse_gemv as sg
 
-    saved = {k: getattr(sg, k) for k in knobs}
-    for k, v in knobs.items():
-        setattr(sg, k, v)
-    try:
+    with knobs(sg, **values):
         return fn(*args, **kwargs)
-    finally:
-        for k, v in saved.items():
-            setattr(sg, k, v)
 
 
 def _stride_const_cases(device="cpu") -> list[str]:

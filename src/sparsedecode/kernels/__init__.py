@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import ModuleType
 
 from sparsedecode.errors import InputError
@@ -23,3 +25,16 @@ def override(module: ModuleType, **values) -> dict:
         if value is not None:
             setattr(module, name, value)
     return {name: getattr(module, name) for name in values}
+
+
+@contextlib.contextmanager
+def knobs(module: ModuleType, **values) -> Iterator[dict]:
+    """`override` for the length of a with block: the knobs given a value are set (names checked
+    the same way) and every named knob is restored on exit, error or not. Yields the effective
+    values. For timing a variant (an ablation, a config) without leaving it set for what follows."""
+    saved = {name: getattr(module, name) for name in values if hasattr(module, name)}
+    try:
+        yield override(module, **values)
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
