@@ -5,7 +5,9 @@ down (K=14336, N=4096), at keeps 1.0, 0.5 and 0.3. x is random normal and the
 threshold is the |x| quantile, so the kept channel count is exact. Each cell
 captures `--copies` distinct weight copies x `--rounds` calls in one CUDA graph
 (a copy is revisited only after the others have flushed the 50 MB L2), times
-`--reps` replays with CUDA events and takes the median per call.
+`--reps` replays with CUDA events and takes the median per call. Calls launch as the library
+launches them (`sparse_gemv.PDL`: since 1ec702f as programmatic dependents, each call's launch
+overlapping the tail of the call before; `--pdl off` times them one after another), recorded per cell.
 
 Bytes read are what the kernel must read: kept rows * N * 2 + the K * 2 bytes of
 x. The byte time is bytes / 4.15 TB/s (the H200's measured streaming rate, as
@@ -412,9 +414,10 @@ def main() -> None:
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")
-    ap.add_argument("--pdl", choices=("off", "exit", "early"), default="off",
+    ap.add_argument("--pdl", choices=("off", "exit", "early"),
                     help="programmatic dependent launch (sparse_gemv.PDL): each call's launch overlaps the tail "
-                    "of the call before; 'early' signals the next call at the start, 'exit' as programs exit")
+                    "of the call before; 'early' signals the next call at the start, 'exit' as programs exit "
+                    "(default: the module's, as the library launches; recorded)")
     add_knob_args(ap)
     ap.add_argument("--probe", action="store_true",
                     help="also time an empty kernel on the grid of each shape's default and other configs "
@@ -426,6 +429,8 @@ def main() -> None:
     dev = torch.device("cuda")
     if args.tuned:
         print(f"{sg.load_tuned(args.tuned)} tuned configs from {args.tuned}")
+    if args.pdl is None:  # the library's launch mode, named for the records
+        args.pdl = "off" if not sg.PDL else "early" if sg.PDL_TRIGGER else "exit"
     sg.PDL, sg.PDL_TRIGGER = args.pdl != "off", args.pdl == "early"
     apply_knobs(args)
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
