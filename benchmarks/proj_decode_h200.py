@@ -41,6 +41,7 @@ from sparsedecode.projection.sparse_linear import (
 )
 from sparsedecode.records import stamp, write_record
 from sparsedecode.report.speed_tables import kernel_group
+from sparsedecode.timing.sites import call_sites
 
 
 def profile_step(step, steps: int) -> dict:
@@ -61,12 +62,7 @@ def profile_step(step, steps: int) -> dict:
             launches.setdefault(e.name, []).append((e.time_range.start, e.device_time))
     rows = {name: [len(c), sum(us for _, us in c)] for name, c in launches.items()}
     table = sorted(([name, n / steps, us / steps] for name, (n, us) in rows.items()), key=lambda r: -r[2])
-    sites = {}
-    for name, c in launches.items():
-        per_step = len(c) // steps
-        if per_step >= 2 and per_step * steps == len(c):
-            us = [t for _, t in sorted(c)]
-            sites[name] = [sum(us[j * per_step + i] for j in range(steps)) / steps for i in range(per_step)]
+    sites = call_sites(launches, steps)
 
     groups: dict[str, float] = {}
     for name, _, us in table:
