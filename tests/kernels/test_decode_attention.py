@@ -552,6 +552,8 @@ def test_pdl_chain_between_sparse_gemvs_in_a_graph(monkeypatch):
             h = sg.sparse_gemv(out.view(1, 4096), w, thr, ws=ws) * 4.0
         return h
 
+    monkeypatch.setattr(da, "PDL", False)  # the reference chain: plain launches (sparse_gemv.PDL is the default)
+    monkeypatch.setattr(sg, "PDL", False)
     want = chain(q.view(1, 4096))
     monkeypatch.setattr(da, "PDL", True)
     monkeypatch.setattr(sg, "PDL", True)

@@ -749,6 +749,7 @@ def test_swiglu_input_and_pdl_chain_on_cuda(monkeypatch):
             x = sparse_gemv(h, w2, t2, ws=ws2) * 0.05
         return x
 
+    monkeypatch.setattr(sg, "PDL", False)  # the reference chain: plain launches (PDL is the default)
     want = chain(x)
     monkeypatch.setattr(sg, "PDL", True)
     chain(x)  # compile outside the capture
