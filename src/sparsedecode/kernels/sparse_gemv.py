@@ -153,7 +153,10 @@ ROW_STRIDE_CONST = True
 # decode step that did not come off: gate|up without its arrival count and exchange (atomic adds kept,
 # SwiGLU formed from the sums by a kernel of its own) ran no faster, and with each split's partial
 # stored plainly in a row of its own it ran slower (records h200/sparse_gemv_20261201T0455Z_defer_finish,
-# h200/sparse_gemv_20261201T0500Z_defer_rows; the code, DEFER_GATE_UP_FINISH, is at 7a26b6d).
+# h200/sparse_gemv_20261201T0500Z_defer_rows; the code, DEFER_GATE_UP_FINISH, is at 7a26b6d). With x
+# ablated in every call of the step, the arrival count, exchange and output cost 1.0-2.0 us a call and
+# the atomic adds 0.4-0.6 (records h200/sparse_gemv_20261201T0613Z_step_ablate, ..._0620Z_step_calls):
+# parity rows give every split the same work, so a tile's programs reach the finish together.
 ABLATE = 0
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
