@@ -193,5 +193,7 @@ def test_step_gemv_table_sets_each_call_site_beside_its_byte_time():
                     "| proj0.5 | o | 7.00 | 16.6 | 4.00 | 1.75 | 0123456 |",
                     "| proj0.5 | gate\\|up | 21.00 | 62.2 | 15.00 | 1.40 | 0123456 |",
                     "| proj0.5 | down | 19.00 | 58.1 | 14.00 | 1.36 | 0123456 |"]
+    marked = step_gemv_table([{**rec, "pdl": True}]).splitlines()[2]
+    assert marked.startswith("| proj0.5 (PDL: waits included) | q\\|k\\|v | 9.00 |")
     with pytest.raises(InputError, match="not 4 a layer"):
         step_gemv_table([{**rec, "profile": {"sites_us": {"_sparse_gemv_kernel": sites[:7]}}}])

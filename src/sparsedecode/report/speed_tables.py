@@ -258,7 +258,8 @@ def step_gemv_table(records: list[dict]) -> str:
     profile's call sites of `_sparse_gemv_kernel`, 4 a layer in launch order) beside the byte
     time of the weight bytes it read (the record's `call_bytes`: each site's realized keep; for
     an ablated step, rows kept by parity, half of each weight). The pipes of a call's name are
-    escaped for Markdown."""
+    escaped for Markdown. A step whose sparse GEMVs launched with PDL is marked: each launch's
+    profiled time then includes its wait for the kernel before it."""
     rows = ["| mode | call | µs per call | weight MB per call | byte time µs | × byte time | run |",
             "|---|---|---|---|---|---|---|"]
     for r in records:
@@ -268,12 +269,13 @@ def step_gemv_table(records: list[dict]) -> str:
         if len(sites) % len(STEP_GEMV_CALLS):
             raise InputError(f"{r['mode']}: {len(sites)} sparse GEMV calls a step, not {len(STEP_GEMV_CALLS)} a layer")
         layers = len(sites) // len(STEP_GEMV_CALLS)
+        mode = _step_mode(r) + (" (PDL: waits included)" if r.get("pdl") else "")
         for i, call in enumerate(STEP_GEMV_CALLS):
             us = sum(sites[i::len(STEP_GEMV_CALLS)]) / layers
             read = r["call_bytes"][call]["read"] / layers
             byte_us = read / STEP_BYTE_RATE * 1e6
             name = call.replace("|", "\\|")
-            rows.append(f"| {_step_mode(r)} | {name} | {us:.2f} | {read / 1e6:.1f} | {byte_us:.2f} "
+            rows.append(f"| {mode} | {name} | {us:.2f} | {read / 1e6:.1f} | {byte_us:.2f} "
                         f"| {us / byte_us:.2f} | {_commit(r)} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
