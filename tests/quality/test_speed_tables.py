@@ -145,6 +145,13 @@ def test_gemv_fit_recovers_a_fixed_cost_and_a_rate():
     b = int(0.3 * 4096) * 14336 * 2 + 8192
     assert rows[2].endswith(f"| {(1.15 * b / 4.15e12 - b / 3.8e12) * 1e6:.2f} on gate_up | 0123456 |")
     assert rows[3].startswith("| default | 8 | 4096 | 0.5 |"), "configs of other warps fit apart"
+    # cells of the same commit launched with PDL fit apart, and say so
+    pdl = [{**r, "pdl": "early", "time_s": r["time_s"] - 1e-6} for r in recs[:4]]
+    both = gemv_fit_table(recs[:4] + pdl).splitlines()[2:]
+    assert [row.split(" | ")[0] for row in both] == ["| cuBLAS dense", "| default", "| default",
+                                                     "| default (PDL early)", "| default (PDL early)"], both
+    assert both[3].startswith("| default (PDL early) | 1 | 4096 | 1 | gate_up, gate_up2 | 4.00 | 4.60 |")
+    assert both[0].startswith("| cuBLAS dense |  | 4096 | 1 | gate_up, gate_up2 (4 cells) |")  # no PDL: one fit
     twice = gemv_fit_table(recs[:4] + recs[:4]).splitlines()[2:]  # the same run's cells twice: one line still
     assert twice[1].startswith("| default | 1 | 4096 | 1 | gate_up, gate_up2 (4 cells) | 5.00 | 4.60 | 0.00 |")
 

@@ -39,14 +39,20 @@ def gemv_table(records: list[dict]) -> str:
             + (" × cuBLAS on the kept rows |" if equiv else "") + " run |",
             "|---|---|---|---|---|---|---|" + ("---|" if equiv else "") + "---|"]
     for r in sorted(cells, key=lambda r: (r["kind"] != "sparse_gemv_bench", r["shape"], -r["keep_target"])):
-        kernel = "input-sparse GEMV" if r["kind"] == "sparse_gemv_bench" else "CATS row-gather up"
-        if r.get("pdl") not in (None, False, "off"):  # launched as a programmatic dependent
-            kernel += f" (PDL {'early' if r['pdl'] in (True, 'early') else r['pdl']})"
+        kernel = ("input-sparse GEMV" if r["kind"] == "sparse_gemv_bench" else "CATS row-gather up") + _pdl_mark(r)
         rows.append(f"| {kernel} | {r['shape']} {r['K']}→{r['N']} | {r['keep_target']:g} | {r['time_s'] * 1e6:.1f} "
                     f"| {r['tb_per_s']:.2f} | {r['ratio_to_byte_time']:.2f} | {r['speedup_vs_dense']:.2f} "
                     + (f"| {r['ratio_to_dense_equiv']:.2f} " if 'ratio_to_dense_equiv' in r else
                        "|  " if equiv else "") + f"| {_commit(r)} |")
     return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def _pdl_mark(r: dict) -> str:
+    """' (PDL early)' or ' (PDL exit)' for a benchmark cell launched as a programmatic dependent, else ''."""
+    pdl = r.get("pdl")
+    if pdl in (None, False, "off"):
+        return ""
+    return f" (PDL {'early' if pdl in (True, 'early') else pdl})"
 
 
 def gemv_fit(cells: list[dict]) -> tuple[float, float, float]:
@@ -69,20 +75,21 @@ def gemv_fit_table(records: list[dict]) -> str:
     ('launch_probe', where the run has one), and the fixed cost the 1.15x target leaves gate_up
     (else the smallest shape) at the fitted rate: 1.15 x bytes / 4.15 TB/s - bytes / R
     (negative: out of reach at that rate even with no fixed cost at all). cuBLAS's dense GEMV,
-    timed beside every shape, gets the same fit ('cuBLAS dense')."""
+    timed beside every shape, gets the same fit ('cuBLAS dense'). Runs launched as programmatic
+    dependents fit apart, their label marked '(PDL early)' or '(PDL exit)'."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if r["kind"] != "sparse_gemv_bench" or r.get("fused") or r["keep_target"] <= 0:
             continue
         c = r["config"]
-        key = (_commit(r), r["config_label"], c["num_warps"], c["num_stages"], c["block_n"], c["block_k"],
-               r.get("stride_const"), r.get("pattern"), r["K"], r["keep_target"])
+        key = (_commit(r), r["config_label"] + _pdl_mark(r), c["num_warps"], c["num_stages"], c["block_n"],
+               c["block_k"], r.get("stride_const"), r.get("pattern"), r["K"], r["keep_target"])
         groups.setdefault(key, []).append(r)
         if r["config_label"] == "default" and r["keep_target"] == 1.0 and "dense_time_s" in r:
             dense = {**r, "config_label": "cuBLAS dense", "time_s": r["dense_time_s"], "bytes_read": r["dense_bytes"],
                      "byte_time_s": r["dense_bytes"] / r["byte_rate"]}
             groups.setdefault((_commit(r), "cuBLAS dense", "", "", "", "", None, None, r["K"], 1.0), []).append(dense)
-    probes = {(_commit(r), r["shape"], r.get("config_label", "default")): r for r in records
+    probes = {(_commit(r), r["shape"], r.get("config_label", "default") + _pdl_mark(r)): r for r in records
               if r["kind"] == "launch_probe"}
     rows = ["| kernel config | warps | K | keep | shapes | fixed µs | stream TB/s | worst residual µs "
             "| empty launch µs | fixed left by 1.15× | run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
