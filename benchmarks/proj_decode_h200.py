@@ -218,39 +218,35 @@ def main() -> None:
             bound = bounds(dims, n, realized, 1.0).projection
             per_call = projection_call_bytes(eng.model)
         install(eng.model, th.values, track=False)  # timed without the counting adds
-        defaults = (sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS)
-        for variant in variants:
-            if variant != "default":
-                parts = variant.split("+")
-                sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = (
-                    "pdl" in parts, "swiglu" in parts, "norms" in parts)
-            mode = f"{'cats' if a.method == 'cats' else 'proj'}{keep:g}" + ("" if variant == "default" else
-                                                                         f"+{variant}")
-            fused = sum(layer.fused() for layer in eng.model.layers)  # layers that run forward_fused
-            rec = timed(mode, {"proj_keep": keep, "realized_keep": realized, "calibrate_s": calib_s,
-                               "call_bytes": per_call if a.method == "teal" else None,
-                               "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
-                               "fuse_norms": sparse_linear.FUSE_NORMS, "layers_norms_fused": fused})
-            sg.PDL, sparse_linear.FUSE_SWIGLU, sparse_linear.FUSE_NORMS = defaults
-            speedup = dense["step_ms_median"] / rec["step_ms_median"]
-            rec.update(speedup=speedup, bound=bound, fraction_of_bound=speedup / bound,
-                       paired_dense_ms=dense["step_ms_median"])
-            print(f"  keep {keep:g} {variant} ({fused} layers with fused norms): realized {realized:.3f}, "
-                  f"speedup {speedup:.3f}x, bound "
-                  f"{bound:.3f}x, {100 * speedup / bound:.1f}% of bound", flush=True)
-            keep_record(rec)
-            for ablation in a.ablate:  # the same variant, every sparse GEMV ablated: its step time only
-                # every call on stages 4 (TUNED set aside), the loop the ablations apply to
-                with knobs(sg, ABLATE=ABLATIONS[ablation], TUNED={}, PDL=rec["pdl"]), \
-                        knobs(sparse_linear, FUSE_SWIGLU=rec["fuse_swiglu"], FUSE_NORMS=rec["fuse_norms"]):
-                    ab = timed(f"{mode}+ablate-{ablation}", {
-                        "proj_keep": keep, "ablated_keep": 0.5, "gemv_ablate": ablation, "gemv_configs": {},
-                        "call_bytes": {c: {"read": 0.5 * b["dense"], "dense": b["dense"]} for c, b in per_call.items()},
-                        "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
-                        "fuse_norms": sparse_linear.FUSE_NORMS, "paired_sparse_ms": rec["step_ms_median"]})
-                print(f"  ablated ({ablation}): {ab['step_ms_median']:.3f} ms against {rec['step_ms_median']:.3f} "
-                      "(timing only: every sparse GEMV keeps even rows, its output wrong by design)", flush=True)
-                keep_record(ab)
+        for variant in variants:  # each variant's knobs set for its timings and restored after
+            flags = ((None,) * 3 if variant == "default"
+                     else tuple(part in variant.split("+") for part in ("pdl", "swiglu", "norms")))
+            with knobs(sg, PDL=flags[0]), knobs(sparse_linear, FUSE_SWIGLU=flags[1], FUSE_NORMS=flags[2]):
+                mode = f"{'cats' if a.method == 'cats' else 'proj'}{keep:g}" + ("" if variant == "default" else
+                                                                             f"+{variant}")
+                fused = sum(layer.fused() for layer in eng.model.layers)  # layers that run forward_fused
+                rec = timed(mode, {"proj_keep": keep, "realized_keep": realized, "calibrate_s": calib_s,
+                                   "call_bytes": per_call if a.method == "teal" else None,
+                                   "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
+                                   "fuse_norms": sparse_linear.FUSE_NORMS, "layers_norms_fused": fused})
+                speedup = dense["step_ms_median"] / rec["step_ms_median"]
+                rec.update(speedup=speedup, bound=bound, fraction_of_bound=speedup / bound,
+                           paired_dense_ms=dense["step_ms_median"])
+                print(f"  keep {keep:g} {variant} ({fused} layers with fused norms): realized {realized:.3f}, "
+                      f"speedup {speedup:.3f}x, bound "
+                      f"{bound:.3f}x, {100 * speedup / bound:.1f}% of bound", flush=True)
+                keep_record(rec)
+                for ablation in a.ablate:  # the same variant, every sparse GEMV ablated: its step time only
+                    # every call on stages 4 (TUNED set aside), the loop the ablations apply to
+                    with knobs(sg, ABLATE=ABLATIONS[ablation], TUNED={}):
+                        ab = timed(f"{mode}+ablate-{ablation}", {
+                            "proj_keep": keep, "ablated_keep": 0.5, "gemv_ablate": ablation, "gemv_configs": {},
+                            "call_bytes": {c: {"read": 0.5 * b["dense"], "dense": b["dense"]} for c, b in per_call.items()},
+                            "variant": variant, "pdl": sg.PDL, "fuse_swiglu": sparse_linear.FUSE_SWIGLU,
+                            "fuse_norms": sparse_linear.FUSE_NORMS, "paired_sparse_ms": rec["step_ms_median"]})
+                    print(f"  ablated ({ablation}): {ab['step_ms_median']:.3f} ms against {rec['step_ms_median']:.3f} "
+                          "(timing only: every sparse GEMV keeps even rows, its output wrong by design)", flush=True)
+                    keep_record(ab)
         if a.method == "teal":
             densify_(eng.model)
     (a.out / "proj_decode_records.json").write_text(json.dumps(records, indent=1))
