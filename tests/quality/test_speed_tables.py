@@ -164,10 +164,12 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
                          {**decode, "defer_gate_up_finish": True}, {**decode, "defer_gate_up_finish": False},
                          {**decode, "attn_pdl": True}, {**decode, "attn_pdl": False},
                          {**decode, "pdl": True, "pdl_trigger": "exit"}, {**decode, "pdl": False, "pdl_trigger": "exit"},
-                         {**decode, "pdl": True, "pdl_trigger": "early"}])
+                         {**decode, "pdl": True, "pdl_trigger": "early"},
+                         {**decode, "fill": "prefill"}, {**decode, "fill": "random"}])
     assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
         "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)",
-        "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)", "| proj0.5+exit (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)"]
+        "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)", "| proj0.5+exit (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)",
+        "| proj0.5+prefill (teal)", "| proj0.5 (teal)"]
 
 
 def test_ablated_steps_get_no_bound_but_a_profile_row():

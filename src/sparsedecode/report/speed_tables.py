@@ -117,13 +117,17 @@ def _step_mode(r: dict) -> str:
     split-K finish (--defer-gate-up-finish; records from before a knob say nothing of it and are
     not marked), '+attnpdl' when the split-K attention was launched as a programmatic dependent
     (--attn-pdl), '+exit' when the sparse GEMVs launched with PDL let the next kernel launch only as
-    their programs exit (--pdl-trigger exit). A timing ablation's mode already says so ('proj0.5+ablate-x')."""
+    their programs exit (--pdl-trigger exit), '+prefill' when the steps attended over a cache filled
+    by a dense prefill (--fill prefill, the default since the flag came; the records before it, and
+    --fill random, attend over random normals, which leave o's input far below its calibration).
+    A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
             + (f"+w{r['gemv_warps']}" if r.get("gemv_warps", 1) != 1 else "")
             + ("+deferred" if r.get("defer_gate_up_finish") else "")
             + ("+attnpdl" if r.get("attn_pdl") else "")
-            + ("+exit" if r.get("pdl") and r.get("pdl_trigger") == "exit" else ""))
+            + ("+exit" if r.get("pdl") and r.get("pdl_trigger") == "exit" else "")
+            + ("+prefill" if r.get("fill") == "prefill" else ""))
 
 
 def decode_table(records: list[dict]) -> str:
