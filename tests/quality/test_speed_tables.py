@@ -206,3 +206,28 @@ def test_step_gemv_table_sets_each_call_site_beside_its_byte_time():
     assert marked.startswith("| proj0.5 (PDL: waits included) | q\\|k\\|v | 9.00 |")
     with pytest.raises(InputError, match="not 4 a layer"):
         step_gemv_table([{**rec, "profile": {"sites_us": {"_sparse_gemv_kernel": sites[:7]}}}])
+
+
+def test_read_floor_table_takes_the_fastest_read_and_sets_the_gemv_of_the_same_bytes_beside_it():
+    from sparsedecode.report.speed_tables import read_floor_table
+
+    env = {"git_commit": "abcdef0123"}
+    floor = {"kind": "read_floor_bench", "shape": "gate_up", "keep_target": 0.5, "run_id": "r1", "bytes_read": 58_728_448,
+             "byte_time_s": 14.0e-6, "target_ratio": 1.15, "env": env}
+    recs = [{**floor, "config_label": "chunk1024x8w4s1", "pdl": "off", "time_s": 15.0e-6, "ratio_to_byte_time": 15 / 14},
+            {**floor, "config_label": "chunk2048x4w8s1", "pdl": "early", "time_s": 14.7e-6, "ratio_to_byte_time": 14.7 / 14},
+            {**floor, "config_label": "torch.sum", "pdl": "off", "time_s": 16.0e-6, "ratio_to_byte_time": 16 / 14},
+            {**floor, "keep_target": 0.3, "bytes_read": 35_000_000, "config_label": "stride1024x8w4s3", "pdl": "off",
+             "time_s": 9.9e-6, "byte_time_s": 8.4e-6, "ratio_to_byte_time": 9.9 / 8.4}]
+    gemv = {"kind": "sparse_gemv_bench", "shape": "gate_up", "config_label": "default", "fused": None, "ablate": 0,
+            "bytes_read": 58_728_448, "env": env}
+    recs += [{**gemv, "time_s": 17.6e-6, "ratio_to_byte_time": 17.6 / 14, "pdl": "early"},
+             {**gemv, "time_s": 18.2e-6, "ratio_to_byte_time": 18.2 / 14, "pdl": "off"},
+             {**gemv, "time_s": 15.0e-6, "ratio_to_byte_time": 15 / 14, "pdl": "off", "ablate": 3},  # ablated: not it
+             {**gemv, "time_s": 10.0e-6, "bytes_read": 1, "pdl": "off", "ratio_to_byte_time": 1.0}]  # other bytes
+    rows = read_floor_table(recs).splitlines()[2:]
+    assert len(rows) == 2, rows
+    assert rows[0] == ("| gate_up | 0.5 | 58.7 | 14.00 | 14.70 | chunk2048x4w8s1 (PDL) | 1.050 | 17.60 (PDL) (abcdef0) "
+                       "| 1.257 | 2.90 | 1.40 | abcdef0 |")
+    assert rows[1].startswith("| gate_up | 0.3 | 35.0 | 8.40 | 9.90 | stride1024x8w4s3 | 1.179 |  |  |  | -0.24 |")
+    assert read_floor_table(recs[4:]) == ""

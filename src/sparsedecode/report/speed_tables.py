@@ -291,13 +291,51 @@ def step_gemv_table(records: list[dict]) -> str:
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
+def read_floor_table(records: list[dict]) -> str:
+    """'read_floor_bench' cells: per shape, keep and run, the fastest one-launch read of the cell's
+    bytes (its config and launch mode) against the byte time, beside the default sparse GEMV of
+    the same shape and bytes among the records given ('sparse_gemv_bench'; the fastest of them, its
+    launch mode and commit said), and what the 1.15x target leaves the GEMV past the floor."""
+    floors: dict[tuple, dict] = {}
+    for r in records:
+        if r["kind"] == "read_floor_bench":
+            key = (r["shape"], r["keep_target"], r.get("run_id") or _commit(r))
+            if key not in floors or r["time_s"] < floors[key]["time_s"]:
+                floors[key] = r
+    if not floors:
+        return ""
+    gemvs: dict[tuple, dict] = {}
+    for r in records:
+        if (r["kind"] == "sparse_gemv_bench" and r["config_label"] == "default" and not r.get("fused")
+                and not r.get("ablate")):
+            key = (r["shape"], r["bytes_read"])
+            if key not in gemvs or r["time_s"] < gemvs[key]["time_s"]:
+                gemvs[key] = r
+    rows = ["| shape | keep | MB read | byte time µs | floor µs | floor config | × byte time | sparse GEMV µs "
+            "| GEMV × byte time | GEMV − floor µs | 1.15× less floor µs | run |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (shape, keep, _), f in sorted(floors.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
+        g = gemvs.get((shape, f["bytes_read"]))
+        byte_us, floor_us = f["byte_time_s"] * 1e6, f["time_s"] * 1e6
+        mode = f["config_label"] + (" (PDL)" if f.get("pdl") == "early" else "")
+        gemv = ("|  |  |  " if g is None else
+                f"| {g['time_s'] * 1e6:.2f}{' (PDL)' if g.get('pdl') == 'early' else ''} ({_commit(g)}) "
+                f"| {g['ratio_to_byte_time']:.3f} | {(g['time_s'] - f['time_s']) * 1e6:.2f} ")
+        rows.append(f"| {shape} | {keep:g} | {f['bytes_read'] / 1e6:.1f} | {byte_us:.2f} | {floor_us:.2f} | {mode} "
+                    f"| {f['ratio_to_byte_time']:.3f} {gemv}| {f['target_ratio'] * byte_us - floor_us:.2f} "
+                    f"| {_commit(f)} |")
+    return "\n".join(rows)
+
+
 def speed_tables(paths) -> str:
     """Every table the given record files fill, separated by blank lines."""
     recs = load_records(paths)
     tables = [f(recs) for f in (dense_table, attention_table, decode_table, gemv_table, gemv_fit_table,
-                                kv_select_table, kv_decode_table, passkey_table, profile_table, step_gemv_table)]
+                                kv_select_table, kv_decode_table, passkey_table, profile_table, step_gemv_table,
+                                read_floor_table)]
     return "\n\n".join(t for t in tables if t)
 
 
 __all__ = ["attention_table", "decode_table", "dense_table", "gemv_fit", "gemv_fit_table", "gemv_table", "kernel_group", "kv_decode_table",
-           "kv_select_table", "load_records", "passkey_table", "profile_table", "speed_tables", "step_gemv_table"]
+           "kv_select_table", "load_records", "passkey_table", "profile_table", "read_floor_table", "speed_tables",
+           "step_gemv_table"]
