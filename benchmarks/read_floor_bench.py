@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import statistics
-from pathlib import Path
 
 import torch
-from sparse_gemv_bench import BYTE_RATE, DEFAULT_SHAPES, KEEPS, SHAPES, TARGET, time_graph
+from sparse_gemv_bench import BYTE_RATE, SHAPES, TARGET, add_cell_args, time_graph
 
 from sparsedecode.records import stamp, write_record
 from sparsedecode.timing.read_floor import CONFIGS, label, programs, stream_sum, stream_sum_ref
@@ -43,12 +42,7 @@ def kept_rows(K: int, keep: float, dev: torch.device) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder for the JSON records")
-    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
-    ap.add_argument("--keeps", type=float, nargs="+", default=list(KEEPS))
-    ap.add_argument("--copies", type=int, default=4, help="distinct buffers per graph (beat the L2)")
-    ap.add_argument("--rounds", type=int, default=8, help="calls per buffer and graph")
-    ap.add_argument("--reps", type=int, default=50)
+    add_cell_args(ap)  # as sparse_gemv_bench.py: --out, --shapes, --keeps, --copies, --rounds, --reps
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("read_floor_bench.py times a CUDA kernel: run it on a machine with a GPU")

@@ -65,6 +65,16 @@ SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 32, "p12", 1, 1),
 COMBINED = "sparse_gemv_records.json"
 
 
+def add_cell_args(ap: argparse.ArgumentParser) -> None:
+    """The cells and the timing protocol (this benchmark's and read_floor_bench.py's)."""
+    ap.add_argument("--out", type=Path, required=True, help="folder for the JSON records")
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
+    ap.add_argument("--keeps", type=float, nargs="+", default=list(KEEPS))
+    ap.add_argument("--copies", type=int, default=4, help="distinct weight copies per graph (beat the L2)")
+    ap.add_argument("--rounds", type=int, default=8, help="calls per copy and graph")
+    ap.add_argument("--reps", type=int, default=50)
+
+
 def add_knob_args(ap: argparse.ArgumentParser) -> None:
     """The sparse GEMV's module knobs as flags (this benchmark's and proj_decode_h200.py's); each
     left out keeps the module's default (`apply_knobs`)."""
@@ -383,12 +393,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder for the JSON records")
-    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES))
-    ap.add_argument("--keeps", type=float, nargs="+", default=list(KEEPS))
-    ap.add_argument("--copies", type=int, default=4, help="distinct weight copies per graph (beat the L2)")
-    ap.add_argument("--rounds", type=int, default=8, help="calls per copy and graph")
-    ap.add_argument("--reps", type=int, default=50)
+    add_cell_args(ap)
     ap.add_argument("--pattern", choices=("random", "even"), default="random",
                     help="kept channels: those of random normal x above its quantile, or spread evenly "
                     "(every split keeps the same count: no tail from the fullest split)")
