@@ -223,11 +223,21 @@ def test_read_floor_table_takes_the_fastest_read_and_sets_the_gemv_of_the_same_b
             "bytes_read": 58_728_448, "env": env}
     recs += [{**gemv, "time_s": 17.6e-6, "ratio_to_byte_time": 17.6 / 14, "pdl": "early"},
              {**gemv, "time_s": 18.2e-6, "ratio_to_byte_time": 18.2 / 14, "pdl": "off"},
-             {**gemv, "time_s": 15.0e-6, "ratio_to_byte_time": 15 / 14, "pdl": "off", "ablate": 3},  # ablated: not it
-             {**gemv, "time_s": 10.0e-6, "bytes_read": 1, "pdl": "off", "ratio_to_byte_time": 1.0}]  # other bytes
+             {**gemv, "time_s": 15.0e-6, "ratio_to_byte_time": 15 / 14, "pdl": "off", "ablate": 3,
+              "config_label": "default+ablate-both"},  # ablated: its own column
+             {**gemv, "time_s": 15.5e-6, "ratio_to_byte_time": 15.5 / 14, "pdl": "off", "ablate": 4,
+              "config_label": "default+ablate-reds"},  # an ablation the table does not show
+             {**gemv, "time_s": 10.0e-6, "bytes_read": 1, "pdl": "off", "ratio_to_byte_time": 1.0},  # other bytes
+             {**gemv, "time_s": 16.0e-6, "ratio_to_byte_time": 16 / 14, "pdl": "early",
+              "env": {"git_commit": "9999999"}}]  # faster, but another run: the floor's own run's comes first
     rows = read_floor_table(recs).splitlines()[2:]
     assert len(rows) == 2, rows
     assert rows[0] == ("| gate_up | 0.5 | 58.7 | 14.00 | 14.70 | chunk2048x4w8s1 (PDL) | 1.050 | 17.60 (PDL) (abcdef0) "
-                       "| 1.257 | 2.90 | 1.40 | abcdef0 |")
-    assert rows[1].startswith("| gate_up | 0.3 | 35.0 | 8.40 | 9.90 | stride1024x8w4s3 | 1.179 |  |  |  | -0.24 |")
+                       "| 1.257 | 2.90 | 1.40 |  | 15.00 | abcdef0 |")
+    assert rows[1].startswith("| gate_up | 0.3 | 35.0 | 8.40 | 9.90 | stride1024x8w4s3 | 1.179 |  |  |  | -0.24 |  |  |")
     assert read_floor_table(recs[4:]) == ""
+    assert "| 15.50 |" not in read_floor_table(recs)
+    other = read_floor_table([{**r, "env": {"git_commit": "1111111"}} if r["kind"] == "read_floor_bench" else r
+                              for r in recs]).splitlines()[2]
+    assert "| 16.00 (PDL) (9999999) |" in other, "a floor with no GEMV of its run: the fastest of any run"
+    assert other.endswith("|  |  | 1111111 |"), "ablations of another run are not shown"

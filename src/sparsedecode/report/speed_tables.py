@@ -295,7 +295,8 @@ def read_floor_table(records: list[dict]) -> str:
     """'read_floor_bench' cells: per shape, keep and run, the fastest one-launch read of the cell's
     bytes (its config and launch mode) against the byte time, beside the default sparse GEMV of
     the same shape and bytes among the records given ('sparse_gemv_bench'; the fastest of them, its
-    launch mode and commit said), and what the 1.15x target leaves the GEMV past the floor."""
+    launch mode and commit said; one of the floor's own commit first, timed on its machine), what the 1.15x target leaves the GEMV past the floor, and where
+    given, the same GEMV timed without its split-K finish and without both the finish and x."""
     floors: dict[tuple, dict] = {}
     for r in records:
         if r["kind"] == "read_floor_bench":
@@ -304,26 +305,35 @@ def read_floor_table(records: list[dict]) -> str:
                 floors[key] = r
     if not floors:
         return ""
-    gemvs: dict[tuple, dict] = {}
+    gemvs: dict[tuple, dict] = {}  # (shape, bytes, ablate bits, commit or None) -> the fastest default cell
     for r in records:
-        if (r["kind"] == "sparse_gemv_bench" and r["config_label"] == "default" and not r.get("fused")
-                and not r.get("ablate")):
-            key = (r["shape"], r["bytes_read"])
-            if key not in gemvs or r["time_s"] < gemvs[key]["time_s"]:
-                gemvs[key] = r
+        if r["kind"] == "sparse_gemv_bench" and r["config_label"].startswith("default") and not r.get("fused"):
+            for key in ((r["shape"], r["bytes_read"], r.get("ablate") or 0, _commit(r)),
+                        (r["shape"], r["bytes_read"], r.get("ablate") or 0, None)):
+                if key not in gemvs or r["time_s"] < gemvs[key]["time_s"]:
+                    gemvs[key] = r
+
+    def gemv(shape: str, nbytes: int, bits: int, commit: str) -> dict | None:  # its own run's first
+        return gemvs.get((shape, nbytes, bits, commit)) or gemvs.get((shape, nbytes, bits, None))
+
     rows = ["| shape | keep | MB read | byte time µs | floor µs | floor config | × byte time | sparse GEMV µs "
-            "| GEMV × byte time | GEMV − floor µs | 1.15× less floor µs | run |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| GEMV × byte time | GEMV − floor µs | 1.15× less floor µs | GEMV, no finish µs "
+            "| GEMV, no finish, no x µs | run |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, keep, _), f in sorted(floors.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
-        g = gemvs.get((shape, f["bytes_read"]))
+        g = gemv(shape, f["bytes_read"], 0, _commit(f))
+        # ablated cells (sparse_gemv.ABLATE 1: no finish; 3: nor x, rows kept by parity, keep 0.5's bytes)
+        # (of the floor's own run only: an ablation is read against the default beside it)
+        ablated = [gemvs.get((shape, f["bytes_read"], bits, _commit(f))) for bits in (1, 3)]
+        ablated_us = " | ".join("" if a is None else f"{a['time_s'] * 1e6:.2f}" for a in ablated)
         byte_us, floor_us = f["byte_time_s"] * 1e6, f["time_s"] * 1e6
         mode = f["config_label"] + (" (PDL)" if f.get("pdl") == "early" else "")
-        gemv = ("|  |  |  " if g is None else
+        cells = ("|  |  |  " if g is None else
                 f"| {g['time_s'] * 1e6:.2f}{' (PDL)' if g.get('pdl') == 'early' else ''} ({_commit(g)}) "
                 f"| {g['ratio_to_byte_time']:.3f} | {(g['time_s'] - f['time_s']) * 1e6:.2f} ")
         rows.append(f"| {shape} | {keep:g} | {f['bytes_read'] / 1e6:.1f} | {byte_us:.2f} | {floor_us:.2f} | {mode} "
-                    f"| {f['ratio_to_byte_time']:.3f} {gemv}| {f['target_ratio'] * byte_us - floor_us:.2f} "
-                    f"| {_commit(f)} |")
+                    f"| {f['ratio_to_byte_time']:.3f} {cells}| {f['target_ratio'] * byte_us - floor_us:.2f} "
+                    f"| {ablated_us} | {_commit(f)} |")
     return "\n".join(rows)
 
 
