@@ -217,6 +217,8 @@ def _interpreter_worker() -> None:
     n += 15
     fails += _swiglu_cases()
     n += 16
+    fails += _finish_load_cases()
+    n += 12
     dense = F.linear(x, w_t.t(), b)
     fails += [m for m in [mismatch(sparse_gemv(x, w_t, 0.0, b), dense, 0.05, "threshold 0 vs F.linear")] if m]
     y = sparse_gemv(x, w_t, math.inf, b)
@@ -514,6 +516,31 @@ def test_fused_norm_and_residual_under_interpreter():
     assert not report["fails"], "\n".join(report["fails"])
 
 
+def _finish_load_cases(device="cpu") -> list[str]:
+    """FINISH_LOAD (the last split reads the tile's sum with loads and zeroes it with stores)
+    gives what the atomic exchange gives, and leaves the workspace at zero: the three loops, one
+    split and several, with a bias, and with a residual (the fused layer's o and down)."""
+    fails = []
+    x, w_t, b = make(577, 139, torch.bfloat16, device=device, seed=31)
+    res = torch.randn(1, 139, generator=torch.Generator().manual_seed(32)).to(device, torch.bfloat16)
+    t = threshold_for(x, 0.3)
+    for stages, splits in ((1, 1), (1, 5), (4, 3), (4, 19), (8, 1), (8, 4)):
+        for resid in (False, True):
+            kwargs = {"residual": res} if resid else {}
+            bias = None if resid else b
+            ws = workspace(139, x.device)
+            cfg = (64, 16, splits, 1, stages)
+            want = _with_knobs(dict(FINISH_LOAD=False), sparse_gemv, x, w_t, t, bias, ws=ws, config=cfg, **kwargs)
+            got = _with_knobs(dict(FINISH_LOAD=True), sparse_gemv, x, w_t, t, bias, ws=ws, config=cfg, **kwargs)
+            want, got = (want[0], got[0]) if resid else (want, got)
+            what = f"FINISH_LOAD stages={stages} splits={splits} residual={resid}"
+            tol = 0.0 if device == "cpu" else 2 * 2.0**-7 * want.float().abs().max().item()  # CUDA: add order
+            fails += [m for m in [mismatch(got, want, tol, what)] if m]
+            if ws[0].abs().sum().item() or ws[1].abs().sum().item():
+                fails.append(f"{what}: the workspace is not back at zero")
+    return fails
+
+
 def _with_pairs(pairs: bool, fn, *args, **kwargs):
     """fn(*args, **kwargs) with sparse_gemv.BF16_PAIRS set to `pairs`, restored after."""
     return _with_knobs(dict(BF16_PAIRS=pairs), fn, *args, **kwargs)
@@ -668,6 +695,33 @@ def test_loop_configs_on_cuda(config, pairs, monkeypatch):
         torch.cuda.synchronize()
         fails += check(out, x, w_t, threshold_for(x, keep), b, f"{config} graph replay keep={keep}")
     assert not fails, "\n".join(fails)
+
+
+@gpu
+def test_finish_load_on_cuda():
+    fails = _finish_load_cases(device="cuda")
+    # the issue's shapes at the default config, replayed in a graph: the workspace is zero after each
+    for K, N in ((4096, 14336), (14336, 4096)):
+        x, w_t, b = make(K, N, torch.bfloat16, device="cuda", seed=K + 5)
+        ws, t = workspace(N, "cuda"), torch.tensor(threshold_for(x, 0.3), device="cuda")
+        with _knob_context(FINISH_LOAD=True):
+            sparse_gemv(x, w_t, t, b, ws=ws)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = sparse_gemv(x, w_t, t, b, ws=ws)
+        for _ in range(3):
+            graph.replay()
+            fails += check(out, x, w_t, t.item(), b, f"FINISH_LOAD {K}x{N} graph replay")
+            if ws[0].abs().sum().item() or ws[1].abs().sum().item():
+                fails.append(f"FINISH_LOAD {K}x{N}: the workspace is not back at zero after a replay")
+    assert not fails, "\n".join(fails)
+
+
+def _knob_context(**values):
+    from sparsedecode.kernels import knobs
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    return knobs(sg, **values)
 
 
 @gpu

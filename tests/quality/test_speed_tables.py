@@ -165,11 +165,12 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
                          {**decode, "attn_pdl": True}, {**decode, "attn_pdl": False},
                          {**decode, "pdl": True, "pdl_trigger": "exit"}, {**decode, "pdl": False, "pdl_trigger": "exit"},
                          {**decode, "pdl": True, "pdl_trigger": "early"},
-                         {**decode, "fill": "prefill"}, {**decode, "fill": "random"}])
+                         {**decode, "fill": "prefill"}, {**decode, "fill": "random"},
+                         {**decode, "finish_load": True}, {**decode, "finish_load": False}])
     assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
         "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)",
         "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)", "| proj0.5+exit (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)",
-        "| proj0.5+prefill (teal)", "| proj0.5 (teal)"]
+        "| proj0.5+prefill (teal)", "| proj0.5 (teal)", "| proj0.5+finload (teal)", "| proj0.5 (teal)"]
 
 
 def test_ablated_steps_get_no_bound_but_a_profile_row():
@@ -227,6 +228,9 @@ def test_read_floor_table_takes_the_fastest_read_and_sets_the_gemv_of_the_same_b
               "config_label": "default+ablate-both"},  # ablated: its own column
              {**gemv, "time_s": 15.5e-6, "ratio_to_byte_time": 15.5 / 14, "pdl": "off", "ablate": 4,
               "config_label": "default+ablate-reds"},  # an ablation the table does not show
+             {**gemv, "time_s": 1.0e-6, "ratio_to_byte_time": 1 / 14, "pdl": "early",
+              "config_label": "default+finloadon"}]  # another finish: not the default's cell
+    recs += [
              {**gemv, "time_s": 10.0e-6, "bytes_read": 1, "pdl": "off", "ratio_to_byte_time": 1.0},  # other bytes
              {**gemv, "time_s": 16.0e-6, "ratio_to_byte_time": 16 / 14, "pdl": "early",
               "env": {"git_commit": "9999999"}}]  # faster, but another run: the floor's own run's comes first

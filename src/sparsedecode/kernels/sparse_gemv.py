@@ -158,6 +158,12 @@ ROW_STRIDE_CONST = True
 # the atomic adds 0.4-0.6 (records h200/sparse_gemv_20261201T0613Z_step_ablate, ..._0620Z_step_calls):
 # parity rows give every split the same work, so a tile's programs reach the finish together.
 ABLATE = 0
+# True: the last program of a tile to arrive reads the tile's sum from the workspace with vector
+# loads that bypass L1 and writes the zeros back with vector stores, where False takes the sum and
+# leaves the zeros with one atomic exchange per column (scalar b32 atomics in the sm_90 PTX, 8 a
+# lane). Both follow the acquire of the arrival count. Off until measured:
+# `sparse_gemv_bench.py --finish-load`, `proj_decode_h200.py --finish-load`.
+FINISH_LOAD = False
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -347,7 +353,7 @@ if triton is not None:
 
     @triton.jit
     def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
-                       Res, SsOut, RESID: tl.constexpr):
+                       Res, SsOut, RESID: tl.constexpr, LOAD: tl.constexpr):
         """Add this split's fp32 partial of a column tile; the last split to arrive writes
         the sum (+ bias) to Y and leaves the workspace and the tile's counter at zero.
 
@@ -363,10 +369,13 @@ if triton is not None:
         if arrived == num_splits - 1:
             if RESID:  # issued before the exchange, so the two trips to L2 overlap
                 res = tl.load(Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            # The sum, and the workspace back at zero, in one atomic (on the float's bits).
-            acc_bits = Acc.to(tl.pointer_type(tl.int32)) + offs_n
-            total = tl.atomic_xchg(acc_bits, tl.zeros_like(offs_n), mask=mask_n,
-                                   sem="relaxed").to(tl.float32, bitcast=True)
+            if LOAD:  # the sum from L2 (ordered after the acquire), then the workspace back at zero
+                total = tl.load(Acc + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+                tl.store(Acc + offs_n, tl.zeros_like(total), mask=mask_n)
+            else:  # the sum, and the workspace back at zero, in one atomic (on the float's bits)
+                acc_bits = Acc.to(tl.pointer_type(tl.int32)) + offs_n
+                total = tl.atomic_xchg(acc_bits, tl.zeros_like(offs_n), mask=mask_n,
+                                       sem="relaxed").to(tl.float32, bitcast=True)
             if HAS_BIAS:
                 total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             if RESID:
@@ -506,7 +515,7 @@ if triton is not None:
         U, GLU: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr, stride_w32, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
-        STRIDE: tl.constexpr, ABLATE: tl.constexpr,
+        STRIDE: tl.constexpr, ABLATE: tl.constexpr, FIN_LOAD: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the launch and this prologue overlap its tail
@@ -567,7 +576,7 @@ if triton is not None:
                 x_c, w_c, off_n, x_n = x_n, w_n, off_nn, x_nn
             acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # the last tile (all zeros if empty)
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
-                           num_splits, HAS_BIAS, Res, SsOut, RESID)
+                           num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD)
             return
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
@@ -610,7 +619,7 @@ if triton is not None:
                     tl.store(SsOut + pid_n, 1.0)
             else:
                 _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
-                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
+                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -631,7 +640,7 @@ if triton is not None:
             # holds all BLOCK_K rows of its 8 columns, so this is in-thread adds and the
             # accumulator costs 8 registers, leaving registers for loads in flight.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
-        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID)
+        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -693,7 +702,7 @@ def _sparse_gemv_op(
         *args, Scratch=scratch, SEG_ALIGNED=aligned, stride_w32=w_t.stride(0) // 2,
         BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=_pow2(rows), DBUF=stages in (4, 8),
         STRIDE=w_t.stride(0) if ROW_STRIDE_CONST and stages == 4 else 0, num_stages=1,  # stages 4 reads it
-        ABLATE=ABLATE,
+        ABLATE=ABLATE, FIN_LOAD=FINISH_LOAD,
         U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
         SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,

@@ -119,7 +119,8 @@ def _step_mode(r: dict) -> str:
     (--attn-pdl), '+exit' when the sparse GEMVs launched with PDL let the next kernel launch only as
     their programs exit (--pdl-trigger exit), '+prefill' when the steps attended over a cache filled
     by a dense prefill (--fill prefill, the default since the flag came; the records before it, and
-    --fill random, attend over random normals, which leave o's input far below its calibration).
+    --fill random, attend over random normals, which leave o's input far below its calibration),
+    '+finload' when the sparse GEMVs' split-K finish read the sum with loads (--finish-load).
     A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
@@ -127,7 +128,8 @@ def _step_mode(r: dict) -> str:
             + ("+deferred" if r.get("defer_gate_up_finish") else "")
             + ("+attnpdl" if r.get("attn_pdl") else "")
             + ("+exit" if r.get("pdl") and r.get("pdl_trigger") == "exit" else "")
-            + ("+prefill" if r.get("fill") == "prefill" else ""))
+            + ("+prefill" if r.get("fill") == "prefill" else "")
+            + ("+finload" if r.get("finish_load") else ""))
 
 
 def decode_table(records: list[dict]) -> str:
@@ -307,7 +309,8 @@ def read_floor_table(records: list[dict]) -> str:
         return ""
     gemvs: dict[tuple, dict] = {}  # (shape, bytes, ablate bits, commit or None) -> the fastest default cell
     for r in records:
-        if r["kind"] == "sparse_gemv_bench" and r["config_label"].startswith("default") and not r.get("fused"):
+        if (r["kind"] == "sparse_gemv_bench" and (r["config_label"] == "default" or r.get("ablate"))
+                and not r.get("fused")):
             for key in ((r["shape"], r["bytes_read"], r.get("ablate") or 0, _commit(r)),
                         (r["shape"], r["bytes_read"], r.get("ablate") or 0, None)):
                 if key not in gemvs or r["time_s"] < gemvs[key]["time_s"]:
