@@ -31,6 +31,11 @@ def test_tables_come_from_records_only(tmp_path):
     pdl = gemv_table([{**gemv("default", 0.5, 18e-6), "pdl": "early"}, {**gemv("default", 0.3, 14e-6), "pdl": "off"}])
     assert pdl.splitlines()[2].startswith("| input-sparse GEMV (PDL early) | down 14336→4096 | 0.5 |")
     assert pdl.splitlines()[3].startswith("| input-sparse GEMV | down 14336→4096 | 0.3 |")
+    # the default config with either split-K finish (--compare-finish-load): the exchange is marked
+    fin = gemv_table([{**gemv("default", 0.5, 18e-6), "finish_load": False},
+                      {**gemv("default+finloadon", 0.5, 17e-6), "finish_load": True},
+                      {**gemv("default+ablate-x", 0.5, 16e-6), "finish_load": True}]).splitlines()[2:]
+    assert [row.split(" | ")[0] for row in fin] == ["| input-sparse GEMV (xchg)", "| input-sparse GEMV"], fin
     d = decode_table(recs).splitlines()[2]
     assert d == "| proj0.5 (teal) | default | 0.464 | 3.257 | 5.412 | 1.662× | 1.960× | 84.8% |  |"
     assert speed_tables([tmp_path / "b.json"]).count("\n\n") == 0  # one table, no empty ones
@@ -170,7 +175,7 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
     assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
         "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)",
         "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)", "| proj0.5+exit (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)",
-        "| proj0.5+prefill (teal)", "| proj0.5 (teal)", "| proj0.5+finload (teal)", "| proj0.5 (teal)"]
+        "| proj0.5+prefill (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+xchg (teal)"]
 
 
 def test_ablated_steps_get_no_bound_but_a_profile_row():
