@@ -91,6 +91,9 @@ def add_knob_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--finish-load", action=argparse.BooleanOptionalAction, default=None,
                     help="the split-K finish reads the tile's sum with loads and zeroes it with stores, not "
                     "an atomic exchange (sparse_gemv.FINISH_LOAD; default: the module's)")
+    ap.add_argument("--reset-store", action=argparse.BooleanOptionalAction, default=None,
+                    help="the split-K finish zeroes the arrival count with a store, not an atomic exchange "
+                    "(sparse_gemv.RESET_STORE; default: the module's)")
     ap.add_argument("--gemv-warps", type=int, choices=(1, 2, 4, 8, 16),
                     help="warps per sparse GEMV program in the default configs, the warps per SM kept "
                     "(sparse_gemv.NUM_WARPS; default: the module's)")
@@ -100,7 +103,7 @@ def apply_knobs(args) -> dict:
     """Set the knobs of `add_knob_args` that were given; their effective values, for the record."""
     return override(sg, REGISTER_CAP=args.max_registers, WEIGHTS_EVICT_FIRST=args.evict_first,
                     BF16_PAIRS=args.bf16_pairs, ROW_STRIDE_CONST=args.stride_const, NUM_WARPS=args.gemv_warps,
-                    FINISH_LOAD=args.finish_load)
+                    FINISH_LOAD=args.finish_load, RESET_STORE=args.reset_store)
 
 
 def time_graph(fn, args_list, reps: int) -> list[float]:
@@ -189,6 +192,9 @@ def choose(records: list[dict], keeps=(0.5, 0.3), fused: str | None = None) -> l
                     "config": [c["block_n"], c["block_k"], c["splits"], c["num_warps"], c["num_stages"]]})
     return out
 
+
+# --compare: sparse_gemv knobs of the split-K finish, and the short names of their labels
+COMPARE = {"FINISH_LOAD": "finload", "RESET_STORE": "rstore"}
 
 # How the fused decoder layer calls each shape (sparse_linear.FUSE_NORMS; down: also FUSE_SWIGLU).
 FUSED_KINDS = ("residual", "norm", "glu+residual")
@@ -318,8 +324,8 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                      if args.sweep_stages is None or c[4] in args.sweep_stages]
     variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in args.configs]
     variants += [(f"default+ablate-{a}", default, None) for a in args.ablate]
-    if args.compare_finish_load:  # the default config with the other split-K finish, same process
-        variants.append((f"default+finload{'off' if sg.FINISH_LOAD else 'on'}", default, None))
+    for knob in args.compare:  # the default config with a finish knob flipped, in the same process
+        variants.append((f"default+{COMPARE[knob]}{'off' if getattr(sg, knob) else 'on'}", default, None))
     if args.probe:  # an empty kernel on each config's grid: what launching that grid costs
         records += [launch_probe(name, args, dev, run, cfg, label) for label, cfg, fused in variants
                     if fused is None and "+ablate-" not in label]
@@ -353,11 +359,12 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
             byte_time = nbytes / BYTE_RATE
             if label == "default":
                 equiv = dense_equivalent(kept, N, args, dev, timer) if 0 < kept < K else None
-            finload = {"default+finloadon": True, "default+finloadoff": False}.get(label, sg.FINISH_LOAD)
+            flipped = {knob: label.endswith("on") for knob, short in COMPARE.items()
+                       if label in (f"default+{short}on", f"default+{short}off")}
             try:
                 calls = [(x, w, thr, None, ws, cfg) for w in w_ts] * args.rounds
-                if finload != sg.FINISH_LOAD:  # --compare-finish-load: checked and timed with the other finish
-                    with knobs(sg, FINISH_LOAD=finload):
+                if flipped:  # --compare: checked and timed with the knob flipped
+                    with knobs(sg, **flipped):
                         err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", None, residual, norm, up)
                         t = statistics.median(timer(sg.sparse_gemv, calls, args.reps))
                 elif ablate:  # computes something else: timed, never checked
@@ -379,7 +386,8 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "keep_target": keep, "threshold": t_cell, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
                 "config_label": label, "fused": fused, "pdl": args.pdl, "register_cap": sg.REGISTER_CAP,
-                "ablate": ablate, "finish_load": finload, "evict_first": sg.WEIGHTS_EVICT_FIRST, "bf16_pairs": sg.BF16_PAIRS, "stride_const": sg.ROW_STRIDE_CONST,
+                "ablate": ablate, "finish_load": flipped.get("FINISH_LOAD", sg.FINISH_LOAD),
+                "reset_store": flipped.get("RESET_STORE", sg.RESET_STORE), "evict_first": sg.WEIGHTS_EVICT_FIRST, "bf16_pairs": sg.BF16_PAIRS, "stride_const": sg.ROW_STRIDE_CONST,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
@@ -389,7 +397,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                                                       "ratio_to_dense_equiv": t / equiv}),
             })
             sub = args.out if label == "default" else args.out / ("sweep" if label[:1] == "b" else "ablate" if ablate
-                                                                  else "finish" if "+finload" in label else "fused")
+                                                                  else "finish" if flipped else "fused")
             write_record(sub / f"sparse_gemv_bench-{name}-keep{keep:g}-{label}-{run}.json", rec)
             records.append(rec)
             rows.append((name, keep, label, t * 1e6, rec["tb_per_s"], t / byte_time, t_dense / t))
@@ -428,9 +436,9 @@ def main() -> None:
                     "results are wrong by design and not checked): 'finish' no split-K finish, 'x' no x or "
                     "threshold loads (even rows kept: keep 0.5 only), 'both', 'reds' the finish's atomic adds "
                     "alone (no arrival count, exchange or output), 'x+reds'")
-    ap.add_argument("--compare-finish-load", action="store_true",
-                    help="also time the default config with the other split-K finish (sparse_gemv.FINISH_LOAD "
-                    "flipped), records under OUT/finish")
+    ap.add_argument("--compare", nargs="+", choices=list(COMPARE), default=[],
+                    help="also time the default config with each of these split-K finish knobs of sparse_gemv "
+                    "flipped (labels default+finloadon|off, default+rstoreon|off), records under OUT/finish")
     ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
                     "for sparse_gemv.load_tuned")
     ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")

@@ -8,7 +8,7 @@ set -u
 source "$(dirname "$0")/lib.sh"
 run_tests "$tests/kernels/test_sparse_gemv.py" -k "finish_load or loop_configs or fused_norm"
 python3 "$here/sparse_gemv_bench.py" --out "$OUT/gemv" --shapes gate_up down q_o qkv gate_up2 \
-  --compare-finish-load > "$OUT/gemv.log" 2>&1
+  --compare FINISH_LOAD > "$OUT/gemv.log" 2>&1
 echo "gemv: rc=$? [$(elapsed)]"
 grep -E "keep=0\.[35] " "$OUT/gemv.log"
 STEP_GREP="calls +_sparse_gemv_kernel"

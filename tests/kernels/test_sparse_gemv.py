@@ -517,9 +517,10 @@ def test_fused_norm_and_residual_under_interpreter():
 
 
 def _finish_load_cases(device="cpu") -> list[str]:
-    """FINISH_LOAD (the last split reads the tile's sum with loads and zeroes it with stores)
-    gives what the atomic exchange gives, and leaves the workspace at zero: the three loops, one
-    split and several, with a bias, and with a residual (the fused layer's o and down)."""
+    """FINISH_LOAD (the last split reads the tile's sum with loads and zeroes it with stores) and
+    RESET_STORE (it zeroes the arrival count with a store), each alone and together, give what the
+    atomic exchanges give and leave the workspace and counts at zero: the three loops, one split and
+    several, with a bias, and with a residual (the fused layer's o and down)."""
     fails = []
     x, w_t, b = make(577, 139, torch.bfloat16, device=device, seed=31)
     res = torch.randn(1, 139, generator=torch.Generator().manual_seed(32)).to(device, torch.bfloat16)
@@ -530,10 +531,13 @@ def _finish_load_cases(device="cpu") -> list[str]:
             bias = None if resid else b
             ws = workspace(139, x.device)
             cfg = (64, 16, splits, 1, stages)
-            want = _with_knobs(dict(FINISH_LOAD=False), sparse_gemv, x, w_t, t, bias, ws=ws, config=cfg, **kwargs)
-            got = _with_knobs(dict(FINISH_LOAD=True), sparse_gemv, x, w_t, t, bias, ws=ws, config=cfg, **kwargs)
+            want = _with_knobs(dict(FINISH_LOAD=False, RESET_STORE=False), sparse_gemv, x, w_t, t, bias, ws=ws,
+                               config=cfg, **kwargs)
+            load, reset = (True, stages != 4) if splits % 2 else (stages == 4, True)  # each alone and both
+            got = _with_knobs(dict(FINISH_LOAD=load, RESET_STORE=reset), sparse_gemv, x, w_t, t, bias, ws=ws,
+                              config=cfg, **kwargs)
             want, got = (want[0], got[0]) if resid else (want, got)
-            what = f"FINISH_LOAD stages={stages} splits={splits} residual={resid}"
+            what = f"FINISH_LOAD={load} RESET_STORE={reset} stages={stages} splits={splits} residual={resid}"
             tol = 0.0 if device == "cpu" else 2 * 2.0**-7 * want.float().abs().max().item()  # CUDA: add order
             fails += [m for m in [mismatch(got, want, tol, what)] if m]
             if ws[0].abs().sum().item() or ws[1].abs().sum().item():
@@ -704,7 +708,7 @@ def test_finish_load_on_cuda():
     for K, N in ((4096, 14336), (14336, 4096)):
         x, w_t, b = make(K, N, torch.bfloat16, device="cuda", seed=K + 5)
         ws, t = workspace(N, "cuda"), torch.tensor(threshold_for(x, 0.3), device="cuda")
-        with _knob_context(FINISH_LOAD=True):
+        with _knob_context(FINISH_LOAD=True, RESET_STORE=True):
             sparse_gemv(x, w_t, t, b, ws=ws)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -167,6 +167,11 @@ ABLATE = 0
 # alternating processes: 95.9% of its byte bound twice against 94.7% and 94.9% (records
 # h200/sparse_gemv_20261201T1042Z_finish_load). `--no-finish-load` on both benchmarks times the exchange.
 FINISH_LOAD = True
+# True: that last program puts the tile's arrival count back at zero with a plain store, where False
+# uses an atomic exchange whose return the program waits for before it exits (no program of this
+# launch reads the count after the last arrival; the next launch reads it after this one completes).
+# Off until measured: `sparse_gemv_bench.py --reset-store`, `proj_decode_h200.py --reset-store`.
+RESET_STORE = False
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -356,7 +361,7 @@ if triton is not None:
 
     @triton.jit
     def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
-                       Res, SsOut, RESID: tl.constexpr, LOAD: tl.constexpr):
+                       Res, SsOut, RESID: tl.constexpr, FIN: tl.constexpr):
         """Add this split's fp32 partial of a column tile; the last split to arrive writes
         the sum (+ bias) to Y and leaves the workspace and the tile's counter at zero.
 
@@ -372,7 +377,7 @@ if triton is not None:
         if arrived == num_splits - 1:
             if RESID:  # issued before the exchange, so the two trips to L2 overlap
                 res = tl.load(Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            if LOAD:  # the sum from L2 (ordered after the acquire), then the workspace back at zero
+            if FIN & 1:  # FINISH_LOAD: the sum from L2 (ordered after the acquire), then the workspace back at zero
                 total = tl.load(Acc + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
                 tl.store(Acc + offs_n, tl.zeros_like(total), mask=mask_n)
             else:  # the sum, and the workspace back at zero, in one atomic (on the float's bits)
@@ -386,7 +391,10 @@ if triton is not None:
                 sq = total.to(Y.dtype.element_ty).to(tl.float32)
                 tl.store(SsOut + tile, tl.sum(tl.where(mask_n, sq * sq, 0.0), axis=0))
             tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=mask_n)
-            tl.atomic_xchg(Count + tile, 0, sem="relaxed")
+            if FIN & 2:  # RESET_STORE
+                tl.store(Count + tile, 0)
+            else:
+                tl.atomic_xchg(Count + tile, 0, sem="relaxed")
 
     @triton.jit
     def _load_x(Xp, Up, mask, GLU: tl.constexpr, r, NORM: tl.constexpr):
@@ -518,7 +526,7 @@ if triton is not None:
         U, GLU: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
         PDL_TRIGGER: tl.constexpr, stride_w32, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
-        STRIDE: tl.constexpr, ABLATE: tl.constexpr, FIN_LOAD: tl.constexpr,
+        STRIDE: tl.constexpr, ABLATE: tl.constexpr, FIN: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the launch and this prologue overlap its tail
@@ -579,7 +587,7 @@ if triton is not None:
                 x_c, w_c, off_n, x_n = x_n, w_n, off_nn, x_nn
             acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # the last tile (all zeros if empty)
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n, mask_n, pid_n,
-                           num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD)
+                           num_splits, HAS_BIAS, Res, SsOut, RESID, FIN)
             return
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues the weight loads of tile i + 1 (its x
@@ -622,7 +630,7 @@ if triton is not None:
                     tl.store(SsOut + pid_n, 1.0)
             else:
                 _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
-                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD)
+                               mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -643,7 +651,7 @@ if triton is not None:
             # holds all BLOCK_K rows of its 8 columns, so this is in-thread adds and the
             # accumulator costs 8 registers, leaving registers for loads in flight.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
-        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD)
+        _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -705,7 +713,7 @@ def _sparse_gemv_op(
         *args, Scratch=scratch, SEG_ALIGNED=aligned, stride_w32=w_t.stride(0) // 2,
         BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=_pow2(rows), DBUF=stages in (4, 8),
         STRIDE=w_t.stride(0) if ROW_STRIDE_CONST and stages == 4 else 0, num_stages=1,  # stages 4 reads it
-        ABLATE=ABLATE, FIN_LOAD=FINISH_LOAD,
+        ABLATE=ABLATE, FIN=int(FINISH_LOAD) | 2 * int(RESET_STORE),
         U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
         SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,

@@ -34,14 +34,16 @@ def gemv_table(records: list[dict]) -> str:
     (and, where the record has it, against cuBLAS on a dense weight of just the kept rows). Cells
     whose split-K finish took the sum with atomic exchanges, recorded as such, say '(xchg)'."""
     cells = [r for r in records if r["kind"] in ("sparse_gemv_bench", "cats_gemv_bench")
-             and r["config_label"] in ("default", "default+finloadon", "default+finloadoff")]
+             and r["config_label"] in ("default", "default+finloadon", "default+finloadoff", "default+rstoreon",
+                                       "default+rstoreoff")]
     equiv = any("ratio_to_dense_equiv" in r for r in cells)
     rows = ["| kernel | shape | keep | µs | TB/s | × byte time | × dense cuBLAS |"
             + (" × cuBLAS on the kept rows |" if equiv else "") + " run |",
             "|---|---|---|---|---|---|---|" + ("---|" if equiv else "") + "---|"]
     for r in sorted(cells, key=lambda r: (r["kind"] != "sparse_gemv_bench", r["shape"], -r["keep_target"])):
         kernel = (("input-sparse GEMV" if r["kind"] == "sparse_gemv_bench" else "CATS row-gather up") + _pdl_mark(r)
-                  + (" (xchg)" if r.get("finish_load") is False else ""))
+                  + (" (xchg)" if r.get("finish_load") is False else "")
+                  + (" (rstore)" if r.get("reset_store") else ""))
         rows.append(f"| {kernel} | {r['shape']} {r['K']}→{r['N']} | {r['keep_target']:g} | {r['time_s'] * 1e6:.1f} "
                     f"| {r['tb_per_s']:.2f} | {r['ratio_to_byte_time']:.2f} | {r['speedup_vs_dense']:.2f} "
                     + (f"| {r['ratio_to_dense_equiv']:.2f} " if 'ratio_to_dense_equiv' in r else
@@ -123,7 +125,8 @@ def _step_mode(r: dict) -> str:
     by a dense prefill (--fill prefill, the default since the flag came; the records before it, and
     --fill random, attend over random normals, which leave o's input far below its calibration),
     '+xchg' when the sparse GEMVs' split-K finish took the sum with atomic exchanges
-    (--no-finish-load; the default before sparse_gemv.FINISH_LOAD, whose earlier records are not marked).
+    (--no-finish-load; the default before sparse_gemv.FINISH_LOAD, whose earlier records are not marked),
+    '+rstore' when its last program zeroed the arrival count with a store (--reset-store).
     A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
@@ -132,7 +135,8 @@ def _step_mode(r: dict) -> str:
             + ("+attnpdl" if r.get("attn_pdl") else "")
             + ("+exit" if r.get("pdl") and r.get("pdl_trigger") == "exit" else "")
             + ("+prefill" if r.get("fill") == "prefill" else "")
-            + ("+xchg" if r.get("finish_load") is False else ""))
+            + ("+xchg" if r.get("finish_load") is False else "")
+            + ("+rstore" if r.get("reset_store") else ""))
 
 
 def decode_table(records: list[dict]) -> str:
