@@ -35,9 +35,9 @@ def test_tables_come_from_records_only(tmp_path):
     fin = gemv_table([{**gemv("default", 0.5, 18e-6), "finish_load": False},
                       {**gemv("default+finloadon", 0.5, 17e-6), "finish_load": True},
                       {**gemv("default+ablate-x", 0.5, 16e-6), "finish_load": True},
-                      {**gemv("default+rstoreon", 0.5, 16e-6), "reset_store": True}]).splitlines()[2:]
+                      {**gemv("default+rstoreoff", 0.5, 16e-6), "reset_store": False}]).splitlines()[2:]
     assert [row.split(" | ")[0] for row in fin] == ["| input-sparse GEMV (xchg)", "| input-sparse GEMV",
-                                                    "| input-sparse GEMV (rstore)"], fin
+                                                    "| input-sparse GEMV (count xchg)"], fin
     d = decode_table(recs).splitlines()[2]
     assert d == "| proj0.5 (teal) | default | 0.464 | 3.257 | 5.412 | 1.662× | 1.960× | 84.8% |  |"
     assert speed_tables([tmp_path / "b.json"]).count("\n\n") == 0  # one table, no empty ones
@@ -174,12 +174,12 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
                          {**decode, "pdl": True, "pdl_trigger": "early"},
                          {**decode, "fill": "prefill"}, {**decode, "fill": "random"},
                          {**decode, "finish_load": True}, {**decode, "finish_load": False},
-                         {**decode, "reset_store": True}])
+                         {**decode, "reset_store": True}, {**decode, "reset_store": False}])
     assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
         "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)",
         "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)", "| proj0.5+exit (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)",
         "| proj0.5+prefill (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+xchg (teal)",
-        "| proj0.5+rstore (teal)"]
+        "| proj0.5 (teal)", "| proj0.5+countxchg (teal)"]
 
 
 def test_ablated_steps_get_no_bound_but_a_profile_row():

@@ -32,7 +32,8 @@ def _commit(r: dict) -> str:
 def gemv_table(records: list[dict]) -> str:
     """Default-config cells of 'sparse_gemv_bench' and 'cats_gemv_bench': time against byte time
     (and, where the record has it, against cuBLAS on a dense weight of just the kept rows). Cells
-    whose split-K finish took the sum with atomic exchanges, recorded as such, say '(xchg)'."""
+    whose split-K finish took the sum with atomic exchanges, recorded as such, say '(xchg)', and
+    those whose finish zeroed the arrival count with one '(count xchg)'."""
     cells = [r for r in records if r["kind"] in ("sparse_gemv_bench", "cats_gemv_bench")
              and r["config_label"] in ("default", "default+finloadon", "default+finloadoff", "default+rstoreon",
                                        "default+rstoreoff")]
@@ -43,7 +44,7 @@ def gemv_table(records: list[dict]) -> str:
     for r in sorted(cells, key=lambda r: (r["kind"] != "sparse_gemv_bench", r["shape"], -r["keep_target"])):
         kernel = (("input-sparse GEMV" if r["kind"] == "sparse_gemv_bench" else "CATS row-gather up") + _pdl_mark(r)
                   + (" (xchg)" if r.get("finish_load") is False else "")
-                  + (" (rstore)" if r.get("reset_store") else ""))
+                  + (" (count xchg)" if r.get("reset_store") is False else ""))
         rows.append(f"| {kernel} | {r['shape']} {r['K']}→{r['N']} | {r['keep_target']:g} | {r['time_s'] * 1e6:.1f} "
                     f"| {r['tb_per_s']:.2f} | {r['ratio_to_byte_time']:.2f} | {r['speedup_vs_dense']:.2f} "
                     + (f"| {r['ratio_to_dense_equiv']:.2f} " if 'ratio_to_dense_equiv' in r else
@@ -126,7 +127,8 @@ def _step_mode(r: dict) -> str:
     --fill random, attend over random normals, which leave o's input far below its calibration),
     '+xchg' when the sparse GEMVs' split-K finish took the sum with atomic exchanges
     (--no-finish-load; the default before sparse_gemv.FINISH_LOAD, whose earlier records are not marked),
-    '+rstore' when its last program zeroed the arrival count with a store (--reset-store).
+    '+countxchg' when its last program zeroed the arrival count with an atomic exchange
+    (--no-reset-store; the default before sparse_gemv.RESET_STORE, whose earlier records are not marked).
     A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
@@ -136,7 +138,7 @@ def _step_mode(r: dict) -> str:
             + ("+exit" if r.get("pdl") and r.get("pdl_trigger") == "exit" else "")
             + ("+prefill" if r.get("fill") == "prefill" else "")
             + ("+xchg" if r.get("finish_load") is False else "")
-            + ("+rstore" if r.get("reset_store") else ""))
+            + ("+countxchg" if r.get("reset_store") is False else ""))
 
 
 def decode_table(records: list[dict]) -> str:
