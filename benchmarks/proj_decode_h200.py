@@ -170,6 +170,7 @@ def main() -> None:
             "fill": a.fill, "calibration": {"method": a.method, "greedy": False,
                                               "tokens": a.calib_tokens, "text": "random token ids"},
             "gemv_configs": {f"{k[0]}x{k[1]}": list(v) for k, v in sg.TUNED.items()},
+            "gemv_configs_file": None if a.gemv_configs is None else str(a.gemv_configs),
             "register_cap": settings["REGISTER_CAP"], "evict_first": settings["WEIGHTS_EVICT_FIRST"],
             "bf16_pairs": settings["BF16_PAIRS"], "finish_load": settings["FINISH_LOAD"], "reset_store": settings["RESET_STORE"], "stride_const": settings["ROW_STRIDE_CONST"], "gemv_warps": settings["NUM_WARPS"],
             "attn_min_split_keys": settings["MIN_SPLIT_KEYS"], "attn_fold_tail": settings["FOLD_TAIL"], "attn_pdl": attn_pdl,

@@ -174,12 +174,13 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
                          {**decode, "pdl": True, "pdl_trigger": "early"},
                          {**decode, "fill": "prefill"}, {**decode, "fill": "random"},
                          {**decode, "finish_load": True}, {**decode, "finish_load": False},
-                         {**decode, "reset_store": True}, {**decode, "reset_store": False}])
+                         {**decode, "reset_store": True}, {**decode, "reset_store": False},
+                         {**decode, "gemv_configs_file": "chosen.json"}, {**decode, "gemv_configs_file": None}])
     assert [row.split(" | ")[0] for row in rows.splitlines()[2:]] == [
         "| proj0.5+w8 (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+deferred (teal)", "| proj0.5 (teal)",
         "| proj0.5+attnpdl (teal)", "| proj0.5 (teal)", "| proj0.5+exit (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)",
         "| proj0.5+prefill (teal)", "| proj0.5 (teal)", "| proj0.5 (teal)", "| proj0.5+xchg (teal)",
-        "| proj0.5 (teal)", "| proj0.5+countxchg (teal)"]
+        "| proj0.5 (teal)", "| proj0.5+countxchg (teal)", "| proj0.5+configs (teal)", "| proj0.5 (teal)"]
 
 
 def test_ablated_steps_get_no_bound_but_a_profile_row():

@@ -258,13 +258,18 @@ def sparse_gemv_ref(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = Non
 
 # Measured tile configs, (K, N, dtype name, SM count) -> (BLOCK_N, BLOCK_K, splits, num_warps,
 # num_stages); consulted before the rule of `default_config`. `load_tuned` adds the winners of
-# `benchmarks/sparse_gemv_bench.py --sweep --choose FILE`. Built in: the o projection of Llama-3-8B
-# shapes (4096 x 4096) on a 132-SM GPU runs stages 8, the H200 sweep's pick at keeps 0.5 and 0.3
-# (9.1 and 6.7 us against 9.3 and 7.9 for the rule's stages 4), which took the llama-3.1-8b step
-# at keep 0.5 from 86.6% to 88.1% and from 85.5% to 87.3% of its byte bound in two sessions
+# `benchmarks/sparse_gemv_bench.py --sweep --choose FILE`. Built in, on a 132-SM GPU, the H200
+# sweep's picks at keeps 0.5 and 0.3 after the split-K finish got cheaper (FINISH_LOAD, RESET_STORE):
+# the o projection (4096 x 4096) and the fused q|k|v (4096 x 6144) of Llama-3-8B shapes run stages 4
+# at 64 splits (about 8 and 12 programs an SM), o in 7.6 and 6.0 us against 9.0 and 6.4 for its
+# former stages-8 entry (256, 8, 86, 1, 8), q|k|v in 9.4 and 7.5 against 9.6 and 7.6; fused gate|up
+# and down kept the rule's. The llama-3.1-8b step at keep 0.5 with them read 98.2% and 98.1% of its
+# byte bound against 97.0% and 96.7% in alternating processes (records
+# h200/sparse_gemv_20261201T1054Z_finish_sweep). Stages 8 for o had won under the exchange finish
 # (records h200/sparse_gemv_20261130T1519Z_tc_list, h200/sparse_gemv_20261130T1525Z_attn_splits).
 TUNED: dict[tuple[int, int, str, int], tuple[int, int, int, int, int]] = {
-    (4096, 4096, "bfloat16", 132): (256, 8, 86, 1, 8),
+    (4096, 4096, "bfloat16", 132): (256, 16, 64, 1, 4),
+    (4096, 6144, "bfloat16", 132): (256, 16, 64, 1, 4),
 }
 
 

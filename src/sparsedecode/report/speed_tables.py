@@ -128,7 +128,9 @@ def _step_mode(r: dict) -> str:
     '+xchg' when the sparse GEMVs' split-K finish took the sum with atomic exchanges
     (--no-finish-load; the default before sparse_gemv.FINISH_LOAD, whose earlier records are not marked),
     '+countxchg' when its last program zeroed the arrival count with an atomic exchange
-    (--no-reset-store; the default before sparse_gemv.RESET_STORE, whose earlier records are not marked).
+    (--no-reset-store; the default before sparse_gemv.RESET_STORE, whose earlier records are not marked),
+    '+configs' when its sparse GEMVs took tile configs from a file (--gemv-configs; recorded since
+    the runs of h200/sparse_gemv_20261201T1054Z_finish_sweep, whose own rows say nothing of it).
     A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")
@@ -138,7 +140,8 @@ def _step_mode(r: dict) -> str:
             + ("+exit" if r.get("pdl") and r.get("pdl_trigger") == "exit" else "")
             + ("+prefill" if r.get("fill") == "prefill" else "")
             + ("+xchg" if r.get("finish_load") is False else "")
-            + ("+countxchg" if r.get("reset_store") is False else ""))
+            + ("+countxchg" if r.get("reset_store") is False else "")
+            + ("+configs" if r.get("gemv_configs_file") else ""))
 
 
 def decode_table(records: list[dict]) -> str:
