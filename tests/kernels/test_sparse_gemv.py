@@ -326,7 +326,8 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu,
                   EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n,
-                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride, ABLATE=0)
+                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride, ABLATE=0,
+                  FIN=int(sg.FINISH_LOAD) | 2 * int(sg.RESET_STORE))  # the split-K finish as launched
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
     names = fn.arg_names
@@ -346,6 +347,13 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
         raise
 
 
+def _weight_loads(ptx: str) -> list[tuple[str, str]]:
+    """(predicate, qualifiers) of each 16-byte vector global load in `ptx` but the split-K
+    finish's reads of the L2 workspace (FINISH_LOAD, `.cg`): the weight loads."""
+    loads = re.findall(r"^\s*(@%p\d+ )?ld\.global((?:\.\w+)*)\.v4\.b32", ptx, re.M)
+    return [m for m in loads if ".cg" not in m[1]]
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
@@ -360,15 +368,19 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     elem = torch.empty((), dtype=dtype).element_size()
     block_n, block_k = ROW_BYTES * NUM_WARPS // elem, 32
     ptx = _compile_for_hopper(dtype, block_n, block_k, even_n=True).asm["ptx"]
-    vec = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", ptx, re.M)
+    vec = _weight_loads(ptx)
     assert vec and all(p for p, *_ in vec), "weight loads must be predicated ld.global.v4"
     per_thread = block_k * block_n * elem // 16 // (NUM_WARPS * 32)  # 16-byte vectors per thread and tile
     assert len(vec) == per_thread, f"{len(vec)} vector loads per iteration, expected {per_thread}"
     assert "atom.global.gpu.acq_rel.add" in ptx, "the arrival count must be an acq_rel atomic"
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    if sg.FINISH_LOAD and sg.RESET_STORE:  # the defaults: the sum read by loads, no atomic exchange left
+        assert re.search(r"ld\.global\.cg(\.\w+)*\.v4", ptx) and ".exch." not in ptx, "finish: loads and stores"
     # stages 4: the prologue's tile and the loop's, each as predicated vectors, and in the loop
     # the next tile's loads come before the sum of the current one
     ptx4 = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True).asm["ptx"]
-    vec4 = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", ptx4, re.M)
+    vec4 = _weight_loads(ptx4)
     assert len(vec4) == 2 * per_thread and all(p for p, *_ in vec4)
     loop = ptx4[ptx4.index("$L__BB0_2:"):]
     loop = loop[:loop.index("bra")]
@@ -386,7 +398,7 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     assert "evict_first" not in ptx4
     if dtype == torch.bfloat16:  # BF16_PAIRS: the same predicated vectors, widened by shift and mask
         pairs = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, bits=True).asm["ptx"]
-        vecp = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", pairs, re.M)
+        vecp = _weight_loads(pairs)
         assert len(vecp) == 2 * per_thread and all(p for p, *_ in vecp)
         # only x is converted (8 weights per lane and row in ptx4, one x)
         assert pairs.count("cvt.f32.bf16") * 4 < ptx4.count("cvt.f32.bf16"), "pairs must not convert bf16 weights"
@@ -396,7 +408,7 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     n_cols = 14336
     rows_at = [r * n_cols * elem for r in range(1, block_k)]
     const = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, stride=n_cols).asm["ptx"]
-    vecc = re.findall(r"^\s*(@%p\d+ )?ld\.global(\.\w+)*\.v4\.b32", const, re.M)
+    vecc = _weight_loads(const)
     assert len(vecc) == 2 * per_thread and all(p for p, *_ in vecc), "one predicated vector per row segment"
     offsets = {int(c) for c in re.findall(r"add\.s64\s+%rd\d+, %rd\d+, (\d+);", const)}
     assert set(rows_at) <= offsets, "rows must be constant offsets of one address"
