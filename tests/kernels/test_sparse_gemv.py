@@ -329,7 +329,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
                   EVEN_N=even_n, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu,
                   EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n,
                   RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride, ABLATE=0,
-                  FIN=int(sg.FINISH_LOAD) | 2 * int(sg.RESET_STORE))  # the split-K finish as launched
+                  FIN=sg.finish_mode(sg.NUM_WARPS))  # the split-K finish as launched
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Scratch="*i32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
     names = fn.arg_names
@@ -733,6 +733,19 @@ def test_finish_load_on_cuda():
             if ws[0].abs().sum().item() or ws[1].abs().sum().item():
                 fails.append(f"FINISH_LOAD {K}x{N}: the workspace is not back at zero after a replay")
     assert not fails, "\n".join(fails)
+
+
+def test_finish_mode_is_one_warp_only():
+    """FINISH_LOAD and RESET_STORE reach the kernel for one-warp programs only; programs of
+    several warps keep the atomic exchanges (a two-warp config returned wrong sums with them)."""
+    from sparsedecode.kernels import sparse_gemv as sg
+
+    with _knob_context(FINISH_LOAD=True, RESET_STORE=True):
+        assert sg.finish_mode(1) == 3 and sg.finish_mode(2) == 0 and sg.finish_mode(8) == 0
+    with _knob_context(FINISH_LOAD=False, RESET_STORE=True):
+        assert sg.finish_mode(1) == 2
+    with _knob_context(FINISH_LOAD=True, RESET_STORE=False):
+        assert sg.finish_mode(1) == 1
 
 
 def _knob_context(**values):

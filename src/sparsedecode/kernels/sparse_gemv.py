@@ -161,7 +161,8 @@ ABLATE = 0
 # True: the last program of a tile to arrive reads the tile's sum from the workspace with vector
 # loads that bypass L1 and writes the zeros back with vector stores, where False takes the sum and
 # leaves the zeros with one atomic exchange per column (scalar b32 atomics in the sm_90 PTX, 8 a
-# lane). Both follow the acquire of the arrival count. On: on the H200 it took 0.0-0.4 us off a
+# lane). Both follow the acquire of the arrival count. One-warp programs only (`finish_mode`; every
+# default config is one warp). On: on the H200 it took 0.0-0.4 us off a
 # call on the step's shapes (gate_up, down, q_o, qkv, gate_up2) at keeps 0.5 and 0.3 in one process,
 # and the llama-3.1-8b step at keep 0.5 (2K, prefilled cache) from 2.952 ms to 2.918 and 2.919 in
 # alternating processes: 95.9% of its byte bound twice against 94.7% and 94.9% (records
@@ -170,11 +171,27 @@ FINISH_LOAD = True
 # True: that last program puts the tile's arrival count back at zero with a plain store, where False
 # uses an atomic exchange whose return the program waits for before it exits (no program of this
 # launch reads the count after the last arrival; the next launch reads it after this one completes).
-# On: on the H200 it took 0.0-0.3 us off a call on the step's five shapes at keeps 0.5 and 0.3 in one
+# One-warp programs only, as FINISH_LOAD. On: on the H200 it took 0.0-0.3 us off a call on the step's five shapes at keeps 0.5 and 0.3 in one
 # process, and the llama-3.1-8b step at keep 0.5 (2K, prefilled cache) from 2.917 and 2.920 ms to
 # 2.892 twice in alternating processes: 97.1% and 96.7% of its byte bound against 96.0% twice (records
 # h200/sparse_gemv_20261201T1049Z_reset_store). `--no-reset-store` on both benchmarks times the exchange.
 RESET_STORE = True
+
+
+def finish_mode(num_warps: int) -> int:
+    """The kernel's FIN bits for programs of `num_warps` warps: 1 FINISH_LOAD, 2 RESET_STORE.
+
+    One-warp programs only (the defaults, where both were measured and tested). On the H200 a
+    two-warp config (down, BLOCK_N 512, SwiGLU input and residual, keep 0.5) returned 60 of 4096
+    outputs near the residual alone with both on (`sparse_gemv_bench.py` check, records
+    h200/sparse_gemv_20261201T1133Z_fused_resweep/down.log), where the same config had passed with
+    the atomic exchanges (h200/sparse_gemv_20261130T1950Z_fused_sweep). Until that is understood,
+    programs of several warps keep the exchanges."""
+    if num_warps != 1:
+        return 0
+    return int(FINISH_LOAD) | 2 * int(RESET_STORE)
+
+
 # A lower register cap than the one-wave budget of `max_registers` (None: that budget), for timing.
 REGISTER_CAP: int | None = None
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
@@ -721,7 +738,7 @@ def _sparse_gemv_op(
         *args, Scratch=scratch, SEG_ALIGNED=aligned, stride_w32=w_t.stride(0) // 2,
         BITS=bits, COLS=cols, COMPACT=stages == 8, RPS=_pow2(rows), DBUF=stages in (4, 8),
         STRIDE=w_t.stride(0) if ROW_STRIDE_CONST and stages == 4 else 0, num_stages=1,  # stages 4 reads it
-        ABLATE=ABLATE, FIN=int(FINISH_LOAD) | 2 * int(RESET_STORE),
+        ABLATE=ABLATE, FIN=finish_mode(num_warps),
         U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
         SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
