@@ -394,7 +394,8 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "config_label": label, "fused": fused, "pdl": args.pdl, "register_cap": sg.REGISTER_CAP,
                 "ablate": ablate, "finish_load": flipped.get("FINISH_LOAD", sg.FINISH_LOAD),
                 "reset_store": flipped.get("RESET_STORE", sg.RESET_STORE), "evict_first": sg.WEIGHTS_EVICT_FIRST,
-                "finish_mode": _finish_bits(flipped, cfg[3]),  # the FIN bits the kernel ran (one-warp programs only) "bf16_pairs": sg.BF16_PAIRS, "stride_const": sg.ROW_STRIDE_CONST,
+                "finish_mode": _finish_bits(flipped, cfg[3]),  # the FIN bits the kernel ran (one-warp programs only)
+                "bf16_pairs": sg.BF16_PAIRS, "stride_const": sg.ROW_STRIDE_CONST,
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
                 "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
