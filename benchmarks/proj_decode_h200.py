@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from dense_decode_h200 import summary, time_steps  # benchmarks/ is the script's folder
-from sparse_gemv_bench import ABLATIONS, add_knob_args, apply_knobs
+from sparse_gemv_bench import ABLATIONS, add_knob_args, apply_knobs, knob_flag
 
 import sparsedecode
 from sparsedecode.account import bounds, parse_tokens
@@ -105,21 +105,17 @@ def main() -> None:
     ap.add_argument("--attn-min-split-keys", type=int,
                     help="fewest keys per split-K attention split (decode_attention.MIN_SPLIT_KEYS; default: "
                          "the module's)")
-    ap.add_argument("--attn-fold-tail", action=argparse.BooleanOptionalAction, default=None,
-                    help="fold a split-K attention tail of less than one block into the split before it "
-                         "(decode_attention.FOLD_TAIL; default: the module's)")
-    ap.add_argument("--rope-cache", action=argparse.BooleanOptionalAction, default=None,
-                    help="the dense and sparse steps' RoPE and cache write as one launch per layer "
-                         "(kernels.rope_cache.ENABLED; default: the module's)")
-    ap.add_argument("--rope-attention", action=argparse.BooleanOptionalAction, default=None,
-                    help="the dense and sparse steps' RoPE, cache write and attention as one launch per layer "
-                         "(kernels.decode_attention.ROPE_IN_ATTENTION; default: the module's)")
+    knob_flag(ap, "--attn-fold-tail", "decode_attention.FOLD_TAIL",
+              "fold a split-K attention tail of less than one block into the split before it")
+    knob_flag(ap, "--rope-cache", "kernels.rope_cache.ENABLED",
+              "the dense and sparse steps' RoPE and cache write as one launch per layer")
+    knob_flag(ap, "--rope-attention", "kernels.decode_attention.ROPE_IN_ATTENTION",
+              "the dense and sparse steps' RoPE, cache write and attention as one launch per layer")
     ap.add_argument("--pdl-trigger", choices=("early", "exit"),
                     help="where a sparse GEMV launched with PDL lets the next kernel launch: at its start "
                          "(early) or as its programs exit (sparse_gemv.PDL_TRIGGER; default: the module's)")
-    ap.add_argument("--attn-pdl", action=argparse.BooleanOptionalAction, default=None,
-                    help="launch the split-K attention as a programmatic dependent (decode_attention.PDL; "
-                         "default: the module's); the sparse GEMVs' PDL is the 'pdl' variant")
+    knob_flag(ap, "--attn-pdl", "decode_attention.PDL", "launch the split-K attention as a programmatic "
+              "dependent (the sparse GEMVs' PDL is the 'pdl' variant)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run STEPS replays under the PyTorch profiler and keep each kernel's device time "
                          "per step in the record (where the step's time goes)")

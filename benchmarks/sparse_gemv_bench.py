@@ -75,25 +75,26 @@ def add_cell_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=50)
 
 
+def knob_flag(ap: argparse.ArgumentParser, flag: str, knob: str, what: str) -> None:
+    """A --flag/--no-flag for an on/off module knob; None (left out) keeps the module's value."""
+    ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                    help=f"{what} ({knob}; default: the module's)")
+
+
 def add_knob_args(ap: argparse.ArgumentParser) -> None:
     """The sparse GEMV's module knobs as flags (this benchmark's and proj_decode_h200.py's); each
     left out keeps the module's default (`apply_knobs`)."""
     ap.add_argument("--max-registers", type=int, help="cap the sparse GEMV's registers per thread below the "
                     "one-wave budget (sparse_gemv.REGISTER_CAP)")
-    ap.add_argument("--evict-first", action=argparse.BooleanOptionalAction, default=None,
-                    help="sparse GEMV weight loads with the evict-first cache hint (sparse_gemv.WEIGHTS_EVICT_FIRST)")
-    ap.add_argument("--bf16-pairs", action=argparse.BooleanOptionalAction, default=None,
-                    help="sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs "
-                    "(sparse_gemv.BF16_PAIRS; default: the module's)")
-    ap.add_argument("--stride-const", action=argparse.BooleanOptionalAction, default=None,
-                    help="sparse GEMV stages 4 compiles the weight's row stride in "
-                    "(sparse_gemv.ROW_STRIDE_CONST; default: the module's)")
-    ap.add_argument("--finish-load", action=argparse.BooleanOptionalAction, default=None,
-                    help="the split-K finish reads the tile's sum with loads and zeroes it with stores, not "
-                    "an atomic exchange (sparse_gemv.FINISH_LOAD; default: the module's)")
-    ap.add_argument("--reset-store", action=argparse.BooleanOptionalAction, default=None,
-                    help="the split-K finish zeroes the arrival count with a store, not an atomic exchange "
-                    "(sparse_gemv.RESET_STORE; default: the module's)")
+    knob_flag(ap, "--evict-first", "sparse_gemv.WEIGHTS_EVICT_FIRST",
+              "sparse GEMV weight loads with the evict-first cache hint")
+    knob_flag(ap, "--bf16-pairs", "sparse_gemv.BF16_PAIRS", "sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs")
+    knob_flag(ap, "--stride-const", "sparse_gemv.ROW_STRIDE_CONST",
+              "sparse GEMV stages 4 compiles the weight's row stride in")
+    knob_flag(ap, "--finish-load", "sparse_gemv.FINISH_LOAD",
+              "the split-K finish reads the tile's sum with loads and zeroes it with stores, not an atomic exchange")
+    knob_flag(ap, "--reset-store", "sparse_gemv.RESET_STORE",
+              "the split-K finish zeroes the arrival count with a store, not an atomic exchange")
     ap.add_argument("--gemv-warps", type=int, choices=(1, 2, 4, 8, 16),
                     help="warps per sparse GEMV program in the default configs, the warps per SM kept "
                     "(sparse_gemv.NUM_WARPS; default: the module's)")
