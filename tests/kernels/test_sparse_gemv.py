@@ -566,10 +566,7 @@ def _with_pairs(pairs: bool, fn, *args, **kwargs):
 
 def _with_knobs(values: dict, fn, *args, **kwargs):
     """fn(*args, **kwargs) with the sparse_gemv module knobs set as `values` says, restored after."""
-    from sparsedecode.kernels import knobs
-    from sparsedecode.kernels import sparse_gemv as sg
-
-    with knobs(sg, **values):
+    with _knob_context(**values):
         return fn(*args, **kwargs)
 
 
@@ -749,6 +746,7 @@ def test_finish_mode_is_one_warp_only():
 
 
 def _knob_context(**values):
+    """The sparse_gemv module knobs set as `values` says for a with block (`kernels.knobs`)."""
     from sparsedecode.kernels import knobs
     from sparsedecode.kernels import sparse_gemv as sg
 
