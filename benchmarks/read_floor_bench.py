@@ -23,7 +23,15 @@ import datetime as dt
 import statistics
 
 import torch
-from sparse_gemv_bench import BYTE_RATE, SHAPES, TARGET, add_cell_args, time_graph
+from sparse_gemv_bench import (
+    BYTE_RATE,
+    SHAPES,
+    TARGET,
+    add_cell_args,
+    cell_input,
+    quantile_threshold,
+    time_graph,
+)
 
 from sparsedecode.records import stamp, write_record
 from sparsedecode.timing.read_floor import CONFIGS, label, programs, stream_sum, stream_sum_ref
@@ -33,11 +41,8 @@ COMBINED = "read_floor_records.json"
 
 def kept_rows(K: int, keep: float, dev: torch.device) -> int:
     """The kept channel count of sparse_gemv_bench's cell: the same seeded x, the same quantile."""
-    gen = torch.Generator(device=dev).manual_seed(K)
-    x = torch.randn(1, K, device=dev, dtype=torch.bfloat16, generator=gen)
-    if keep >= 1.0:
-        return K
-    return int((x.float().abs() > float(x.float().abs().quantile(1.0 - keep))).sum())
+    x, _ = cell_input(K, dev)
+    return int((x.float().abs() > quantile_threshold(x, keep)).sum())
 
 
 def main() -> None:

@@ -75,6 +75,18 @@ def add_cell_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=50)
 
 
+def cell_input(K: int, dev: torch.device) -> tuple[torch.Tensor, torch.Generator]:
+    """A cell's x (1, K) in bf16, random normal seeded by K, and the generator its weights are
+    drawn from next (read_floor_bench.py draws the same x to read the same bytes)."""
+    gen = torch.Generator(device=dev).manual_seed(K)
+    return torch.randn(1, K, device=dev, dtype=torch.bfloat16, generator=gen), gen
+
+
+def quantile_threshold(v: torch.Tensor, keep: float) -> float:
+    """The |v| quantile that keeps `keep` of its channels (0.0 at keep 1: every channel)."""
+    return 0.0 if keep >= 1.0 else float(v.float().abs().quantile(1.0 - keep))
+
+
 def knob_flag(ap: argparse.ArgumentParser, flag: str, knob: str, what: str) -> None:
     """A --flag/--no-flag for an on/off module knob; None (left out) keeps the module's value."""
     ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
@@ -316,8 +328,7 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
     dtype = torch.bfloat16
     records, rows = [], []
     K, N = SHAPES[name]
-    gen = torch.Generator(device=dev).manual_seed(K)
-    x = torch.randn(1, K, device=dev, dtype=dtype, generator=gen)  # (1, K): one token
+    x, gen = cell_input(K, dev)  # (1, K): one token
     w_ts = [torch.randn(K, N, device=dev, dtype=dtype, generator=gen) for _ in range(args.copies)]  # (K, N)
     ws = sg.workspace(N, dev)
     dense_ws = [w.t().contiguous() for w in w_ts]  # (N, K): nn.Linear's layout, as cuBLAS runs it
@@ -349,11 +360,10 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
         if args.pattern == "even" and keep < 1.0:
             x, t_val = even_input(K, keep, dev, dtype, gen)
         else:
-            t_val = 0.0 if keep >= 1.0 else float(x.float().abs().quantile(1.0 - keep))
+            t_val = quantile_threshold(x, keep)
         norm = (norm_w, sg.sumsq(x), 1e-5)  # x read as the residual stream its norm is taken of
         inputs = {kind: kernel_input(kind, x, norm, up) for kind in ("norm", "glu+residual")}
-        t_kind = {kind: 0.0 if keep >= 1.0 else float(v.float().abs().quantile(1.0 - keep))
-                  for kind, v in inputs.items()}
+        t_kind = {kind: quantile_threshold(v, keep) for kind, v in inputs.items()}
         equiv = None
         for label, cfg, fused in variants:
             ablate = ABLATIONS.get(label.partition("+ablate-")[2], 0)
