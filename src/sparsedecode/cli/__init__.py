@@ -26,6 +26,7 @@ app = typer.Typer(
 from sparsedecode.cli import account as _account  # noqa: E402,F401
 from sparsedecode.cli import bench as _bench  # noqa: E402,F401
 from sparsedecode.cli import calibrate as _calibrate  # noqa: E402,F401
+from sparsedecode.cli import dispatch as _dispatch  # noqa: E402,F401
 from sparsedecode.cli import engine as _engine  # noqa: E402,F401
 from sparsedecode.cli import eval as _eval  # noqa: E402,F401
 from sparsedecode.cli import eval_grid as _eval_grid  # noqa: E402,F401

@@ -62,3 +62,25 @@ def _finite(x):
     if isinstance(x, list | tuple):
         return [_finite(v) for v in x]
     return x
+
+
+def check_out_file(path: str, flag: str, suffix: str | None = None):
+    """An output file path checked before any work: not a folder, a writable place, and with
+    `suffix` (e.g. '.png') when given. Returns it as a Path; InputError names the flag."""
+    import os
+    from pathlib import Path
+
+    from sparsedecode.errors import InputError
+
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag} {path} is a folder; give a file path such as {p / ('out' + (suffix or '.json'))}")
+    if suffix is not None and p.suffix.lower() != suffix:
+        raise InputError(f"{flag} {path} must end in {suffix}")
+    parent = p.parent if str(p.parent) else Path(".")
+    probe = parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise InputError(f"{flag} {path}: cannot write under {probe}; pick a writable place")
+    return p

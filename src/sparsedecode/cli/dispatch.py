@@ -1,0 +1,228 @@
+"""`sparsedecode dispatch price` and `dispatch table`: dispatch policies priced on request mixes
+from measured step latencies, and the gate table the engine reads (ByteCross §3.3, §5.4, App. I).
+
+    sparsedecode dispatch price ../shared/data/bytecross-records/sweep_a100 --select-seconds 0.24
+    sparsedecode dispatch price runs/h200_sweep --mix traffic.jsonl --assume-admissible --json
+    sparsedecode dispatch table runs/h200_sweep --admit verdict_both.json --out gate.json
+    sparsedecode generate --model M --gate gate.json --prompt "..."
+
+RECORDS are campaign folders of timing records of one model on one device (ours or the paper's),
+or one gate table written by `dispatch table`. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sparsedecode.cli import app
+from sparsedecode.cli.common import JsonOpt, check_out_file, emit_json, parse_float
+from sparsedecode.errors import InputError
+
+dispatch_app = typer.Typer(help="Price configurations on request mixes; write the gate table.",
+                           no_args_is_help=True)
+app.add_typer(dispatch_app, name="dispatch")
+
+RecordsArg = Annotated[list[str], typer.Argument(help="Campaign folders of timing records (one model, one device), or a gate table (.json).")]
+SelectOpt = Annotated[str | None, typer.Option("--select-seconds", help="The KV selection's time on a 32K prompt in seconds, charged per prompt token (the paper: 0.24 on A100-SXM4, 0.32 on RTX A6000); default: the cells' measured select_s.")]
+AdmitOpt = Annotated[list[str] | None, typer.Option("--admit", help="An 'admissibility' record (sparsedecode eval admit --json > FILE), repeatable: configurations the gate may choose.")]
+AssumeOpt = Annotated[bool, typer.Option("--assume-admissible", help="Let the gate choose every configuration without quality records (say so when you report it).")]
+
+
+def _select(text: str | None) -> float | None:
+    if text is None:
+        return None
+    v = parse_float(text, "--select-seconds")
+    if not (math.isfinite(v) and v >= 0):
+        raise InputError(f"--select-seconds must be a finite number of seconds >= 0, got {text}")
+    return v
+
+
+def _table(records: list[str], select_seconds: float | None):
+    """A PriceTable from record folders, or from one gate table file."""
+    from sparsedecode.dispatch.prices import PriceTable, from_records
+
+    if len(records) == 1 and Path(records[0]).is_file():
+        path = Path(records[0])
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise InputError(f"{path}: not a JSON gate table ({err})") from None
+        if select_seconds is not None:
+            raise InputError("--select-seconds applies to timing records; a gate table holds its selection costs")
+        return PriceTable.from_dict(obj, str(path))
+    for r in records:
+        if not Path(r).exists():
+            raise InputError(f"{r}: no such folder of timing records")
+    return from_records(records, select_seconds)
+
+
+def _verdicts(paths: list[str] | None) -> list[dict]:
+    from sparsedecode.records import read_record
+
+    out = []
+    for p in paths or []:
+        if not Path(p).is_file():
+            raise InputError(f"--admit {p}: file not found")
+        try:
+            out.append(read_record(p))
+        except UnicodeDecodeError:
+            raise InputError(f"--admit {p}: not UTF-8 JSON") from None
+    return out
+
+
+def _admit(table, admit: list[str] | None, assume: bool):
+    from sparsedecode.dispatch.policies import admissible
+
+    verdicts = _verdicts(admit)
+    if table.admissibility and not verdicts and not assume:  # a gate table carries its evidence
+        ok = [s for s, e in table.admissibility.items() if e.get("admitted")]
+        why = {s: e["reason"] for s, e in table.admissibility.items() if e.get("reason")}
+        return (["dense"] + [s for s in ok if s != "dense"]), why
+    return admissible(table, verdicts, assume)
+
+
+@dispatch_app.command("price")
+def price_cmd(
+    records: RecordsArg,
+    mix: Annotated[str, typer.Option("--mix", help="mixed, chat, long_doc, agent (App. I), or a trace: JSONL {prompt_tokens, answer_tokens} lines or a CSV with those columns.")] = "mixed",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the App. I workloads.")] = 0,
+    select_seconds: SelectOpt = None,
+    admit: AdmitOpt = None,
+    assume_admissible: AssumeOpt = False,
+    plot: Annotated[str | None, typer.Option("--plot", help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Speedup over always-dense of each policy (always-X, the calibrated gate, the byte gate,
+    a prompt-length threshold) on the App. I workloads, and each policy's share of requests
+    per configuration."""
+    from sparsedecode.dispatch.mix import WORKLOADS, get_mix
+    from sparsedecode.dispatch.policies import price
+
+    if seed < 0 or seed >= 2**63:
+        raise InputError(f"--seed must be a whole number in [0, 2^63), got {seed}")
+    sel = _select(select_seconds)
+    plot_path = check_out_file(plot, "--plot", ".png") if plot else None
+    chosen = get_mix(mix, seed)  # a bad trace fails before any pricing
+    table = _table(records, sel)
+    ok, why = _admit(table, admit, assume_admissible)
+    mixes = [chosen] + [get_mix(w, seed) for w in WORKLOADS if w != chosen.name or chosen.name not in WORKLOADS]
+    mixes = list({m.name: m for m in mixes}.values())
+    rows = {m.name: price(table, m, ok) for m in mixes}
+    main = {r.policy: r for r in rows[chosen.name]}
+    if plot_path is not None:
+        from sparsedecode.report.dispatch_plot import gate_plot
+
+        gate_plot(table, chosen, ok, plot_path)
+    if json_out:
+        speed, by_config = {}, {}
+        for name, r in main.items():
+            if name.startswith("always "):
+                spec = name.removeprefix("always ")
+                by_config[spec] = r.speedup
+                speed.setdefault(_kind(spec), r.speedup)  # the first configuration of each kind
+            else:
+                speed[name.replace(" ", "_")] = r.speedup
+        emit_json({
+            "kind": "dispatch_price", "mix": chosen.summary(), "seed": seed,
+            "speedup": speed, "speedup_by_config": by_config, "shares": {name: r.shares for name, r in main.items()},
+            "policies": [r.to_dict() for r in rows[chosen.name]],
+            "workloads": {n: {r.policy: r.speedup for r in rs} for n, rs in rows.items()},
+            "admissible": ok, "excluded": {k: v for k, v in why.items() if k not in ok}, "reasons": why,
+            "inputs": {"records": list(table.records), "model": table.model, "gpu": table.gpu,
+                       "source": table.source, "attention": table.attention,
+                       "select": {s: (c.select.to_dict() if c.select else None) for s, c in table.configs.items()},
+                       "notes": list(table.notes)},
+            **({"plot": str(plot_path)} if plot_path else {}),
+        })
+        return
+    _print(table, rows, chosen.name, ok, why, plot_path)
+
+
+def _kind(spec: str) -> str:
+    from sparsedecode.timing.cell import parse_mode
+
+    return parse_mode(spec).kind
+
+
+def _print(table, rows, chosen: str, ok, why, plot_path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"{table.model} on {table.gpu} ({table.source} records: {', '.join(table.records)}); "
+              f"attention {table.attention or 'as recorded'}")
+    for note in table.notes:
+        con.print(f"note: {note}")
+    sel = {s: c.select for s, c in table.configs.items() if c.select is not None}
+    for s, c in sel.items():
+        how = (f"{c.seconds_at_32k:g} s at 32K, per prompt token" if c.kind == "per_token" else
+               "measured: " + ", ".join(f"{t:.3f} s at {n:,}" for n, t in zip(c.contexts, c.seconds, strict=True)))
+        con.print(f"selection of {s}: {how}")
+    t = Table(title="Decode speedup over always-dense (ByteCross Table 5); one-time selection costs included")
+    t.add_column("policy")
+    names = list(rows)
+    for n in names:
+        t.add_column(n + (" *" if n == chosen else ""), justify="right")
+    for i, r in enumerate(rows[chosen]):
+        t.add_row(r.policy, *[f"{rows[n][i].speedup:.3f}" for n in names])
+    con.print(t)
+    s = Table(title=f"Share of requests per configuration on {chosen}")
+    s.add_column("policy")
+    for spec in table.specs:
+        s.add_column(spec, justify="right")
+    s.add_column("notes")
+    for r in rows[chosen]:
+        note = []
+        if r.infeasible:
+            note.append(f"{r.infeasible} requests with a KV budget below sinks + window")
+        if "threshold_tokens" in r.detail:
+            th = r.detail["threshold_tokens"]
+            note.append(f"{r.detail['long']} from {'never' if th is None else f'{th:,}'} tokens, else {r.detail['short']}")
+        s.add_row(r.policy, *[f"{100 * r.shares.get(spec, 0):.1f}%" for spec in table.specs], "; ".join(note))
+    con.print(s)
+    con.print(f"the gates choose among: {', '.join(ok)}")
+    for spec, reason in why.items():
+        con.print(f"  {spec}: {reason}")
+    if plot_path is not None:
+        con.print(f"wrote {plot_path}")
+
+
+@dispatch_app.command("table")
+def table_cmd(
+    records: RecordsArg,
+    out: Annotated[str, typer.Option("--out", "-o", help="The gate table to write (JSON).")],
+    select_seconds: SelectOpt = None,
+    admit: AdmitOpt = None,
+    assume_admissible: AssumeOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write the gate table: dims, device, dtype, attention path, per-configuration step curves
+    and one-time costs, and the admissibility evidence; `load(..., gate=FILE)` and `generate
+    --gate FILE` decode each request under its configuration of least predicted cost."""
+    from dataclasses import replace
+
+    from sparsedecode.records import stamp, write_record
+
+    path = check_out_file(out, "--out", ".json")
+    sel = _select(select_seconds)
+    table = _table(records, sel)
+    ok, why = _admit(table, admit, assume_admissible)
+    evidence = {s: {"admitted": s in ok, **({"reason": why[s]} if s in why else {})} for s in table.specs}
+    table = replace(table, admissibility=evidence)
+    rec = stamp(table.to_dict(), with_torch=False)
+    if path.exists():
+        path.unlink()  # a gate table is a derived file: rewriting it is the point of this command
+    write_record(path, rec)
+    if json_out:
+        emit_json({"kind": "gate_table_written", "path": str(path), "configs": table.specs,
+                   "admissible": ok, "excluded": {k: v for k, v in why.items() if k not in ok}, "reasons": why})
+        return
+    typer.echo(f"wrote {path}: {table.model} on {table.gpu}, configurations {', '.join(table.specs)}; "
+               f"the gate may choose {', '.join(ok)}")
+    for spec, reason in why.items():
+        typer.echo(f"  {spec}: {reason}")

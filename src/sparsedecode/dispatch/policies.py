@@ -1,0 +1,252 @@
+"""Pricing requests and dispatch policies (ByteCross §3.3 'Dispatch and batching', §5.4, App. I).
+
+A request of p prompt tokens and a answer tokens costs the step cost integrated along its
+generated sequence, in 64-token segments priced at each segment's midpoint context
+(p + t + k/2 for the segment of k tokens starting t tokens in), plus the one-time cost of its
+configuration (the KV selection's observation, scoring and gather). §5.4: 'integrating the
+measured decode cost of each request along its generated sequence and charging the selection
+pass as a one-time cost of its prompt'.
+
+Policies, each a choice of configuration per request:
+
+- always X: every request runs X. As in the paper's Table 5, a request is priced under X
+  even where X's KV budget could not hold the selector's sinks and window; `Result.infeasible`
+  counts those requests (an engine would run them without the selection).
+- gate (the calibrated gate of §3.3): per request, the admissible and feasible configuration of
+  least cost in the latency table, one-time costs included.
+- byte gate: the same argmin over a prediction that needs no latency curve of the sparse
+  modes, only the dense curve and one kernel cost per configuration (App. D): t_b(n) =
+  t_D(n) B_b(n) / B_D(n) + c_b, with the byte ratio from the account at the configuration's
+  nominal keeps and c_b the mean of t_b - t_D B_b / B_D over the measured contexts. It is
+  priced, like every policy, with the measured curves.
+- threshold gate: what production engines ship, a prompt-length threshold. Below it the
+  fastest always-policy without KV selection, at or above it the fastest with it; the threshold
+  is where the two step curves cross (one-time costs left out, as a fixed threshold does).
+
+Speedups divide the total cost of always-dense on the same mix by the policy's total.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparsedecode.dispatch.mix import Mix
+from sparsedecode.dispatch.prices import ConfigPrice, PriceTable
+from sparsedecode.errors import InputError
+
+SEGMENT = 64  # tokens per pricing segment (App. I)
+BYTE_GATE, GATE, THRESHOLD_GATE = "byte gate", "gate", "threshold gate"
+
+
+# -- one request, pure Python (the runtime gate) ------------------------------------------
+def request_ms(price: ConfigPrice, prompt: int, answer: int) -> float:
+    """Cost in ms of one request under one configuration (inf where infeasible is not
+    checked here: see `ConfigPrice.feasible`)."""
+    total, t = 0.0, 0
+    at = price.curve.at
+    while t < answer:
+        k = min(SEGMENT, answer - t)
+        total += k * at(prompt + t + k / 2)
+        t += k
+    if price.select is not None:
+        total += 1000.0 * price.select.at(prompt)
+    return total
+
+
+def choose(table: PriceTable, prompt: int, answer: int, specs: list[str]) -> tuple[str, dict[str, float]]:
+    """The configuration of least predicted cost among `specs` for one request, and the
+    predicted cost in ms of each (inf where its KV budget cannot hold sinks and window)."""
+    costs = {s: (request_ms(table.configs[s], prompt, answer) if table.configs[s].feasible(prompt, answer)
+                 else math.inf) for s in specs}
+    best = min(costs, key=costs.__getitem__)
+    if not math.isfinite(costs[best]):
+        raise InputError(f"no configuration can run a {prompt}-token prompt with {answer} new tokens")
+    return best, costs
+
+
+# -- a whole mix, vectorized ------------------------------------------------------------------
+def cost_matrix(table: PriceTable, mix: Mix) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(specs, costs (C, R) in ms, feasible (C, R)) of every configuration on every request."""
+    specs = table.specs
+    p, a = mix.prompt.astype(float), mix.answer
+    out = np.zeros((len(specs), len(mix)))
+    feas = np.ones((len(specs), len(mix)), dtype=bool)
+    for i, s in enumerate(specs):
+        price = table.configs[s]
+        total = np.zeros(len(mix))
+        for t in range(0, int(a.max()), SEGMENT):
+            k = np.clip(a - t, 0, SEGMENT)
+            live = k > 0
+            total[live] += k[live] * price.curve.many(p[live] + t + k[live] / 2)
+        if price.select is not None:
+            total += 1000.0 * price.select.many(p)
+            mode = price.mode
+            feas[i] = np.floor(mode.kv_keep * p + 0.5) - a >= price.sinks + price.window
+        out[i] = total
+    return specs, out, feas
+
+
+@dataclass
+class Result:
+    """One policy on one mix: its speedup over always-dense, its share of requests per
+    configuration, its total cost, and requests it ran where their KV budget was too small."""
+
+    policy: str
+    speedup: float
+    shares: dict[str, float]
+    total_s: float
+    infeasible: int = 0
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "speedup": self.speedup, "shares": self.shares,
+                "total_s": self.total_s, "infeasible": self.infeasible, **self.detail}
+
+
+def _result(name, pick, specs, costs, feas, dense_total, detail=None) -> Result:
+    r = np.arange(costs.shape[1])
+    total = costs[pick, r].sum()
+    shares = {s: float(np.mean(pick == i)) for i, s in enumerate(specs) if np.any(pick == i)}
+    return Result(name, float(dense_total / total), shares, float(total / 1000.0),
+                  int((~feas[pick, r]).sum()), detail or {})
+
+
+def byte_predictions(table: PriceTable, contexts: np.ndarray) -> dict[str, np.ndarray]:
+    """Step ms of each configuration predicted from the dense curve, the byte account at its
+    nominal keeps and one kernel cost per configuration (App. D); (C, len(contexts))."""
+    from sparsedecode.account.crossover import bounds
+
+    if table.dims is None:
+        raise InputError(f"the byte gate needs the model's dims, and the records of {table.model} carry none")
+    dense = table.configs["dense"].curve
+
+    def ratio(spec: str, n: float) -> float:
+        m = table.configs[spec].mode
+        if m.kind == "dense":
+            return 1.0
+        b = bounds(table.dims, max(int(n), 1), m.proj_keep, m.kv_keep)
+        return 1.0 / {"proj": b.projection, "sel": b.kv, "window": b.kv, "both": b.both}[m.kind]
+
+    out = {}
+    for spec, price in table.configs.items():
+        pts = price.curve.contexts
+        cost = np.mean([price.curve.at(n) - dense.at(n) * ratio(spec, n) for n in pts]) if spec != "dense" else 0.0
+        out[spec] = np.array([dense.at(n) * ratio(spec, n) + cost for n in contexts])
+    return out
+
+
+def _byte_costs(table: PriceTable, mix: Mix, specs: list[str]) -> np.ndarray:
+    """Request costs (C, R) from `byte_predictions` (on a log grid, interpolated)."""
+    lo = max(1, int(mix.prompt.min()))
+    hi = int(mix.prompt.max() + mix.answer.max())
+    grid = np.unique(np.geomspace(lo, max(hi, lo + 1), 96).astype(int))
+    pred = byte_predictions(table, grid)
+    lg = np.log(grid)
+    p, a = mix.prompt.astype(float), mix.answer
+    out = np.zeros((len(specs), len(mix)))
+    for i, s in enumerate(specs):
+        ly = np.log(pred[s])
+        total = np.zeros(len(mix))
+        for t in range(0, int(a.max()), SEGMENT):
+            k = np.clip(a - t, 0, SEGMENT)
+            live = k > 0
+            total[live] += k[live] * np.exp(np.interp(np.log(p[live] + t + k[live] / 2), lg, ly))
+        sel = table.configs[s].select
+        out[i] = total + (0.0 if sel is None else 1000.0 * sel.many(p))
+    return out
+
+
+def threshold(table: PriceTable, short: str, long: str) -> float:
+    """The context at which `long`'s step curve first falls to or below `short`'s, over the
+    measured range (inf if it never does)."""
+    a, b = table.configs[short].curve, table.configs[long].curve
+    lo = min(a.contexts[0], b.contexts[0])
+    hi = max(a.contexts[-1], b.contexts[-1])
+    grid = np.unique(np.geomspace(lo, hi, 2048).astype(int))
+    below = b.many(grid) <= a.many(grid)
+    return float(grid[np.argmax(below)]) if below.any() else math.inf
+
+
+def price(table: PriceTable, mix: Mix, admissible: list[str]) -> list[Result]:
+    """Every policy on `mix`: always-X for each configuration, the gate, the byte gate and the
+    threshold gate; gates choose among `admissible` (dense is always among them)."""
+    specs, costs, feas = cost_matrix(table, mix)
+    dense_i = specs.index("dense")
+    dense_total = costs[dense_i].sum()
+    results = [_result(f"always {s}", np.full(len(mix), i), specs, costs, feas, dense_total)
+               for i, s in enumerate(specs)]
+    allowed = np.array([s in admissible for s in specs])[:, None]
+    masked = np.where(feas & allowed, costs, np.inf)
+    results.append(_result(GATE, masked.argmin(0), specs, costs, feas, dense_total))
+    if table.dims is not None:
+        pred = np.where(feas & allowed, _byte_costs(table, mix, specs), np.inf)
+        results.append(_result(BYTE_GATE, pred.argmin(0), specs, costs, feas, dense_total))
+    kv = [s for s in specs if table.configs[s].uses_kv and s in admissible]
+    nokv = [s for s in specs if not table.configs[s].uses_kv and s in admissible]
+    if kv and nokv:
+        best = lambda group: min(group, key=lambda s: costs[specs.index(s)].sum())  # noqa: E731
+        short, long = best(nokv), best(kv)
+        t = threshold(table, short, long)
+        si, li = specs.index(short), specs.index(long)
+        pick = np.where((mix.prompt >= t) & feas[li], li, si)
+        results.append(_result(THRESHOLD_GATE, pick, specs, costs, feas, dense_total,
+                               {"threshold_tokens": None if math.isinf(t) else int(t), "short": short,
+                                "long": long}))
+    return results
+
+
+# -- admissibility ------------------------------------------------------------------------------
+def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) -> tuple[list[str], dict[str, str]]:
+    """(admissible specs, reason per configuration but dense) from 'admissibility' records (`sparsedecode
+    eval admit --json`); dense needs none. With `assume`, every configuration is admitted and
+    the reason says so. The paper's own timing records come with the paper's choice: its Table 5
+    gate chooses among all the configurations of its sweep (§5.4), and so does ours on them
+    unless --admit records are given."""
+    from sparsedecode.timing.cell import Mode
+
+    passed: dict[str, dict] = {}
+    if verdicts:
+        assume_paper = False
+    else:
+        assume_paper = table.source == "bytecross"
+    for i, v in enumerate(verdicts):
+        if not isinstance(v, dict) or v.get("kind") != "admissibility":
+            got = v.get("kind") if isinstance(v, dict) else type(v).__name__
+            raise InputError(f"--admit record {i + 1} is a '{got}' record, expected 'admissibility' "
+                             "(sparsedecode eval admit --json > verdict.json)")
+        cfg = v.get("config") or {}
+        proj, kv = cfg.get("projection") or {}, cfg.get("kv") or {}
+        pk, kk = float(proj.get("keep", 1.0)), float(kv.get("keep", 1.0))
+        kind = "both" if pk < 1 and kk < 1 else "proj" if pk < 1 else (
+            ("window" if kv.get("method") == "window" else "sel") if kk < 1 else "dense")
+        spec = Mode(kind, proj_keep=pk if pk < 1 else 1.0, kv_keep=kk if kk < 1 else 1.0).spec
+        passed[spec] = v
+    ok, why = ["dense"], {}
+    for spec in table.specs:
+        if spec == "dense":
+            continue
+        if spec in passed:
+            if passed[spec].get("admissible"):
+                ok.append(spec)
+                why[spec] = f"admitted by its quality record ({passed[spec].get('model')})"
+            else:
+                reasons = "; ".join(passed[spec].get("reasons") or []) or "its verdict is not admissible"
+                why[spec] = f"failed its quality tests ({reasons})"
+        elif assume:
+            ok.append(spec)
+            why[spec] = "assumed admissible (--assume-admissible): no quality record was checked"
+        elif assume_paper:
+            ok.append(spec)
+            why[spec] = ("admitted as in the paper, whose Table 5 lets the gate choose every configuration "
+                         "of its sweep; give --admit records to hold it to yours")
+        else:
+            why[spec] = ("no passing 'admissibility' record (sparsedecode eval admit --json); give one "
+                         "with --admit FILE or --assume-admissible")
+    return ok, why
+
+
+__all__ = ["BYTE_GATE", "GATE", "SEGMENT", "THRESHOLD_GATE", "Result", "admissible", "byte_predictions",
+           "choose", "cost_matrix", "price", "request_ms", "threshold"]

@@ -1,0 +1,375 @@
+"""Latency tables: the step cost of every configuration against context, from timing records
+(ByteCross §3.3 'Dispatch and batching', §5.4, App. I).
+
+A `PriceTable` holds, per configuration (a timing mode: dense, proj0.5, sel0.3, both0.5/0.3),
+its step-ms curve and, for a KV configuration, the one-time cost of its selection. It is built
+from timing records, ours (a campaign folder of 'timing_cell' records, e.g. `campaign run` or
+`bench cell`) or the paper's (`sweep_a100/`, `sweep_a6000/`), and it is what the gate table
+(`gate.json`) stores.
+
+Choices the paper leaves open, written down here:
+
+- Every measured cell of every block is one point of step-ms against context. The curve goes
+  through the geometric mean of the points at each measured context (the least-squares fit in
+  log space there) and is interpolated log-log between contexts, clamped at both measured ends
+  (App. I: 'interpolating between the compiled sweep lengths'; a request beyond the sweep is
+  priced at its last length, never extrapolated).
+- The selection's one-time cost (observation pass, scoring, gather) is charged per prompt
+  token: `--select-seconds S` is its time at 32K (the paper's 0.24 s on A100-SXM4 and 0.32 s
+  on RTX A6000, App. A), S * n / 32768 for a prompt of n tokens. Without it, the cells' own
+  `one_time.select_s` are used: their mean at each measured context, interpolated linearly
+  in n and clamped (a fixed part, such as a warm-up, stays fixed). The paper's records hold
+  only the gather time, so they need S.
+- A KV configuration is infeasible for a prompt whose budget round(keep x n) - answer cannot
+  hold the selector's sinks and observation window (`kv.snapkv`); such a request is priced at
+  infinity for it, never an error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sparsedecode.account import ModelDims
+from sparsedecode.errors import InputError
+from sparsedecode.timing.cell import Mode, parse_mode
+
+SELECT_REF_TOKENS = 32768  # --select-seconds is the selection's time on a prompt of this length
+SCHEMA = 1
+KIND = "gate_table"
+
+
+def _positive_finite(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+        raise InputError(f"{what} must be a positive finite number, got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Step ms against context: one point per measured context (the geometric mean of its
+    cells), log-log interpolated and clamped at both ends. `cells` counts the records."""
+
+    contexts: tuple[int, ...]
+    ms: tuple[float, ...]
+    cells: int = 0
+
+    def __post_init__(self):
+        if not self.contexts or len(self.contexts) != len(self.ms):
+            raise InputError("a step curve needs one step time per context, and at least one context")
+        if any(b <= a for a, b in zip(self.contexts, self.contexts[1:], strict=False)):
+            raise InputError(f"a step curve's contexts must increase, got {list(self.contexts)}")
+        for n, t in zip(self.contexts, self.ms, strict=True):
+            _positive_finite(n, "a curve context")
+            _positive_finite(t, f"the step ms at context {n}")
+        object.__setattr__(self, "_lx", tuple(math.log(n) for n in self.contexts))
+        object.__setattr__(self, "_ly", tuple(math.log(t) for t in self.ms))
+
+    @classmethod
+    def from_points(cls, points: list[tuple[int, float]]) -> Curve:
+        """A curve through the geometric mean of the points (context, ms) at each context."""
+        by: dict[int, list[float]] = {}
+        for n, t in points:
+            by.setdefault(int(n), []).append(math.log(_positive_finite(t, f"step ms at context {n}")))
+        ctx = sorted(by)
+        return cls(tuple(ctx), tuple(math.exp(sum(by[n]) / len(by[n])) for n in ctx), len(points))
+
+    def at(self, n: float) -> float:
+        """Step ms at context n (pure Python: the runtime gate calls this per request)."""
+        lx, ly = self._lx, self._ly
+        x = math.log(max(n, 1.0))
+        if x <= lx[0]:
+            return self.ms[0]
+        if x >= lx[-1]:
+            return self.ms[-1]
+        i = bisect.bisect_right(lx, x)
+        w = (x - lx[i - 1]) / (lx[i] - lx[i - 1])
+        return math.exp(ly[i - 1] + w * (ly[i] - ly[i - 1]))
+
+    def many(self, n: np.ndarray) -> np.ndarray:
+        """Step ms at every context of the array n (vectorized `at`)."""
+        x = np.log(np.maximum(np.asarray(n, dtype=float), 1.0))
+        return np.exp(np.interp(x, np.asarray(self._lx), np.asarray(self._ly)))
+
+    def to_dict(self) -> dict:
+        return {"contexts": list(self.contexts), "ms": list(self.ms), "cells": self.cells}
+
+
+@dataclass(frozen=True)
+class SelectCost:
+    """The KV selection's one-time cost in seconds against prompt length n.
+
+    kind 'per_token': seconds_at_32k * n / 32768 (the paper's charge); kind 'measured': the
+    records' select times, linear in n between measured contexts and clamped at the ends."""
+
+    kind: str
+    seconds_at_32k: float | None = None
+    contexts: tuple[int, ...] = ()
+    seconds: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.kind == "per_token":
+            if self.seconds_at_32k is None or isinstance(self.seconds_at_32k, bool) or not (
+                    isinstance(self.seconds_at_32k, int | float) and math.isfinite(self.seconds_at_32k)
+                    and self.seconds_at_32k >= 0):
+                raise InputError(f"the selection time at 32K must be a finite number of seconds >= 0, "
+                                 f"got {self.seconds_at_32k!r} (--select-seconds)")
+        elif self.kind == "measured":
+            if not self.contexts or len(self.contexts) != len(self.seconds):
+                raise InputError("a measured selection cost needs one time per context")
+            if any(not (math.isfinite(s) and s >= 0) for s in self.seconds):
+                raise InputError(f"selection times must be finite and >= 0, got {list(self.seconds)}")
+        else:
+            raise InputError(f"selection cost kind '{self.kind}' is not 'per_token' or 'measured'")
+
+    def at(self, n: float) -> float:
+        if self.kind == "per_token":
+            return self.seconds_at_32k * n / SELECT_REF_TOKENS
+        return float(np.interp(n, self.contexts, self.seconds))
+
+    def many(self, n: np.ndarray) -> np.ndarray:
+        n = np.asarray(n, dtype=float)
+        if self.kind == "per_token":
+            return self.seconds_at_32k * n / SELECT_REF_TOKENS
+        return np.interp(n, self.contexts, self.seconds)
+
+    def to_dict(self) -> dict:
+        if self.kind == "per_token":
+            return {"kind": self.kind, "seconds_at_32k": self.seconds_at_32k}
+        return {"kind": self.kind, "contexts": list(self.contexts), "seconds": list(self.seconds)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SelectCost:
+        if not isinstance(d, dict):
+            raise InputError(f"a selection cost must be an object, got {d!r}")
+        return cls(d.get("kind"), d.get("seconds_at_32k"), tuple(d.get("contexts", ())),
+                   tuple(float(s) for s in d.get("seconds", ())))
+
+
+@dataclass(frozen=True)
+class ConfigPrice:
+    """One configuration's prices: its step curve and, for a KV configuration, the cost of
+    its selection and the selector's sinks and observation window (for feasibility)."""
+
+    spec: str  # the timing mode string: dense, proj0.5, sel0.3, both0.5/0.3
+    curve: Curve
+    select: SelectCost | None = None
+    sinks: int = 4
+    window: int = 64
+
+    @property
+    def mode(self) -> Mode:
+        return parse_mode(self.spec)
+
+    @property
+    def uses_kv(self) -> bool:
+        return self.mode.kv_method is not None
+
+    def feasible(self, prompt: int, answer: int) -> bool:
+        """Whether the KV budget of a (prompt, answer) request holds sinks and window."""
+        if not self.uses_kv:
+            return True
+        return math.floor(self.mode.kv_keep * prompt + 0.5) - answer >= self.sinks + self.window
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec, "curve": self.curve.to_dict(),
+                "select": None if self.select is None else self.select.to_dict(),
+                "sinks": self.sinks, "window": self.window}
+
+
+@dataclass(frozen=True)
+class PriceTable:
+    """Step curves and one-time costs per configuration, with what they were measured on.
+
+    `gpu` is the device name of the records ('CPU' for CPU cells); `records` the folders
+    they came from; `admissibility` maps a configuration to its evidence (see
+    `dispatch.policies.admissible`)."""
+
+    model: str
+    dims: ModelDims | None
+    gpu: str
+    device: str
+    dtype: str | None
+    attention: str | None
+    source: str  # 'sparsedecode' or 'bytecross'
+    records: tuple[str, ...]
+    configs: dict[str, ConfigPrice]
+    admissibility: dict[str, dict] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if "dense" not in self.configs:
+            raise InputError(
+                f"the price table of {', '.join(self.records) or 'these records'} has no dense curve: "
+                "every speedup and the gate's fallback need the dense cells of the same campaign "
+                f"(configurations found: {', '.join(self.configs) or 'none'})")
+
+    @property
+    def specs(self) -> list[str]:
+        return list(self.configs)
+
+    def step_ms(self, spec: str, n: float) -> float:
+        return self.configs[spec].curve.at(n)
+
+    def check_engine(self, engine) -> None:
+        """Refuse to price an engine of other dims or on another device than the records."""
+        diff = [] if self.dims is None else [
+            f"{k} {getattr(self.dims, k)} vs {getattr(engine.dims, k)}" for k in self.dims.__dataclass_fields__
+            if k != "name" and getattr(self.dims, k) != getattr(engine.dims, k)]
+        if diff:
+            raise InputError(
+                f"the gate table was timed on {self.model} and the engine runs {engine.name}, whose dims "
+                f"differ ({', '.join(diff)}): build a gate table from timing records of "
+                f"{engine.name} (sparsedecode dispatch table RECORDS --out gate.json)")
+        here = device_name(engine.device)
+        if here.upper() != self.gpu.upper():
+            raise InputError(
+                f"the gate table was timed on {self.gpu} and the engine runs on {here}: step times do not "
+                f"transfer between devices; time the cells on {here} and build the table from them")
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, "kind": KIND, "model": self.model,
+                "dims": None if self.dims is None else self.dims.to_dict(), "gpu": self.gpu,
+                "device": self.device, "dtype": self.dtype, "attention": self.attention,
+                "source": self.source, "records": list(self.records),
+                "configs": {k: c.to_dict() for k, c in self.configs.items()},
+                "admissibility": self.admissibility, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "gate table") -> PriceTable:
+        if not isinstance(d, dict) or d.get("kind") != KIND:
+            got = d.get("kind") if isinstance(d, dict) else type(d).__name__
+            raise InputError(f"{where}: not a gate table (kind {got!r}, expected '{KIND}'); make one "
+                             "with sparsedecode dispatch table RECORDS --out gate.json")
+        try:
+            configs = {}
+            for spec, c in d["configs"].items():
+                parse_mode(spec)
+                cv = c["curve"]
+                configs[spec] = ConfigPrice(
+                    spec, Curve(tuple(int(n) for n in cv["contexts"]), tuple(float(t) for t in cv["ms"]),
+                                int(cv.get("cells", 0))),
+                    None if c.get("select") is None else SelectCost.from_dict(c["select"]),
+                    int(c.get("sinks", 4)), int(c.get("window", 64)))
+            dims = None if d.get("dims") is None else ModelDims(**d["dims"])
+            return cls(d["model"], dims, d["gpu"], d.get("device", "cuda"), d.get("dtype"),
+                       d.get("attention"), d.get("source", "sparsedecode"), tuple(d.get("records", ())),
+                       configs, dict(d.get("admissibility") or {}), tuple(d.get("notes", ())))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            if isinstance(err, InputError):
+                raise InputError(f"{where}: {err}") from None
+            raise InputError(f"{where}: malformed gate table ({type(err).__name__}: {err})") from None
+
+
+def device_name(device) -> str:
+    """'NVIDIA H200' for a CUDA device, 'CPU' for the CPU (as timing records name them)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return "CPU"
+
+
+def _spec_of(cell) -> str:
+    """The configuration of a timing cell (ours or the paper's) as a mode string."""
+    if cell.mode == "dense":
+        return "dense"
+    return Mode(cell.mode, proj_keep=cell.projection_keep if cell.mode in ("proj", "both") else 1.0,
+                kv_keep=cell.kv_keep if cell.mode in ("sel", "window", "both") else 1.0).spec
+
+
+def from_records(folders: list[str | Path], select_seconds: float | None = None,
+                 obs_window: int | None = None) -> PriceTable:
+    """A price table from campaign folders of one model and one device (ours or the paper's).
+
+    select_seconds: the selection's time at 32K, charged per prompt token (needed for the
+    paper's records, which hold only the gather); else the cells' `one_time.select_s`."""
+    from sparsedecode.timing.cells import load_cells
+
+    if not folders:
+        raise InputError("give at least one folder of timing records")
+    if select_seconds is not None:
+        if isinstance(select_seconds, bool) or not math.isfinite(select_seconds) or select_seconds < 0:
+            raise InputError(f"--select-seconds must be a finite number of seconds >= 0, got {select_seconds}")
+    loaded = [load_cells(f) for f in folders]
+    first = loaded[0]
+    for c in loaded[1:]:
+        for what, a, b in (("model", first.model, c.model), ("GPU", first.gpu, c.gpu)):
+            if a != b:
+                raise InputError(f"{c.folder} holds records of {what} {b} and {first.folder} of {a}: "
+                                 "one price table prices one model on one device")
+    points: dict[str, list[tuple[int, float]]] = {}
+    selects: dict[str, list[tuple[int, float]]] = {}
+    attention, dtype, obs = set(), set(), set()
+    for camp in loaded:
+        for cell in camp.cells:
+            if cell.mode == "window":
+                continue  # the paper's window cells have no dense partner here; not a gate choice
+            spec = _spec_of(cell)
+            points.setdefault(spec, []).append((cell.context, cell.ms_per_token))
+            ex = camp.extra(cell)
+            if ex.attention:
+                attention.add(ex.attention)
+            if parse_mode(spec).kv_method:
+                s = (ex.one_time or {}).get("select_s")
+                if isinstance(s, int | float) and not isinstance(s, bool) and s > 0:
+                    selects.setdefault(spec, []).append((cell.context, float(s)))
+        for path in (camp.extras or {}):
+            rec_dtype, rec_obs = _record_fields(path)
+            if rec_dtype:
+                dtype.add(rec_dtype)
+            if rec_obs:
+                obs.add(rec_obs)
+    if len(attention) > 1:
+        raise InputError(f"the records mix attention paths ({', '.join(sorted(attention))}): a speedup "
+                         "is only meaningful against a dense step on the same path; give one path's records")
+    window = obs_window or (obs.pop() if len(obs) == 1 else 64)
+    configs, notes = {}, []
+    order = sorted(points, key=lambda s: (["dense", "proj", "sel", "window", "both"].index(parse_mode(s).kind), s))
+    for spec in order:
+        sel = None
+        if parse_mode(spec).kv_method:
+            if select_seconds is not None:
+                sel = SelectCost("per_token", seconds_at_32k=float(select_seconds))
+            elif spec in selects:
+                by: dict[int, list[float]] = {}
+                for n, s in selects[spec]:
+                    by.setdefault(n, []).append(s)
+                ctx = sorted(by)
+                sel = SelectCost("measured", contexts=tuple(ctx),
+                                 seconds=tuple(sum(by[n]) / len(by[n]) for n in ctx))
+            else:
+                why = ("the paper's records hold only the gather, not the scoring pass"
+                       if first.source == "bytecross" else "no one_time.select_s")
+                raise InputError(
+                    f"the records of {spec} carry no selection time ({why}): "
+                    "give --select-seconds S, the selection's time on a 32K prompt (the paper: 0.24 on "
+                    "A100-SXM4, 0.32 on RTX A6000)")
+        configs[spec] = ConfigPrice(spec, Curve.from_points(points[spec]), sel, window=window)
+    if first.cpu:
+        notes.append("CPU timings: the projection branch runs the masked reference, which reads every weight")
+    return PriceTable(first.model, first.dims, first.gpu, first.device, dtype.pop() if len(dtype) == 1 else None,
+                      attention.pop() if attention else None, first.source,
+                      tuple(str(c.folder) for c in loaded), configs, {}, tuple(notes))
+
+
+def _record_fields(path: Path) -> tuple[str | None, int | None]:
+    """(dtype, observation window) of one of our timing records."""
+    import json
+
+    try:
+        rec = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, None
+    spec = rec.get("spec") or {}
+    obs = spec.get("obs")
+    return rec.get("dtype"), obs if isinstance(obs, int) and not isinstance(obs, bool) else None
+
+
+__all__ = ["KIND", "SELECT_REF_TOKENS", "ConfigPrice", "Curve", "PriceTable", "SelectCost", "device_name",
+           "from_records"]
