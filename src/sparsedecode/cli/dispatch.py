@@ -226,3 +226,75 @@ def table_cmd(
                f"the gate may choose {', '.join(ok)}")
     for spec, reason in why.items():
         typer.echo(f"  {spec}: {reason}")
+
+
+@dispatch_app.command("check")
+def check_cmd(
+    gate: Annotated[str, typer.Argument(help="Gate table (sparsedecode dispatch table).")],
+    model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")],
+    request: Annotated[list[str], typer.Option("--request", help="PROMPT:ANSWER tokens, e.g. 2K:256, repeatable.")],
+    init: Annotated[str, typer.Option("--init", help="pretrained, or random (paper-sized models for timing).")] = "pretrained",
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    attention: Annotated[str, typer.Option("--attention", help="split_k, sdpa_masked or sdpa_fused.")] = "split_k",
+    repeats: Annotated[int, typer.Option("--repeats", help="Decode each request this many times.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the requests' random token ids.")] = 0,
+    tolerance: Annotated[str, typer.Option("--tolerance", help="Largest |measured / predicted - 1| that passes.")] = "0.1",
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Write a 'gate_check' record (JSON) here.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Decode requests under the gate and set each one's measured decode ms/token beside the
+    table's prediction; exit status 1 when one misses by more than --tolerance."""
+    import time
+
+    from sparsedecode.account.units import parse_tokens
+
+    reqs = []
+    for r in request:
+        if r.count(":") != 1:
+            raise InputError(f"--request {r!r}: write PROMPT:ANSWER tokens, e.g. 2K:256")
+        p, a = (parse_tokens(x.strip(), f"--request {r}") for x in r.split(":"))
+        reqs.append((p, a))
+    if repeats < 1:
+        raise InputError(f"--repeats must be >= 1, got {repeats}")
+    tol = parse_float(tolerance, "--tolerance", positive=True)
+    path = check_out_file(out, "--out", ".json") if out else None
+    if path is not None and path.exists():
+        raise InputError(f"--out {path} exists; records are never overwritten (pick a new path)")
+    if not Path(gate).is_file():
+        raise InputError(f"{gate}: gate table not found")
+    import sparsedecode
+    from sparsedecode.dispatch.runtime import check_requests
+    from sparsedecode.records import stamp, write_record
+
+    t0 = time.perf_counter()
+    eng = sparsedecode.load(model, device=device, dtype=dtype, init=init, attention=attention, quiet=True,
+                            max_len=max(p + a for p, a in reqs), gate=gate)
+    load_s = time.perf_counter() - t0
+    say = (lambda line: None) if json_out else typer.echo
+    say(f"loaded {eng!r} with the gate in {load_s:.1f} s; configurations {', '.join(eng.gate.specs)}")
+    warm = eng.gate.warm(lambda spec, s: say(f"  captured {spec} in {s:.1f} s"))
+
+    def show(row):
+        say(f"{row['prompt_tokens']:>7,} + {row['answer_tokens']:<5} -> {row['mode']:<12} predicted "
+            f"{row['predicted_ms_per_token']:.3f} ms/token, measured {row['ms_per_token']:.3f} "
+            f"({100 * (row['ratio'] - 1):+.1f}%), select {row['kv_select_s']:.3f} s "
+            f"(predicted {row['predicted_select_s']:.3f}), prefill {row['prefill_s']:.2f} s")
+
+    rows = check_requests(eng, reqs, seed=seed, repeats=repeats, progress=show)
+    ok = all(abs(r["ratio"] - 1) <= tol for r in rows)
+    rec = stamp({"kind": "gate_check", "gate": str(gate), "table": eng.gate.table.to_dict(),
+                 "model": {"name": eng.name, "init": init, "dims": eng.dims.to_dict()},
+                 "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "attention": attention,
+                 "load_s": load_s, "capture_s": warm, "tolerance": tol, "passed": ok, "requests": rows,
+                 "protocol": "seeded random token ids, EOS ignored; every configuration captured before timing; "
+                             "ms/token = decode seconds / decode steps of Engine.generate"})
+    if path is not None:
+        write_record(path, rec)
+        say(f"wrote {path}")
+    if json_out:
+        emit_json(rec)
+    else:
+        say(f"{'all within' if ok else 'NOT all within'} {100 * tol:g}% of the table's prediction")
+    if not ok:
+        raise typer.Exit(1)

@@ -39,6 +39,9 @@ def generate(
                            "selection) or window (4 sinks + recent entries)."),
     kv_keep: float = typer.Option(None, "--kv-keep", help="Fraction of the prompt's KV entries "
                                   "decoding reads, in (0, 1]; needs --kv."),
+    gate: str = typer.Option(None, "--gate", help="Gate table (sparsedecode dispatch table): decode under "
+                             "the admissible configuration of least predicted cost for this prompt and "
+                             "--max-new-tokens."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
 ):
     """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
@@ -47,6 +50,14 @@ def generate(
 
     if thresholds is not None and proj_keep is not None:
         raise InputError("give --thresholds FILE or --proj-keep K, not both")
+    if gate is not None and (thresholds, proj_keep, kv, routing) != (None, None, None, None):
+        raise InputError("--gate chooses the configuration per request: drop --thresholds, --proj-keep, "
+                         "--kv/--kv-keep and --routing, or drop --gate")
+    if gate is not None:
+        from pathlib import Path
+
+        if not Path(gate).is_file():
+            raise InputError(f"--gate {gate}: file not found (make one with sparsedecode dispatch table RECORDS --out gate.json)")
     if (kv is None) != (kv_keep is None):
         raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.2)")
     table = None
@@ -59,7 +70,7 @@ def generate(
         table = RoutingTable.load(routing)  # a bad file fails before the model loads
         table.sparse_of()  # and so does an uncalibrated one
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
-                            attention=attention, quiet=as_json, thresholds=thresholds)
+                            attention=attention, quiet=as_json, thresholds=thresholds, gate=gate)
     if table is not None:
         eng.route(table)
     if proj_keep is not None:
@@ -87,6 +98,10 @@ def generate(
         "prompt_tok_s": round(out.prompt_tok_s, 2),
         "decode_tok_s": round(out.decode_tok_s, 2) if out.decode_tok_s == out.decode_tok_s else None,
     }
+    picked = None
+    if out.choice is not None:
+        picked = {**out.choice.to_dict(), "ms_per_token": None if out.ms_per_token != out.ms_per_token
+                  else round(out.ms_per_token, 4), "kv_select_s": round(out.kv_select_s, 4)}
     if as_json:
         typer.echo(json.dumps({
             "model": eng.name, "source": str(eng.source_path), "device": str(eng.device),
@@ -100,6 +115,7 @@ def generate(
                 "method": eng.kv.method, "keep": eng.kv.keep, "mode": eng.kv.mode, "prompt_tokens": eng.kv.n,
                 "budget": eng.kv.budget, "select_s": round(eng.kv.select_s, 4)},
             "routing": eng.routing_summary(routing),
+            "gate": None if picked is None else {"table": gate, **picked},
             "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
         }))
         return
@@ -118,6 +134,11 @@ def generate(
             f"{_pct(eng.routed_fraction())} of decode steps sparse")),
         err=True,
     )
+    if picked is not None:
+        measured = "n/a" if picked["ms_per_token"] is None else f"{picked['ms_per_token']:.3f}"
+        typer.echo(f"[gate] {picked['mode']} for {speeds['prompt_tokens']} prompt + {max_new_tokens} new tokens: "
+                   f"predicted {picked['predicted_ms_per_token']:.3f} ms/token, measured {measured} ms/token "
+                   f"(chosen in {picked['choose_ms']:.2f} ms among {', '.join(eng.gate.specs)})", err=True)
 
 
 def _pct(x: float) -> str:

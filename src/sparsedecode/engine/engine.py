@@ -43,6 +43,13 @@ class Generation:
     decode_s: float = 0.0
     kv_select_s: float = 0.0  # the KV branch's one-time observation, scoring and gather
     stopped_at_eos: bool = False
+    choice: object = None  # the runtime gate's dispatch.runtime.Choice for this request
+
+    @property
+    def ms_per_token(self) -> float:
+        """Measured decode ms per step (1000 / decode_tok_s)."""
+        tps = self.decode_tok_s
+        return 1000.0 / tps if tps == tps and tps > 0 else float("nan")
 
     @property
     def prompt_tok_s(self) -> float:
@@ -89,6 +96,12 @@ class Engine:
             )
         self._graph = None
         self._graph_out = None
+        # With keep_graphs (the runtime gate turns it on), a captured step is kept per state of
+        # what it reads (`_step_key`) and replayed when that state returns, so switching
+        # configurations between requests captures each one once.
+        self.keep_graphs = False
+        self._graphs: dict[tuple, tuple] = {}
+        self.gate = None  # a dispatch.runtime.RuntimeGate: each request under its cheapest configuration
         self.thresholds = None  # set by sparsify
         self.kv = None  # a kv.apply.KVSelection while decoding reads selected entries
         self.kv_config = None  # an engine.config.KVConfig: selected after every prompt's prefill
@@ -178,9 +191,35 @@ class Engine:
         if not self.cuda_graph:
             return self._step_fn(self.pos + 1) if self.host_len else self._step_fn()
         if self._graph is None:
-            self._capture()
+            key, refs = self._step_key() if self.keep_graphs else (None, None)
+            hit = self._graphs.get(key) if key is not None else None
+            if hit is not None:
+                self._graph, self._graph_out = hit[0], hit[1]
+            else:
+                self._capture()
+                if key is not None:
+                    self._graphs[key] = (self._graph, self._graph_out, refs)
         self._graph.replay()
         return self._graph_out
+
+    _STEP_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv", "gate_proj", "up_proj", "down_proj",
+                   "gate_up")
+
+    def _step_key(self) -> tuple[tuple, list]:
+        """What a captured decode step reads, as ids, and the objects behind them: each layer's
+        MLP and projection modules, the cache it attends over (the compact buffer of a selection
+        or a window's bounds) and the router. The kept graph holds the objects, so their ids
+        stay theirs."""
+        refs, key = [], []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            mods = [m] + [getattr(p, n, None) for p in (a, m) for n in self._STEP_ATTRS]
+            compact = a.cache.compact[0] if a.cache.compact is not None else None
+            refs += mods + [compact]
+            key.append((tuple((id(x), getattr(x, "track", None)) for x in mods), id(compact), a.cache.window))
+        refs.append(self.router)
+        key.append(id(self.router))
+        return tuple(key), refs
 
     def _capture(self) -> None:
         # Warm-up on a side stream (compiles, autotunes, allocates), then capture.
@@ -366,6 +405,11 @@ class Engine:
         self._check_len(ids.numel() + max_new_tokens, f"the prompt ({ids.numel()}) plus {max_new_tokens} new tokens")
         stop = set(self.eos_ids if stop_ids is None else stop_ids)
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+        if self.gate is not None:  # the request's configuration, before its prefill
+            choice = self.gate.choose(ids.numel(), max_new_tokens)
+            self.gate.install(choice.spec)
+            if timing is not None:
+                timing.choice = choice
         t0 = time.perf_counter()
         logits = self.prefill(ids)
         nxt = sample(logits, temperature, top_p, gen)  # (1,)
@@ -421,12 +465,16 @@ class Engine:
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
          attention: str = "split_k", compile: bool | str | None = None, seed: int | None = 0,
-         quiet: bool = False, thresholds=None) -> Engine:
+         quiet: bool = False, thresholds=None, gate=None) -> Engine:
     """Load `ref` (known name, HF folder, hub id, .gguf file, or a config dict with
     init='random') into an Engine whose static cache holds `max_len` tokens
     (default min(model window, 4096)). `compile` defaults to True on CUDA; a string
     is taken as the torch.compile mode. `thresholds` (a `Thresholds` or a file) turns on
-    the projection branch in the decode step (`Engine.sparsify`)."""
+    the projection branch in the decode step (`Engine.sparsify`). `gate` (a gate table file
+    from `sparsedecode dispatch table`) decodes each request under the admissible
+    configuration of least predicted cost (`dispatch.runtime.RuntimeGate`)."""
+    if gate is not None and thresholds is not None:
+        raise InputError("a gate chooses each request's configuration: give gate or thresholds, not both")
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
 
     get_backend(attention)  # an unknown backend fails before any download
@@ -450,6 +498,10 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
                  attention=attention, name=ckpt.name, init=init, eos_ids=eos, compile=compile)
     if thresholds is not None:
         eng.sparsify(thresholds)
+    if gate is not None:
+        from sparsedecode.dispatch.runtime import load_gate
+
+        eng.gate = load_gate(eng, gate, progress=not quiet)
     return eng
 
 

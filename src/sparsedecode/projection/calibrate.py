@@ -432,3 +432,21 @@ def cached_teal(engine, keep: float, tokens: int = 8192, text_file=None, progres
     out.parent.mkdir(parents=True, exist_ok=True)
     th.save(out)
     return th
+
+
+def own_teal(engine, keep: float, tokens: int = 2048, seed: int = 0, text_file=None, progress: bool = False):
+    """Uniform TEAL thresholds at `keep` on the model's own activations, as a timing cell
+    calibrates them: WikiText-2 validation (or `text_file`, cached per model, `cached_teal`)
+    with a tokenizer, `tokens` seeded random ids without one (a random-init model for timing).
+    Returns (thresholds, what they were calibrated on)."""
+    import torch
+
+    if engine.tokenizer is not None:
+        th = cached_teal(engine, keep, tokens=tokens, text_file=text_file, progress=progress)
+        return th, "wikitext-2 validation" if text_file is None else "text option (valid split)"
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, engine.dims.vocab, (tokens,), generator=gen)
+    th = get_calibrator("teal", keep=keep).calibrate(engine, ids, text=f"random ids (seed {seed})",
+                                                    progress=progress)
+    return th, f"random ids (seed {seed})"
+

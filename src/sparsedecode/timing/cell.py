@@ -393,20 +393,10 @@ def _stream(eng, spec: CellSpec) -> tuple[list[int], str]:
 
 
 def _calibrate(eng, spec: CellSpec, keep: float):
-    """Uniform TEAL thresholds at `keep` on the model's own activations: WikiText-2
-    validation (cached per model, `cached_teal`) with a tokenizer, seeded random ids without."""
-    import torch
+    """Uniform TEAL thresholds at `keep` on the model's own activations (`own_teal`)."""
+    from sparsedecode.projection.calibrate import own_teal
 
-    from sparsedecode.projection.calibrate import cached_teal, get_calibrator
-
-    if eng.tokenizer is not None:
-        th = cached_teal(eng, keep, tokens=spec.calib_tokens, text_file=spec.text, progress=False)
-        what = "wikitext-2 validation" if spec.text is None else "text option (valid split)"
-    else:
-        gen = torch.Generator().manual_seed(spec.seed)
-        ids = torch.randint(0, eng.dims.vocab, (spec.calib_tokens,), generator=gen)
-        th = get_calibrator("teal", keep=keep).calibrate(eng, ids, text=f"random ids (seed {spec.seed})")
-        what = f"random ids (seed {spec.seed})"
+    th, what = own_teal(eng, keep, tokens=spec.calib_tokens, seed=spec.seed, text_file=spec.text)
     return th, {"method": "teal", "keep": keep, "ids": what, "text": th.calibration.get("text"),
                 "tokens": spec.calib_tokens}
 

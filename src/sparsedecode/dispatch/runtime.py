@@ -1,0 +1,240 @@
+"""The runtime gate: each request decodes under its configuration of least predicted cost
+(ByteCross §3.3 'Dispatch and batching': 'selects for each request the fastest admissible
+configuration from the resulting lookup table, one-time costs included').
+
+`RuntimeGate(engine, table)` is what `load(..., gate="gate.json")` attaches. Per request, after
+tokenizing, `Engine.tokens` asks it for (prompt length, max_new_tokens) and it:
+
+1. prices every admissible configuration of the table (`policies.choose`; a KV configuration
+   whose budget cannot hold the selector's sinks and window is priced at infinity, so a short
+   prompt falls to a configuration without selection instead of failing);
+2. installs the cheapest: projection thresholds are calibrated once per keep when the gate is
+   built and kept; the sparse projection modules are built once and swapped in and out by
+   reference, never rebuilt, and a keep change refills their thresholds in place; the KV
+   selection runs after that request's prefill, as for any KV configuration;
+3. reports the choice, its predicted ms/token and (after decoding) the measured one.
+
+Switching costs no recompilation per request: the engine keeps one captured decode step per
+state of what the step reads (`Engine.keep_graphs`), so each configuration compiles and
+captures once, at its first request (or at `warm()`). The price is memory: on CUDA the dense
+and the sparse projection weights are both resident (the sparse copy is transposed), and the
+selection's compact buffers are sized once for the longest prompt the cache holds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from sparsedecode.dispatch.policies import choose, request_ms
+from sparsedecode.dispatch.prices import PriceTable
+from sparsedecode.errors import InputError
+from sparsedecode.projection.sparse_linear import FUSED
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The gate's decision for one request: the configuration, its predicted decode ms per
+    token (the step cost along the answer, one-time costs apart), the predicted one-time
+    selection seconds, every admissible configuration's predicted total ms, and how long
+    choosing took (ms)."""
+
+    spec: str
+    prompt_tokens: int
+    max_new_tokens: int
+    predicted_ms_per_token: float
+    predicted_select_s: float
+    costs_ms: dict[str, float] = field(default_factory=dict)
+    choose_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"mode": self.spec, "predicted_ms_per_token": self.predicted_ms_per_token,
+                "predicted_select_s": self.predicted_select_s,
+                "predicted_costs_ms": {k: (None if math.isinf(v) else v) for k, v in self.costs_ms.items()},
+                "choose_ms": self.choose_ms}
+
+
+def _snapshot(model) -> list[tuple]:
+    """(parent, attribute, module) of every projection site and fused launch of `model`."""
+    out = [(parent, site, getattr(parent, site)) for _, site, parent in model.projection_sites()]
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            out += [(parent, name, getattr(parent, name)) for name in FUSED if hasattr(parent, name)]
+    return out
+
+
+def _restore(snapshot: list[tuple]) -> None:
+    for parent, name, module in snapshot:
+        setattr(parent, name, module)
+
+
+class RuntimeGate:
+    """Per-request configuration choice on one engine from a `PriceTable` (a gate table)."""
+
+    def __init__(self, engine, table: PriceTable, *, thresholds: dict | None = None,
+                 calib_tokens: int = 2048, seed: int = 0, progress: bool = False):
+        from sparsedecode.kv.select import get_selector
+
+        table.check_engine(engine)
+        ev = table.admissibility
+        if not ev:
+            raise InputError("the gate table carries no admissibility evidence: write it with sparsedecode "
+                             "dispatch table RECORDS --admit FILE (or --assume-admissible) --out gate.json")
+        self.table = table
+        self.engine = engine
+        self.specs = [s for s in table.specs if s == "dense" or ev.get(s, {}).get("admitted")]
+        for s in self.specs:
+            m = table.configs[s].mode
+            if m.kind == "window":
+                raise InputError(f"the gate runs dense, proj, sel and both configurations; {s} reads the cache "
+                                 "in place at bounds that change with every prompt (a capture per request)")
+            if m.kv_method:
+                get_selector(m.kv_method)
+        self._thresholds = {}
+        self._dense = _snapshot(engine.model)
+        self._sparse = None
+        self.current: str | None = None
+        keeps = sorted({table.configs[s].mode.proj_keep for s in self.specs} - {1.0})
+        for keep in keeps:
+            given = (thresholds or {}).get(keep)
+            if given is None:
+                from sparsedecode.projection.calibrate import own_teal
+
+                given, _ = own_teal(engine, keep, tokens=calib_tokens, seed=seed, progress=progress)
+            self._thresholds[keep] = given
+        self._reserve_kv()
+        engine.keep_graphs = True
+
+    def _reserve_kv(self) -> None:
+        """Size the selection's compact buffers once for the longest prompt the cache holds,
+        so no request reallocates them (a new buffer would need a new capture)."""
+        kv = [self.table.configs[s].mode.kv_keep for s in self.specs if self.table.configs[s].uses_kv]
+        if not kv:
+            return
+        from sparsedecode.kv.apply import _reserve
+
+        need = math.floor(max(kv) * self.engine.max_len + 0.5) + 1
+        _reserve(self.engine, [layer.self_attn.cache for layer in self.engine.model.layers], need)
+
+    # -- choosing ----------------------------------------------------------------------------
+    def choose(self, prompt_tokens: int, max_new_tokens: int) -> Choice:
+        """The admissible configuration of least predicted cost for one request."""
+        t0 = time.perf_counter()
+        answer = max(int(max_new_tokens), 1)
+        best, costs = choose(self.table, int(prompt_tokens), answer, self.specs)
+        price = self.table.configs[best]
+        select_s = 0.0 if price.select is None else price.select.at(prompt_tokens)
+        per_token = (request_ms(price, int(prompt_tokens), answer) - 1000.0 * select_s) / answer
+        return Choice(best, int(prompt_tokens), int(max_new_tokens), per_token, select_s, costs,
+                      (time.perf_counter() - t0) * 1e3)
+
+    # -- installing --------------------------------------------------------------------------
+    def install(self, spec: str) -> None:
+        """Make the engine decode under `spec`: projection modules swapped by reference (built
+        once), thresholds refilled in place, the KV selection set for the next prompt."""
+        from sparsedecode.engine.config import KVConfig
+        from sparsedecode.projection.sparse_linear import sparsify_
+
+        if spec not in self.specs:
+            raise InputError(f"configuration {spec} is not one the gate may run ({', '.join(self.specs)})")
+        eng = self.engine
+        mode = self.table.configs[spec].mode
+        if mode.proj_keep < 1.0:
+            th = self._thresholds[mode.proj_keep]
+            if self._sparse is None:
+                eng.sparsify(th)  # builds the sparse modules (and the fused launches) once
+                self._sparse = _snapshot(eng.model)
+            else:
+                _restore(self._sparse)
+                sparsify_(eng.model, th.values)  # the same sites: thresholds filled in place
+            eng.thresholds = th
+        else:
+            _restore(self._dense)
+            eng.thresholds = None
+        price = self.table.configs[spec]
+        eng.kv_config = (KVConfig(mode.kv_method, mode.kv_keep, {"window": price.window, "sinks": price.sinks})
+                         if mode.kv_method else None)
+        eng._graph = None  # the next step replays the graph kept for this state, or captures it
+        self.current = spec
+
+    def warm(self, progress=None) -> dict[str, float]:
+        """Compile and capture the decode step of every configuration now (seconds each), so
+        that no request pays it; on CPU there is nothing to capture."""
+        out = {}
+        eng = self.engine
+        if not eng.cuda_graph:
+            return out
+        for spec in self.specs:
+            t0 = time.perf_counter()
+            self.install(spec)
+            price = self.table.configs[spec]
+            mode = price.mode
+            n = 16 if not mode.kv_method else math.ceil((price.sinks + price.window + 2) / mode.kv_keep) + 1
+            if n + 2 > eng.max_len:
+                raise InputError(f"the cache of {eng.max_len} tokens cannot hold a prompt that {spec} can select "
+                                 f"from ({n} tokens); load with a larger max_len")
+            eng.prefill([0] * n)
+            if mode.kv_method:
+                eng.select_kv(mode.kv_method, mode.kv_keep, 1, **eng.kv_config.params)
+            eng.decode_step(0)
+            eng.reset()
+            out[spec] = time.perf_counter() - t0
+            if progress is not None:
+                progress(spec, out[spec])
+        return out
+
+
+def load_gate(engine, gate, **kwargs) -> RuntimeGate:
+    """A RuntimeGate from a gate table file (or dict, or PriceTable) for `engine`."""
+    import json
+    from pathlib import Path
+
+    if isinstance(gate, PriceTable):
+        table = gate
+    elif isinstance(gate, dict):
+        table = PriceTable.from_dict(gate)
+    else:
+        path = Path(gate)
+        if not path.is_file():
+            raise InputError(f"gate table {path} not found (make one with sparsedecode dispatch table RECORDS --out gate.json)")
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise InputError(f"{path}: not a JSON gate table ({err})") from None
+        table = PriceTable.from_dict(obj, str(path))
+    return RuntimeGate(engine, table, **kwargs)
+
+
+
+
+def check_requests(engine, requests: list[tuple[int, int]], *, seed: int = 0, repeats: int = 1,
+                   progress=None) -> list[dict]:
+    """Decode each (prompt tokens, answer tokens) request under the engine's gate from seeded
+    random token ids, never stopping early (EOS ignored), and set the measured decode ms/token
+    beside the table's prediction. The gate's configurations are captured first (`warm`), so no
+    timed request pays a compile."""
+    import torch
+
+    if engine.gate is None:
+        raise InputError("check_requests needs an engine loaded with a gate table")
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    for p, a in requests:
+        ids = torch.randint(0, engine.dims.vocab, (p,), generator=gen).tolist()
+        for r in range(repeats):
+            out = engine.generate(ids, max_new_tokens=a, stop_ids=())
+            c = out.choice
+            row = {"prompt_tokens": p, "answer_tokens": a, "repeat": r, "mode": c.spec,
+                   "predicted_ms_per_token": c.predicted_ms_per_token, "ms_per_token": out.ms_per_token,
+                   "ratio": out.ms_per_token / c.predicted_ms_per_token,
+                   "predicted_select_s": c.predicted_select_s, "kv_select_s": out.kv_select_s,
+                   "prefill_s": out.prefill_s, "decode_steps": len(out.ids) - 1, "choose_ms": c.choose_ms,
+                   "predicted_costs_ms": c.to_dict()["predicted_costs_ms"]}
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows
+
+
+__all__ = ["Choice", "RuntimeGate", "check_requests", "load_gate"]
