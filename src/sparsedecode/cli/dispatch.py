@@ -29,11 +29,21 @@ app.add_typer(dispatch_app, name="dispatch")
 
 RecordsArg = Annotated[list[str], typer.Argument(help="Campaign folders of timing records (one model, one device), or a gate table (.json).")]
 SelectOpt = Annotated[str | None, typer.Option("--select-seconds", help="The KV selection's time on a 32K prompt in seconds, charged per prompt token (the paper: 0.24 on A100-SXM4, 0.32 on RTX A6000); default: the cells' measured select_s.")]
+SelectRecordOpt = Annotated[str | None, typer.Option("--select-record", help="A 'kv_select_bench' record: its median selection time, per prompt token (instead of --select-seconds).")]
 AdmitOpt = Annotated[list[str] | None, typer.Option("--admit", help="An 'admissibility' record (sparsedecode eval admit --json > FILE), repeatable: configurations the gate may choose.")]
 AssumeOpt = Annotated[bool, typer.Option("--assume-admissible", help="Let the gate choose every configuration without quality records (say so when you report it).")]
 
 
-def _select(text: str | None) -> float | None:
+def _select(text: str | None, record: str | None = None) -> float | None:
+    if record is not None:
+        from sparsedecode.dispatch.prices import select_seconds_of
+        from sparsedecode.records import read_record
+
+        if text is not None:
+            raise InputError("give --select-seconds or --select-record, not both")
+        if not Path(record).is_file():
+            raise InputError(f"--select-record {record}: file not found")
+        return select_seconds_of(read_record(record), f"--select-record {record}")
     if text is None:
         return None
     v = parse_float(text, "--select-seconds")
@@ -92,8 +102,10 @@ def price_cmd(
     mix: Annotated[str, typer.Option("--mix", help="mixed, chat, long_doc, agent (App. I), or a trace: JSONL {prompt_tokens, answer_tokens} lines or a CSV with those columns.")] = "mixed",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the App. I workloads.")] = 0,
     select_seconds: SelectOpt = None,
+    select_record: SelectRecordOpt = None,
     admit: AdmitOpt = None,
     assume_admissible: AssumeOpt = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the speedup table as markdown (for docs).")] = False,
     plot: Annotated[str | None, typer.Option("--plot", help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -105,7 +117,7 @@ def price_cmd(
 
     if seed < 0 or seed >= 2**63:
         raise InputError(f"--seed must be a whole number in [0, 2^63), got {seed}")
-    sel = _select(select_seconds)
+    sel = _select(select_seconds, select_record)
     plot_path = check_out_file(plot, "--plot", ".png") if plot else None
     chosen = get_mix(mix, seed)  # a bad trace fails before any pricing
     table = _table(records, sel)
@@ -126,7 +138,7 @@ def price_cmd(
                 by_config[spec] = r.speedup
                 speed.setdefault(_kind(spec), r.speedup)  # the first configuration of each kind
             else:
-                speed[name.replace(" ", "_")] = r.speedup
+                speed[name.replace(", ", "_").replace(" ", "_")] = r.speedup
         emit_json({
             "kind": "dispatch_price", "mix": chosen.summary(), "seed": seed,
             "speedup": speed, "speedup_by_config": by_config, "shares": {name: r.shares for name, r in main.items()},
@@ -140,7 +152,20 @@ def price_cmd(
             **({"plot": str(plot_path)} if plot_path else {}),
         })
         return
+    if markdown:
+        typer.echo(_markdown(rows, chosen.name))
+        return
     _print(table, rows, chosen.name, ok, why, plot_path)
+
+
+def _markdown(rows, chosen: str) -> str:
+    names = list(rows)
+    lines = ["| policy | " + " | ".join(names) + f" | requests whose selection cannot run ({chosen}) |",
+             "|---|" + "---|" * len(names) + "---|"]
+    for i, r in enumerate(rows[chosen]):
+        lines.append(f"| {r.policy} | " + " | ".join(f"{rows[n][i].speedup:.3f}" for n in names)
+                     + f" | {r.infeasible or ''} |")
+    return "\n".join(lines)
 
 
 def _kind(spec: str) -> str:
@@ -179,7 +204,8 @@ def _print(table, rows, chosen: str, ok, why, plot_path) -> None:
     for r in rows[chosen]:
         note = []
         if r.infeasible:
-            note.append(f"{r.infeasible} requests with a KV budget below sinks + window")
+            note.append(f"{r.infeasible} requests priced as if the selection ran, as the paper prices them: "
+                        "their KV budget is below sinks + window, so the gates cannot choose it for them")
         if "threshold_tokens" in r.detail:
             th = r.detail["threshold_tokens"]
             note.append(f"{r.detail['long']} from {'never' if th is None else f'{th:,}'} tokens, else {r.detail['short']}")
@@ -197,6 +223,7 @@ def table_cmd(
     records: RecordsArg,
     out: Annotated[str, typer.Option("--out", "-o", help="The gate table to write (JSON).")],
     select_seconds: SelectOpt = None,
+    select_record: SelectRecordOpt = None,
     admit: AdmitOpt = None,
     assume_admissible: AssumeOpt = False,
     json_out: JsonOpt = False,
@@ -209,7 +236,7 @@ def table_cmd(
     from sparsedecode.records import stamp, write_record
 
     path = check_out_file(out, "--out", ".json")
-    sel = _select(select_seconds)
+    sel = _select(select_seconds, select_record)
     table = _table(records, sel)
     ok, why = _admit(table, admit, assume_admissible)
     evidence = {s: {"admitted": s in ok, **({"reason": why[s]} if s in why else {})} for s in table.specs}

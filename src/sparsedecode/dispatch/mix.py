@@ -13,9 +13,9 @@ answers, and 10% agent loops with 16K to 96K prompts and 1,024-token answers.'
 Each workload is a stratified draw from its own stream (`numpy.random.default_rng([seed, k])`):
 the i-th of its N prompts falls in the i-th of N equally likely slices of the distribution, at
 a uniform random place inside it, and the requests are then shuffled. Independent draws of
-2,000 requests move the mixed workload's speedups by about ±0.004 from seed to seed; the
-stratified draw prices the distribution itself to about ±0.001, so a table does not depend on
-a lucky seed (the paper's own draw gave the RTX A6000 gate 1.716, the distribution 1.712).
+2,000 requests move the mixed workload's speedups in the third decimal from seed to seed; the
+stratified draw prices the distribution itself, so a table does not depend on a lucky seed
+(`tests/dispatch/test_policies.py` checks that seeds agree to 0.003).
 
 A trace is a user's traffic: JSONL lines {"prompt_tokens": N, "answer_tokens": M} or a CSV
 with those two columns; a bad row is refused with its line number.

@@ -13,7 +13,9 @@ Policies, each a choice of configuration per request:
   even where X's KV budget could not hold the selector's sinks and window; `Result.infeasible`
   counts those requests (an engine would run them without the selection).
 - gate (the calibrated gate of §3.3): per request, the admissible and feasible configuration of
-  least cost in the latency table, one-time costs included.
+  least cost in the latency table, one-time costs included; 'gate, single branches' is the same
+  gate without the compositions, so the difference is what composing adds (§5.4: 'nearly all of
+  the gate's gain comes from composition').
 - byte gate: the same argmin over a prediction that needs no latency curve of the sparse
   modes, only the dense curve and one kernel cost per configuration (App. D): t_b(n) =
   t_D(n) B_b(n) / B_D(n) + c_b, with the byte ratio from the account at the configuration's
@@ -39,6 +41,7 @@ from sparsedecode.errors import InputError
 
 SEGMENT = 64  # tokens per pricing segment (App. I)
 BYTE_GATE, GATE, THRESHOLD_GATE = "byte gate", "gate", "threshold gate"
+SINGLE_GATE = "gate, single branches"  # the gate restricted to configurations without composition
 
 
 # -- one request, pure Python (the runtime gate) ------------------------------------------
@@ -181,6 +184,10 @@ def price(table: PriceTable, mix: Mix, admissible: list[str]) -> list[Result]:
     allowed = np.array([s in admissible for s in specs])[:, None]
     masked = np.where(feas & allowed, costs, np.inf)
     results.append(_result(GATE, masked.argmin(0), specs, costs, feas, dense_total))
+    single = np.array([table.configs[s].mode.kind != "both" for s in specs])[:, None]
+    if not single.all():  # what the gate gains from composition: the same gate without 'both'
+        results.append(_result(SINGLE_GATE, np.where(single, masked, np.inf).argmin(0), specs, costs, feas,
+                               dense_total))
     if table.dims is not None:
         pred = np.where(feas & allowed, _byte_costs(table, mix, specs), np.inf)
         results.append(_result(BYTE_GATE, pred.argmin(0), specs, costs, feas, dense_total))
@@ -248,5 +255,5 @@ def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) ->
     return ok, why
 
 
-__all__ = ["BYTE_GATE", "GATE", "SEGMENT", "THRESHOLD_GATE", "Result", "admissible", "byte_predictions",
+__all__ = ["BYTE_GATE", "GATE", "SEGMENT", "SINGLE_GATE", "THRESHOLD_GATE", "Result", "admissible", "byte_predictions",
            "choose", "cost_matrix", "price", "request_ms", "threshold"]

@@ -358,6 +358,18 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
                       tuple(str(c.folder) for c in loaded), configs, {}, tuple(notes))
 
 
+def select_seconds_of(record: dict, where: str = "--select-record") -> float:
+    """The selection's time at 32K from a 'kv_select_bench' record: its median select time,
+    scaled per prompt token from the record's context."""
+    if not isinstance(record, dict) or record.get("kind") != "kv_select_bench":
+        got = record.get("kind") if isinstance(record, dict) else type(record).__name__
+        raise InputError(f"{where}: a '{got}' record, expected 'kv_select_bench' (benchmarks/kv_select_h200.py)")
+    n, s = record.get("context"), record.get("select_s_median")
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise InputError(f"{where}: field 'context' is {n!r}, expected a positive token count")
+    return _positive_finite(s, f"{where}: field 'select_s_median'") * SELECT_REF_TOKENS / n
+
+
 def _record_fields(path: Path) -> tuple[str | None, int | None]:
     """(dtype, observation window) of one of our timing records."""
     import json
@@ -372,4 +384,4 @@ def _record_fields(path: Path) -> tuple[str | None, int | None]:
 
 
 __all__ = ["KIND", "SELECT_REF_TOKENS", "ConfigPrice", "Curve", "PriceTable", "SelectCost", "device_name",
-           "from_records"]
+           "from_records", "select_seconds_of"]
