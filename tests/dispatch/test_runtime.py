@@ -123,20 +123,20 @@ def test_smollm2_gate_from_cpu_cell_records():
     t = from_records([CPU_CELLS])
     ok, why = admissible(t, [], assume=True)
     t = PriceTable(**{**t.__dict__, "admissibility": {s: {"admitted": s in ok} for s in t.specs}})
-    eng = sparsedecode.load("smollm2-135m", device="cpu", dtype="float32", max_len=8192, gate=t.to_dict(),
+    eng = sparsedecode.load("smollm2-135m", device="cpu", dtype="float32", max_len=4096, gate=t.to_dict(),
                             quiet=True)
     gate = eng.gate
     rng = random.Random(0)
     for _ in range(20):
         p, a = rng.randint(64, 8000), rng.randint(1, 2000)
-        a = min(a, 8192 - p)
         got = gate.choose(p, a)
         assert got.spec == choose(t, p, a, gate.specs)[0] and got.choose_ms < 1.0
     # what the table says for a short and a long request, and what the engine then runs
     short_spec = gate.choose(100, 16).spec
     assert not t.configs[short_spec].uses_kv  # 100 tokens hold no KV budget
-    long_p, long_a = 6000, 2000
+    long_p, long_a = 3000, 256
     long_spec = gate.choose(long_p, long_a).spec
+    assert t.configs[long_spec].uses_kv  # on these CPU records a selection pays off here
     ids = torch.randint(0, eng.dims.vocab, (long_p,), generator=torch.Generator().manual_seed(0)).tolist()
     from sparsedecode.engine.engine import Generation
 
@@ -149,3 +149,38 @@ def test_smollm2_gate_from_cpu_cell_records():
     assert (eng.kv is not None) == t.configs[long_spec].uses_kv
     assert (eng.thresholds is not None) == (t.configs[long_spec].mode.proj_keep < 1)
     print(f"short -> {short_spec}, long -> {long_spec}")
+
+
+def test_dispatch_check_sets_measured_beside_predicted(tmp_path):
+    """`sparsedecode dispatch check` on a random-init model folder: a record of each request's
+    configuration, predicted and measured ms/token; a table of another model is refused."""
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY))
+    eng = engine("cpu")
+    gate = tmp_path / "gate.json"
+    gate.write_text(json.dumps(table(eng).to_dict()))
+    rec = tmp_path / "check.json"
+    cmd = [sys.executable, "-m", "sparsedecode", "dispatch", "check", str(gate), "--model", str(folder),
+           "--init", "random", "--device", "cpu", "--dtype", "float32", "--request", "40:8",
+           "--request", "520:30", "--tolerance", "1000", "--out", str(rec)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(rec.read_text())
+    assert out["kind"] == "gate_check" and out["passed"]
+    assert [q["mode"] for q in out["requests"]] == ["proj0.5", "both0.5/0.3"]
+    assert all(q["ms_per_token"] > 0 and q["decode_steps"] == q["answer_tokens"] - 1 for q in out["requests"])
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 2 and "exists" in again.stderr  # records are never overwritten
+    other = json.loads(gate.read_text())
+    other["dims"]["d"] = 128
+    gate.write_text(json.dumps(other))
+    r = subprocess.run(cmd[:-2] + ["--out", str(tmp_path / "c2.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "timed on tiny" in r.stderr, r.stderr
+    strict = cmd[:-4] + ["--tolerance", "1e-9", "--out", str(tmp_path / "c3.json")]
+    gate.write_text(json.dumps(table(eng).to_dict()))
+    assert subprocess.run(strict, capture_output=True, text=True).returncode == 1  # the table is made up
