@@ -113,11 +113,9 @@ def write_record(path: str | os.PathLike, record: dict, overwrite: bool = False)
 
 def read_record(path: str | os.PathLike) -> dict:
     """The record at `path`; an InputError naming the file when it is not a record."""
-    path = Path(path)
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read record {path}: {e}") from e
+    from sparsedecode.textfile import read_json
+
+    rec = read_json(path, "record")
     if not isinstance(rec, dict) or "kind" not in rec:
         raise InputError(f"{path} is not a sparsedecode record (no 'kind' field)")
     return rec

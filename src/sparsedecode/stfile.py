@@ -48,4 +48,26 @@ def load_with_header(path: str | os.PathLike, fmt: str, what: str, make: str,
     if meta.get("format") != fmt or "header" not in meta or (keys is not None and set(tensors) != keys):
         raise InputError(f"{path} is not a sparsedecode {what} (format {meta.get('format')!r}); "
                          f"make one with `{make}`")
-    return tensors, json.loads(meta["header"])
+    try:
+        header = json.loads(meta["header"])
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: the {what}'s header is not JSON ({e.msg}); make one with `{make}`") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: the {what}'s header is not a JSON object; make one with `{make}`")
+    return tensors, header
+
+
+def fit_header(header: dict, fields: tuple[str, ...], required: tuple[str, ...], path, what: str) -> dict:
+    """The header restricted to `fields`: a missing required field is an InputError; fields a
+    newer writer added are dropped with a warning that names them."""
+    import warnings
+
+    missing = [f for f in required if f not in header]
+    if missing:
+        raise InputError(f"{path}: the {what}'s header lacks {', '.join(missing)}; it was not written by "
+                         "this version of sparsedecode: make it again")
+    extra = sorted(set(header) - set(fields))
+    if extra:
+        warnings.warn(f"{path}: the {what}'s header has fields this version does not know "
+                      f"({', '.join(extra)}); they are ignored (a newer sparsedecode wrote it)", stacklevel=3)
+    return {k: v for k, v in header.items() if k in fields}

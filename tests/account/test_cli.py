@@ -118,6 +118,9 @@ def test_matched_json(budget, expected):
             ],
             "outside (0, 1]",
         ),
+        (["--rp", "0.9", "plot", "--model", "llama-3.1-8b", "--out", "x.png"], "--rp before 'plot' would be ignored"),
+        (["--model", "qwen3-8b", "matched", "--model", "llama-3.1-8b", "--proj", "0.5:0.1", "--sel", "0.3:0.01",
+          "--budget", "0.2"], "--model before 'matched'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args, needle):

@@ -101,10 +101,16 @@ def test_text_prompt_without_tokenizer(tiny):
 
 
 def test_bad_sampling_arguments(tiny):
-    with pytest.raises(InputError, match=r"top_p must be in"):
+    with pytest.raises(InputError, match=r"--top-p must be in"):
         tiny.generate([1, 2], max_new_tokens=2, temperature=1.0, top_p=0.0)
-    with pytest.raises(InputError, match=r"temperature must be >= 0"):
+    with pytest.raises(InputError, match=r"--temperature must be a finite number >= 0"):
         tiny.generate([1, 2], max_new_tokens=2, temperature=-1.0)
+    with pytest.raises(InputError, match=r"--temperature must be a finite number"):  # NaN compares false
+        tiny.generate([1, 2], max_new_tokens=2, temperature=float("nan"))
+    with pytest.raises(InputError, match=r"--seed must be a whole number in \[0, 2\^64 - 1\]"):
+        tiny.generate([1, 2], max_new_tokens=2, temperature=1.0, seed=2**70)
+    with pytest.raises(InputError, match=r"--seed"):
+        tiny.generate([1, 2], max_new_tokens=2, seed=-1)
 
 
 def test_cli_turns_input_error_into_one_line():

@@ -201,11 +201,19 @@ def test_interrupted_campaign_resumes_without_redoing_finished_cells(tiny, tmp_p
     assert len(after) == 8
 
 
+def _six_gpus(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
+
+
 def test_gpu_lanes_run_each_block_whole_on_one_gpu(tiny, tmp_path, monkeypatch):
-    spec_path = write_spec(tmp_path, toml(tiny))
+    spec_path = write_spec(tmp_path, toml(tiny, 'device = "cuda"'))
     out = tmp_path / "run"
     fake = FakeCells()
     monkeypatch.setattr(campaign, "_launch", fake)
+    _six_gpus(monkeypatch)
     s = run_campaign(spec_path, out, progress=False, echo=lambda line: None, gpus=["3", "5"])
     assert (s.ok, s.failed, s.pending) == (8, 0, 0)
     cells = plan(load_spec(spec_path))
@@ -216,10 +224,28 @@ def test_gpu_lanes_run_each_block_whole_on_one_gpu(tiny, tmp_path, monkeypatch):
         assert lane == [record_path(out, c).name for c in cells if c.block == b]
 
 
-@pytest.mark.parametrize("gpus", [[], ["0", "0"], ["a"]])
-def test_bad_gpu_lists_are_refused(tiny, tmp_path, gpus):
+@pytest.mark.parametrize("gpus", [[], ["0", "0"], ["a"], ["7"]])
+def test_bad_gpu_lists_are_refused(tiny, tmp_path, gpus, monkeypatch):
+    _six_gpus(monkeypatch)
     with pytest.raises(InputError, match="--gpus"):
-        run_campaign(write_spec(tmp_path, toml(tiny)), tmp_path / "run", progress=False, gpus=gpus)
+        run_campaign(write_spec(tmp_path, toml(tiny, 'device = "cuda"')), tmp_path / "run", progress=False,
+                     gpus=gpus)
+
+
+def test_gpu_lanes_never_share_a_cpu_or_run_without_cuda(tiny, tmp_path, monkeypatch):
+    """Two CPU cells at once would share the cores of one timing run: refused, not run."""
+    fake = FakeCells()
+    monkeypatch.setattr(campaign, "_launch", fake)
+    with pytest.raises(InputError, match="share its cores"):
+        run_campaign(write_spec(tmp_path, toml(tiny)), tmp_path / "run", progress=False, gpus=["0", "1"])
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(InputError, match="has none"):
+        run_campaign(write_spec(tmp_path, toml(tiny, 'device = "cuda"')), tmp_path / "run", progress=False,
+                     gpus=["0"])
+    assert fake.calls == []
 
 
 def test_stop_after_leaves_the_rest_pending_for_a_resume(tiny, tmp_path, monkeypatch):

@@ -19,6 +19,8 @@ from sparsedecode.errors import InputError
 # Families whose decoder carries extra per-layer parameters we must count.
 _QKV_BIAS = {"qwen2"}
 _QK_NORM = {"qwen3"}
+# Fields of a mixture-of-experts config (Mixtral, Qwen-MoE, DeepSeek-MoE): more than one expert.
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,12 @@ class ModelDims:
         if "text_config" in config and "hidden_size" not in config:
             config = config["text_config"]
 
+        def count(key: str, value):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InputError(f"config field '{key}' is {value!r}, expected a positive whole number; "
+                                 "fix it in config.json")
+            return value
+
         def need(key: str) -> int:
             if config.get(key) is None:
                 raise InputError(
@@ -120,13 +128,21 @@ class ModelDims:
                     "Llama/Mistral/Qwen2/Qwen3 config has hidden_size, intermediate_size, "
                     "num_hidden_layers, num_attention_heads and vocab_size)"
                 )
-            return config[key]
+            return count(key, config[key])
 
+        experts = {k: config.get(k) for k in _EXPERT_FIELDS if config.get(k) not in (None, 0, 1)}
+        if experts:
+            raise InputError(
+                "config describes a mixture of experts (" + ", ".join(f"{k}={v}" for k, v in experts.items())
+                + "): a decode step reads only the experts its token is routed to, and the account and "
+                "the engine price and run dense MLPs; mixture-of-experts models are not supported")
         d = need("hidden_size")
         n_heads = need("num_attention_heads")
         # HF's own default: no num_key_value_heads means multi-head attention.
-        n_kv = config.get("num_key_value_heads") or n_heads
+        n_kv = count("num_key_value_heads", config.get("num_key_value_heads") or n_heads)
         head_dim = config.get("head_dim")
+        if head_dim is not None:
+            head_dim = count("head_dim", head_dim)
         if head_dim is None:
             if d % n_heads:
                 raise InputError(
@@ -169,10 +185,12 @@ def load_config(ref: str | os.PathLike | dict) -> tuple[dict, str]:
     if p.is_dir():
         p = p / "config.json"
     if p.is_file():
-        try:
-            return json.loads(p.read_text()), p.parent.name if p.name == "config.json" else p.stem
-        except json.JSONDecodeError as e:
-            raise InputError(f"{p} is not valid JSON ({e}); pass a HF config.json") from e
+        from sparsedecode.textfile import read_json
+
+        cfg = read_json(p, "config")
+        if not isinstance(cfg, dict):
+            raise InputError(f"config {p} holds a JSON {type(cfg).__name__}, expected an object; pass a HF config.json")
+        return cfg, p.parent.name if p.name == "config.json" else p.stem
     ref = str(ref)
     if ref.count("/") == 1 and not ref.startswith((".", "/")) and not ref.endswith(".json"):
         return _hub_config(ref), ref

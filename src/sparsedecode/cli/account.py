@@ -47,6 +47,22 @@ def _sizes(weight_bytes: str, kv_bytes: str) -> tuple[float, float]:
     )
 
 
+def _refuse_leading_options(ctx: typer.Context) -> None:
+    """Options of `account` itself given before a sub-command would be silently dropped:
+    refuse them, naming where they go."""
+    def explicit(name: str) -> bool:  # by name: typer may carry its own click and its enum
+        src = ctx.get_parameter_source(name)
+        return src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")
+
+    given = [p for p in ctx.command.params if explicit(p.name)]
+    if given:
+        flags = " ".join(p.opts[0] for p in given)
+        raise InputError(
+            f"{flags} before '{ctx.invoked_subcommand}' would be ignored: options go after the "
+            f"sub-command (sparsedecode account {ctx.invoked_subcommand} {flags} ...; see "
+            f"sparsedecode account {ctx.invoked_subcommand} --help)")
+
+
 def _tokens_str(n: float | None) -> str:
     if n is None or n == float("inf"):
         return "never (the KV branch removes nothing)"
@@ -96,6 +112,7 @@ def account(
 ) -> None:
     """Crossover n*, byte bounds at a context, batched / fixed-budget crossovers, traffic table."""
     if ctx.invoked_subcommand is not None:
+        _refuse_leading_options(ctx)
         return
     dims = acc.resolve_dims(model, config)
     r_sparse, r_kv = check_keep(rp, "--rp"), check_keep(rkv, "--rkv")

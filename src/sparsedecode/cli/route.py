@@ -51,7 +51,7 @@ def build(
     """Score every token id on routing text: mean excess loss of the CATS path over dense."""
     import sparsedecode
     from sparsedecode.account.units import parse_tokens
-    from sparsedecode.projection.routing import UNSEEN, build_routing_table, check_cats
+    from sparsedecode.projection.routing import UNSEEN, build_routing_table, check_cats, file_sha256
     from sparsedecode.projection.thresholds import Thresholds
     from sparsedecode.quality.data import require_tokens, text_ids, wikitext_path
 
@@ -67,7 +67,7 @@ def build(
     require_tokens(ids, n, path)
     table = build_routing_table(eng, th, ids[:n], window=w, unseen=unseen, thresholds_file=thresholds,
                                 text=f"{path.name}[:{n}]", text_path=str(path.resolve()),
-                                progress=not json_out)
+                                text_sha256=file_sha256(path), text_start=0, progress=not json_out)
     written = table.save(out)
     if json_out:
         emit_json({"out": str(written), **table.header()})
@@ -104,7 +104,12 @@ def calibrate(
     """Choose tau so the routed fraction on held-out text is closest to the target."""
     from sparsedecode.account.units import parse_tokens
     from sparsedecode.projection.calibrate import MIN_TOKENS
-    from sparsedecode.projection.routing import RoutingTable, calibrate_routing
+    from sparsedecode.projection.routing import (
+        RoutingTable,
+        calibrate_routing,
+        file_sha256,
+        held_out_start,
+    )
     from sparsedecode.quality.data import text_ids, wikitext_path
 
     r = parse_float(target, "--target")
@@ -119,9 +124,9 @@ def calibrate(
         path = Path(recorded)
     else:
         path = wikitext_path("valid")
+    skip, why = held_out_start(table, path, explicit=text_file is not None)  # before any tokenizing
     tok = _tokenizer(model or table.model, json_out)
     ids = text_ids(tok, path)
-    skip = table.text.get("tokens", 0) if recorded and Path(recorded).resolve() == path.resolve() else 0
     held = ids[skip : skip + n]
     if len(held) < MIN_TOKENS:
         raise InputError(
@@ -129,7 +134,9 @@ def calibrate(
             f"than {MIN_TOKENS}; pass --text-file with other held-out text"
         )
     source = f"{path.name}[{skip}:{skip + len(held)}]"
-    table = calibrate_routing(table, tok, held, r, text=source)
+    table = calibrate_routing(table, tok, held, r, text=source,
+                              held_out={"path": str(path.resolve()), "sha256": file_sha256(path), "start": skip,
+                                        "why": why})
     written = table.save(table_path)
     result = {"table": str(written), "model": table.model, "tau": table.tau, "target": table.target,
               "routed": table.routed, "held_out": table.held_out}

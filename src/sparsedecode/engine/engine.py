@@ -398,7 +398,7 @@ class Engine:
                seed: int | None = None, stop_ids: Sequence[int] | None = None,
                timing: Generation | None = None) -> Iterator[int]:
         """Yield new token ids after prefilling ids, stopping after an EOS id or max_new_tokens."""
-        check_sampling(temperature, top_p)
+        check_sampling(temperature, top_p, seed)
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = self._as_ids(ids)

@@ -78,16 +78,16 @@ class ModelArgs:
             head_dim=dims.head_dim,
             d_ff=dims.d_ff,
             vocab=dims.vocab,
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            norm_eps=_number(cfg, "rms_norm_eps", 1e-5, float),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position=int(cfg.get("max_position_embeddings") or 4096),
+            max_position=_number(cfg, "max_position_embeddings", 4096, int),
             tie_embeddings=dims.tie_embeddings,
             qkv_bias=dims.qkv_bias,
             o_bias=dims.o_bias,
             mlp_bias=dims.mlp_bias,
             qk_norm=dims.qk_norm,
-            sliding_window=int(window) if window else None,
+            sliding_window=_number({"sliding_window": window}, "sliding_window", None, int) if window else None,
             bos_id=cfg.get("bos_token_id"),
             eos_ids=tuple(int(e) for e in eos_ids),
             name=dims.name,
@@ -126,11 +126,26 @@ class ModelArgs:
             )
 
 
+def _number(cfg: dict, key: str, default, kind: type):
+    """cfg[key] as a positive `kind` (int or float), `default` when absent; InputError otherwise."""
+    import math
+
+    v = cfg.get(key)
+    if v is None:
+        return default
+    ok = not isinstance(v, bool) and (isinstance(v, int) if kind is int else isinstance(v, int | float))
+    if not ok or not math.isfinite(v) or v <= 0:
+        raise InputError(f"config field '{key}' is {v!r}, expected a positive "
+                         f"{'whole number' if kind is int else 'number'}; fix it in config.json")
+    return kind(v)
+
+
 def _rope(cfg: dict) -> tuple[float, dict | None]:
     """(theta, scaling) from `rope_theta`/`rope_scaling` (4.x) or `rope_parameters` (5.x)."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or params)
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))))
+    theta = _number({"rope_theta": params.get("rope_theta", cfg.get("rope_theta", scaling.get("rope_theta")))},
+                    "rope_theta", 10000.0, float)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise InputError(

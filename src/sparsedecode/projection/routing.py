@@ -167,9 +167,28 @@ class RoutingTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTable:
         """Read a file written by `save`; anything else is an InputError."""
+        from sparsedecode.stfile import fit_header
+
         tensors, header = load_with_header(path, FORMAT, "routing table", "sparsedecode route build",
                                            keys={"scores", "count"})
-        return cls(scores=tensors["scores"], count=tensors["count"], **header)
+        fields = tuple(f for f in cls.__dataclass_fields__ if f not in ("scores", "count"))
+        header = fit_header(header, fields, ("model", "vocab", "tokenizer", "thresholds", "text"), path,
+                            "routing table")
+        for key, lo, hi in (("tau", -math.inf, math.inf), ("target", 0.0, 1.0), ("routed", 0.0, 1.0)):
+            v = header.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+                                  or not lo <= v <= hi):
+                raise InputError(f"{path}: header {key} is {v!r}" + ("" if key == "tau" else ", outside [0, 1]")
+                                 + "; calibrate the table again (sparsedecode route calibrate)")
+        scores, count = tensors["scores"], tensors["count"]
+        if torch.isinf(scores).any():
+            raise InputError(f"{path}: the routing scores hold infinities; build the table again")
+        if (count < 0).any():
+            raise InputError(f"{path}: negative occurrence counts; build the table again")
+        try:
+            return cls(scores=scores, count=count, **header)
+        except (InputError, TypeError) as err:
+            raise InputError(f"{path}: {err}") from None
 
 
 def _describe(fingerprint: dict) -> str:
@@ -177,6 +196,40 @@ def _describe(fingerprint: dict) -> str:
         return "no tokenizer"
     return (f"a tokenizer of {fingerprint['vocab']:,} tokens "
             f"(vocabulary sha256 {fingerprint['sha256'][:12]})")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes (identifies a routing text wherever it lies)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def held_out_start(table: RoutingTable, path: str | os.PathLike, explicit: bool) -> tuple[int, str]:
+    """(first token of held-out text in `path`, why) for calibrating `table`: after the table's
+    routing range when `path` holds the routing text, 0 when it is other text the user gave.
+    Refuses when that cannot be told, so tau is never calibrated on the routing tokens."""
+    rec = table.text or {}
+    sha, start, n = rec.get("sha256"), int(rec.get("start") or 0), int(rec.get("tokens") or 0)
+    here = file_sha256(path)
+    if sha is not None:
+        if here == sha:
+            return start + n, f"the routing text after its {n:,} routing tokens from {start:,}"
+        if explicit:
+            return 0, "other text than the routing text (its sha256 differs)"
+        raise InputError(
+            f"the table's routing text (sha256 {sha[:12]}, recorded at {rec.get('path')}) is not at {path}: "
+            "pass --text-file with that text (calibration then starts after its routing tokens) or with "
+            "other held-out text")
+    same_path = rec.get("path") and Path(rec["path"]).resolve() == Path(path).resolve()
+    if same_path:
+        return start + n, f"the routing text after its {n:,} routing tokens (same path; the table has no hash)"
+    raise InputError(
+        "the table records no hash of its routing text, so held-out text cannot be told apart from "
+        f"the {n:,} routing tokens ({rec.get('source') or 'unknown text'}): build the table again with "
+        "this version of sparsedecode route build")
 
 
 def _ids(ids, vocab: int) -> torch.Tensor:
@@ -239,9 +292,12 @@ def token_scores(tokens: torch.Tensor, l_dense: torch.Tensor, l_sparse: torch.Te
 
 def build_routing_table(engine, thresholds, ids, *, window: int = WINDOW, unseen: str = "dense",
                         thresholds_file: str | None = None, text: str = "",
-                        text_path: str | None = None, progress: bool = False) -> RoutingTable:
+                        text_path: str | None = None, text_sha256: str | None = None,
+                        text_start: int = 0, progress: bool = False) -> RoutingTable:
     """The routing table of `thresholds` (a CATS/SATS `Thresholds` or its file) for
-    `engine`'s model from routing ids (N,) (SATS §3.2). Needs at least MIN_TOKENS ids."""
+    `engine`'s model from routing ids (N,) (SATS §3.2). Needs at least MIN_TOKENS ids.
+    The table records its text (path, content sha256, start offset in tokens, token count) so
+    that calibration can hold out what follows (`cli route calibrate`)."""
     if unseen not in UNSEEN:
         raise InputError(f"unseen must be 'dense' or 'sparse', got {unseen!r}")
     if not isinstance(thresholds, Thresholds):
@@ -264,8 +320,8 @@ def build_routing_table(engine, thresholds, ids, *, window: int = WINDOW, unseen
         tokenizer=tokenizer_fingerprint(engine.tokenizer),
         thresholds={"file": thresholds_file, "method": thresholds.method, "keep": thresholds.keep,
                     "keep_metric": thresholds.keep_metric, "model": thresholds.model},
-        text={"source": text, "path": text_path, "tokens": int(ids.numel()),
-              "window": min(window, engine.max_len)},
+        text={"source": text, "path": text_path, "sha256": text_sha256, "start": int(text_start),
+              "tokens": int(ids.numel()), "window": min(window, engine.max_len)},
         unseen=unseen,
         stats={"positions": int(tokens.numel()), "distinct_tokens": int((count > 0).sum()),
                "loss_dense": float(l_dense.mean()), "loss_sparse": float(l_sparse.mean()),
@@ -299,7 +355,7 @@ def routing_curve(table: RoutingTable, ids) -> tuple[list[float], list[float]]:
 
 
 def calibrate_routing(table: RoutingTable, engine, held_out_ids, target: float, *,
-                      text: str = "") -> RoutingTable:
+                      text: str = "", held_out: dict | None = None) -> RoutingTable:
     """A copy of `table` with tau* = argmin |R(tau) - target| on held-out ids (N,)
     (SATS §3.2: 25/50/75% targets), and the realized R(tau*). `engine` is the Engine
     (or just its tokenizer: calibration runs no model) whose tokenizer must match."""
@@ -321,11 +377,12 @@ def calibrate_routing(table: RoutingTable, engine, held_out_ids, target: float, 
     k = min(range(len(taus)), key=lambda i: (abs(fracs[i] - target), i))
     return dataclasses.replace(
         table, tau=float(taus[k]), target=target, routed=float(fracs[k]),
-        held_out={"source": text, "tokens": int(ids.numel())},
+        held_out={"source": text, **(held_out or {}), "tokens": int(ids.numel())},
     )
 
 
 __all__ = [
-    "FORMAT", "RoutingTable", "build_routing_table", "calibrate_routing", "check_cats",
+    "FORMAT", "RoutingTable", "build_routing_table", "calibrate_routing", "check_cats", "file_sha256",
+    "held_out_start",
     "position_losses", "routing_curve", "token_scores", "tokenizer_fingerprint",
 ]

@@ -35,6 +35,7 @@ SITES = INPUT_SITES + (ACT_SITE,)
 MODULE_OF = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 SHAPE_FIELDS = ("n_layers", "d", "d_ff", "n_heads", "n_kv_heads", "head_dim")
+METHODS = ("teal", "cats", "sats")  # the calibrators that write thresholds (projection.calibrate)
 FORMAT = "sparsedecode-thresholds/1"
 _KEY = re.compile(r"^layers\.(\d+)\.([a-z]+)$")
 
@@ -117,8 +118,35 @@ class Thresholds:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Thresholds:
         """Read a file written by `save`; anything else is an InputError."""
+        import math
+
+        from sparsedecode.stfile import fit_header
+
         tensors, header = load_with_header(path, FORMAT, "thresholds file", "sparsedecode calibrate")
-        return cls(values={k: float(t) for k, t in tensors.items()}, **header)
+        fields = tuple(f for f in cls.__dataclass_fields__ if f != "values")
+        header = fit_header(header, fields, ("method", "keep", "model", "dims"), path, "thresholds file")
+        if header["method"] not in METHODS:
+            raise InputError(f"{path}: thresholds of unknown method {header['method']!r} (one of "
+                             f"{', '.join(METHODS)}); make them with sparsedecode calibrate")
+        keep = header["keep"]
+        if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0 < keep <= 1:
+            raise InputError(f"{path}: header keep is {keep!r}, outside (0, 1]; make the file again "
+                             "with sparsedecode calibrate")
+        if not isinstance(header["dims"], dict):
+            raise InputError(f"{path}: header dims is {header['dims']!r}, expected the model's dims")
+        values = {}
+        for k, t in tensors.items():
+            if t.numel() != 1:
+                raise InputError(f"{path}: threshold {k} holds {t.numel()} values, expected one")
+            v = float(t)
+            if not math.isfinite(v) or v < 0:
+                raise InputError(f"{path}: threshold {k} is {v}; thresholds are finite and >= 0 "
+                                 "(make the file again with sparsedecode calibrate)")
+            values[k] = v
+        try:
+            return cls(values=values, **header)
+        except InputError as err:
+            raise InputError(f"{path}: {err}") from None
 
     # -- checks --------------------------------------------------------------
     def validate(self, dims: ModelDims) -> str | None:

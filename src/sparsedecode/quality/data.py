@@ -45,7 +45,9 @@ def text_ids(tokenizer, path: str | os.PathLike) -> list[int]:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns, id(tokenizer))
     if key not in _CACHE:
-        text = path.read_text(encoding="utf-8")
+        from sparsedecode.textfile import read_text
+
+        text = read_text(path, "text file")
         if not text.strip():
             raise InputError(f"{path} is empty: give a text file with some text in it")
         _CACHE[key] = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])

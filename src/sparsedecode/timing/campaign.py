@@ -141,12 +141,10 @@ def _toml():
 
 def load_spec(path: str | os.PathLike) -> CampaignSpec:
     """Read and validate a campaign TOML; every error names the file and the field."""
+    from sparsedecode.textfile import read_text
+
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"cannot read campaign spec {path}: {e}") from None
-    return parse_spec(text, where=str(path))
+    return parse_spec(read_text(path, "campaign spec"), where=str(path))
 
 
 def parse_spec(text: str, where: str = "campaign spec") -> CampaignSpec:
@@ -359,8 +357,8 @@ def _write_text(path: Path, text: str) -> None:
 
 def _read(path: Path) -> dict | None:
     try:
-        rec = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # unreadable, not UTF-8 or not JSON: the cell is retried
         return None
     return rec if isinstance(rec, dict) else None
 
@@ -402,6 +400,23 @@ class Summary:
         return out
 
 
+def _check_gpus(gpus: list[str], spec) -> None:
+    """Lanes on GPUs need a CUDA spec and those GPUs: two CPU cells at once would share the
+    cores of one timing run, and a lane on a missing GPU would time nothing."""
+    if spec.device == "cpu":
+        raise InputError("--gpus runs lanes of cells at once, and this spec times on the CPU: two cells "
+                         "would share its cores; drop --gpus (CPU cells run one after another)")
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        raise InputError("--gpus needs CUDA GPUs and this machine has none; drop --gpus or run on a GPU host")
+    missing = [g for g in gpus if int(g) >= have]
+    if missing:
+        raise InputError(f"--gpus {','.join(gpus)}: this machine has {have} GPU(s) (ids 0-{have - 1}); "
+                         f"{','.join(missing)} do not exist")
+
+
 def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, executor: str = "local", *,
                  python: str | None = None, max_cells: int | None = None, progress: bool = True,
                  echo: Callable[[str], None] | None = None, gpus: list[str] | None = None,
@@ -423,6 +438,8 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
         raise InputError(f"--stop-after must be > 0 seconds, got {stop_after}")
     folder = Path(folder)
     spec = load_spec(spec_path)
+    if gpus is not None:
+        _check_gpus(gpus, spec)
     cells = plan(spec)
     check_cells(cells)  # before the folder is bound to the spec: a fixed spec can still use it
     prepare(folder, spec_path, spec)
