@@ -40,11 +40,46 @@ account_app = typer.Typer(
 app.add_typer(account_app, name="account")
 
 
+MAX_ELEMENT_BYTES = 8  # float64: larger element sizes are no format, and overflow the byte sums
+
+
 def _sizes(weight_bytes: str, kv_bytes: str) -> tuple[float, float]:
-    return (
-        parse_float(weight_bytes, "--weight-bytes", positive=True),
-        parse_float(kv_bytes, "--kv-bytes", positive=True),
-    )
+    out = []
+    for text, flag in ((weight_bytes, "--weight-bytes"), (kv_bytes, "--kv-bytes")):
+        v = parse_float(text, flag, positive=True)
+        if not v <= MAX_ELEMENT_BYTES:
+            raise InputError(f"{flag} {text} is not an element size: give bytes per element up to "
+                             f"{MAX_ELEMENT_BYTES} (2 = 16-bit, 0.5 = 4-bit)")
+        out.append(v)
+    return out[0], out[1]
+
+
+def _window(model: str | None, config: str | None) -> int | None:
+    """The model's window (max_position_embeddings), when its config says."""
+    try:
+        cfg = acc.known_model(model).config if model else acc.load_config(config)[0] if config else {}
+    except InputError:
+        return None
+    w = cfg.get("max_position_embeddings")
+    return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
+
+
+def _window_notes(out: dict, window: int | None) -> list[str]:
+    """Say where a context or a crossover lies beyond the model window (the account still
+    counts its bytes, but the model cannot decode there)."""
+    if window is None:
+        return []
+    notes = []
+    for key, what in (("context", "--context"), ("crossover_exact", "the crossover n*"),
+                      ("crossover_ff_exact", "the feed-forward-only crossover")):
+        v = out.get(key)
+        if isinstance(v, int | float) and v != float("inf") and v > window:
+            notes.append(f"{what} ({fmt_k(v)}) lies beyond the model window of {fmt_k(window)} "
+                         f"({window:,} tokens): the model cannot decode there")
+    for row in out.get("traffic", []):
+        if row["context"] > window:
+            notes.append(f"--contexts {fmt_k(row['context'])} lies beyond the model window of {fmt_k(window)}")
+    return notes
 
 
 def _refuse_leading_options(ctx: typer.Context) -> None:
@@ -181,6 +216,11 @@ def account(
                 "--cost-proj 2.0 --cost-kv 0.3 --bandwidth 1600"
             )
         cp, ck = parse_float(cost_proj, "--cost-proj"), parse_float(cost_kv, "--cost-kv")
+        for flag, v in (("--cost-proj", cp), ("--cost-kv", ck)):
+            if not (v >= 0 and v != float("inf")):
+                raise InputError(f"{flag} {v:g} is not a kernel cost: the time a step takes above its byte "
+                                 "time, in ms, >= 0 (a measured cost below 0 means the step beat its byte "
+                                 "time: use 0)")
         bw = parse_float(bandwidth, "--bandwidth", positive=True)
         nl = acc.latency_crossing(dims, r_p, r_kv, cp, ck, bw, ff_only, s_w, s_kv)
         out["latency"] = {
@@ -199,6 +239,7 @@ def account(
     if contexts is not None:
         ns = acc.parse_token_list(contexts, "--contexts")
         out["traffic"] = acc.traffic_table(dims, ns, r_p, r_kv, ff_only, s_w, s_kv)
+    out["notes"] = _window_notes(out, _window(model, config))
     if json_out:
         emit_json(out)
     else:
@@ -216,6 +257,8 @@ def _print_account(out: dict) -> None:
         f"{d['n_heads']} query / {d['n_kv_heads']} KV heads of {d['head_dim']}, "
         f"vocab {d['vocab']}; weights {out['weight_bytes']:g} B, KV {out['kv_bytes']:g} B per element"
     )
+    for note in out.get("notes", []):
+        con.print(f"note: {note}")
     sites = "feed-forward projections" if out["ff_only"] else "seven projections"
     rt = out.get("routing")
     rp = out["rp"] if rt is None else rt["effective_keep"]

@@ -130,8 +130,10 @@ def campaign_run(
     json_out: JsonOpt = False,
 ) -> None:
     """Run every pending cell of a campaign; finished cells are skipped, failed ones retried."""
+    from sparsedecode.cli.common import check_out_dir
     from sparsedecode.timing.campaign import run_campaign
 
+    check_out_dir(out, "--out")
     summary = run_campaign(spec, out, executor=executor, max_cells=max_cells, progress=not json_out,
                            echo=(lambda line: None) if json_out else None,
                            gpus=gpus.split(",") if gpus is not None else None, stop_after=stop_after)

@@ -17,7 +17,16 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import DeviceOpt, DtypeOpt, FfOnlyOpt, JsonOpt, emit_json
+from sparsedecode.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    FfOnlyOpt,
+    JsonOpt,
+    check_engine_args,
+    check_new_file,
+    check_text_file,
+    emit_json,
+)
 from sparsedecode.errors import InputError
 
 
@@ -51,6 +60,9 @@ def calibrate(
     n_cal = parse_tokens(tokens, "--tokens")
     n_eval = 0 if str(eval_tokens).strip() == "0" else parse_tokens(eval_tokens, "--eval-tokens")
     cal_path = wikitext_path("valid", text_file)
+    check_new_file(out, "--out", ".safetensors")
+    check_text_file(cal_path)
+    check_engine_args(device, dtype)
 
     eng = sparsedecode.load(model, device=device, dtype=dtype, quiet=json_out)
     ids = text_ids(eng.tokenizer, cal_path)

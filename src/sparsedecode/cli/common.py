@@ -84,3 +84,52 @@ def check_out_file(path: str, flag: str, suffix: str | None = None):
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         raise InputError(f"{flag} {path}: cannot write under {probe}; pick a writable place")
     return p
+
+
+def check_engine_args(device: str, dtype: str, max_len: int | None = None, attention: str = "split_k") -> None:
+    """The engine options of a command, checked before its model loads (flags named)."""
+    from sparsedecode.engine.attention import get_backend
+    from sparsedecode.engine.device import check_dtype, resolve_device, resolve_dtype
+    from sparsedecode.errors import InputError
+
+    get_backend(attention)
+    dev = resolve_device(device)
+    check_dtype(dev, resolve_dtype(dtype, dev))
+    if max_len is not None and max_len < 1:
+        raise InputError(f"--max-len must be >= 1 token, got {max_len}")
+
+
+def check_new_file(path: str, flag: str, suffix: str | None = None):
+    """`check_out_file`, and refuse a file that exists (results are never overwritten)."""
+    from sparsedecode.errors import InputError
+
+    p = check_out_file(path, flag, suffix)
+    if p.exists():
+        raise InputError(f"{flag} {path} exists; pick a new path (or delete the old file first)")
+    return p
+
+
+def check_out_dir(path: str, flag: str):
+    """An output folder checked before any work: not an existing file, and writable."""
+    import os
+    from pathlib import Path
+
+    from sparsedecode.errors import InputError
+
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InputError(f"{flag} {path} is a file; give a folder")
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise InputError(f"{flag} {path}: cannot write under {probe}; pick a writable place")
+    return p
+
+
+def check_text_file(path) -> None:
+    """A text input read as UTF-8 before the model loads (a bad file fails first)."""
+    from sparsedecode.textfile import read_text
+
+    read_text(path, "text file")
+

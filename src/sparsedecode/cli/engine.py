@@ -37,7 +37,7 @@ def generate(
                                 "--thresholds by its token id."),
     kv: str = typer.Option(None, "--kv", help="KV branch after the prefill: snapkv (attention-scored "
                            "selection) or window (4 sinks + recent entries)."),
-    kv_keep: float = typer.Option(None, "--kv-keep", help="Fraction of the prompt's KV entries "
+    kv_keep: str = typer.Option(None, "--kv-keep", help="Fraction of the prompt's KV entries "
                                   "decoding reads, in (0, 1]; needs --kv."),
     gate: str = typer.Option(None, "--gate", help="Gate table (sparsedecode dispatch table): decode under "
                              "the admissible configuration of least predicted cost for this prompt and "
@@ -46,10 +46,26 @@ def generate(
 ):
     """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
     import sparsedecode
+    from sparsedecode.account.units import check_keep
+    from sparsedecode.cli.common import check_engine_args
+    from sparsedecode.engine.sampling import check_sampling
     from sparsedecode.errors import InputError
 
+    # every argument is checked before the model loads
+    check_sampling(temperature, top_p, seed)
+    if max_new_tokens < 0:
+        raise InputError(f"--max-new-tokens must be >= 0 new tokens, got {max_new_tokens}")
+    check_engine_args(device, dtype, max_len, attention)
     if thresholds is not None and proj_keep is not None:
         raise InputError("give --thresholds FILE or --proj-keep K, not both")
+    if proj_keep is not None:
+        check_keep(proj_keep, "--proj-keep")
+    if kv is not None:
+        from sparsedecode.kv.select import get_selector
+
+        get_selector(kv)
+    if kv_keep is not None:
+        check_keep(kv_keep, "--kv-keep")
     if gate is not None and (thresholds, proj_keep, kv, routing) != (None, None, None, None):
         raise InputError("--gate chooses the configuration per request: drop --thresholds, --proj-keep, "
                          "--kv/--kv-keep and --routing, or drop --gate")
@@ -69,8 +85,13 @@ def generate(
                              "--thresholds FILE (a cats or sats file) too")
         table = RoutingTable.load(routing)  # a bad file fails before the model loads
         table.sparse_of()  # and so does an uncalibrated one
+    th = None
+    if thresholds is not None:
+        from sparsedecode.projection.thresholds import Thresholds
+
+        th = Thresholds.load(thresholds)
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
-                            attention=attention, quiet=as_json, thresholds=thresholds, gate=gate)
+                            attention=attention, quiet=as_json, thresholds=th, gate=gate)
     if table is not None:
         eng.route(table)
     if proj_keep is not None:
@@ -81,7 +102,7 @@ def generate(
     if kv is not None:
         from sparsedecode.engine.config import KVConfig
 
-        eng.kv_config = KVConfig(kv, kv_keep)
+        eng.kv_config = KVConfig(kv, check_keep(kv_keep, "--kv-keep"))
         from sparsedecode.kv.select import get_selector
 
         get_selector(kv)  # an unknown method fails before the prefill

@@ -79,6 +79,10 @@ def ppl(
     _check_run(protocol, kv_config, chunks=chunks, windows=windows, length=length, scored=scored,
                resamples=resamples, level=level)
     path = wikitext_path("test", text_file)
+    from sparsedecode.cli.common import check_engine_args, check_text_file
+
+    check_text_file(path)
+    check_engine_args(device, dtype)
     need = CHUNK if protocol == "chunked" else length
 
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import JsonOpt, emit_json, parse_float
+from sparsedecode.cli.common import JsonOpt, check_out_dir, emit_json, parse_float
 
 
 @app.command("report")
@@ -37,6 +37,8 @@ def report(
     from sparsedecode.report.timing_report import write_report
 
     peak = parse_float(peak_gbps, "--peak-gbps", positive=True) if peak_gbps is not None else None
+    if out is not None:
+        check_out_dir(out, "--out")
     rep, md = write_report(folder, out, peak, figures=not no_figures)
     if json_out:
         emit_json(rep)

@@ -1,0 +1,177 @@
+"""Bad input on every command (issue 28, item 7): each case exits with its code and a message
+naming what to change; none prints a traceback, and none loads a model before refusing.
+
+Cases run in-process through `sparsedecode.cli.main`, as the console script does: an exception
+other than the one-line InputError would escape here and fail the case. `sparsedecode.load` is
+replaced by a function that fails the case, so a command that loads its model before checking
+its arguments is caught (item 3, 'check before work')."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparsedecode.cli import main
+
+PAPER = Path(__file__).resolve().parents[2].parent / "shared/data/bytecross-records/sweep_a100"
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100, max_position_embeddings=256)
+
+# (argv with {t} for the tmp folder, exit code, a fragment of stderr[, "loads": the error comes from
+# loading the model itself])
+CASES = [
+    # account
+    ("account --model llama-3.1-8b --rp 1.5", 2, "outside (0, 1]"),
+    ("account --model llama-3.1-8b --rp abc", 2, "--rp"),
+    ("account --model llama-3.1-8b --rkv 0", 2, "--rkv"),
+    ("account --model no-such-model", 2, "no-such-model"),
+    ("account --model llama-3.1-8b --context 12Q", 2, "not a token count"),
+    ("account --model llama-3.1-8b --context 0", 2, "positive number of tokens"),
+    ("account --model llama-3.1-8b --batch 4", 2, "go together"),
+    ("account --model llama-3.1-8b --batch 4 --union 0.3", 2, "below --rp"),
+    ("account --model llama-3.1-8b --batch 0 --union 0.9", 2, "batch"),
+    ("account --model llama-3.1-8b --cost-proj -1 --cost-kv 0 --bandwidth 100", 2, "not a kernel cost"),
+    ("account --model llama-3.1-8b --cost-proj 1", 2, "go together"),
+    ("account --model llama-3.1-8b --cost-proj 1 --cost-kv 1 --bandwidth -5", 2, "--bandwidth"),
+    ("account --model llama-3.1-8b --weight-bytes 0", 2, "--weight-bytes"),
+    ("account --model llama-3.1-8b --kv-bytes 1e308", 2, "not an element size"),
+    ("account --model llama-3.1-8b --routed 2", 2, "--routed"),
+    ("account --model llama-3.1-8b --contexts 2K,abc", 2, "not a token count"),
+    ("account --model llama-3.1-8b --budget -4", 2, "--budget"),
+    ("account --rp 0.9 plot --model llama-3.1-8b --out {t}/x.png", 2, "would be ignored"),
+    ("account --config {t}/none.json", 2, "none.json"),
+    ("account --config {t}/latin1.json", 2, "not UTF-8"),
+    ("account --config {t}/moe.json", 2, "mixture of experts"),
+    ("account --config {t}/zero_heads.json", 2, "positive whole number"),
+    ("account --config {t}/string_dims.json", 2, "positive whole number"),
+    ("account --config {t}/list.json", 2, "expected an object"),
+    ("account --config {t}/broken.json", 2, "not valid JSON"),
+    ("account matched --model llama-3.1-8b --proj x --sel 0.3:0.01 --budget 0.2", 2, "KEEP:DELTA"),
+    # generate: everything checked before the model loads
+    ("generate --prompt hi --temperature nan", 2, "--temperature"),
+    ("generate --prompt hi --temperature -1", 2, "--temperature"),
+    ("generate --prompt hi --top-p 0", 2, "--top-p"),
+    ("generate --prompt hi --seed -5", 2, "--seed"),
+    ("generate --prompt hi --seed 99999999999999999999999", 2, "--seed"),
+    ("generate --prompt hi --thresholds {t}/a.st --proj-keep 0.5", 2, "not both"),
+    ("generate --prompt hi --kv snapkv", 2, "--kv-keep"),
+    ("generate --prompt hi --kv-keep 0.3", 2, "--kv"),
+    ("generate --prompt hi --kv magic --kv-keep 0.3", 2, "magic"),
+    ("generate --prompt hi --kv snapkv --kv-keep 1.5", 2, "outside (0, 1]"),
+    ("generate --prompt hi --proj-keep 2", 2, "outside (0, 1]"),
+    ("generate --prompt hi --thresholds {t}/none.safetensors", 2, "none.safetensors"),
+    ("generate --prompt hi --thresholds {t}/nan.safetensors", 2, "is nan"),
+    ("generate --prompt hi --routing {t}/none.st", 2, "--thresholds"),
+    ("generate --prompt hi --gate {t}/none.json", 2, "not found"),
+    ("generate --prompt hi --gate {t}/gate.json --proj-keep 0.5", 2, "--gate chooses"),
+    ("generate --prompt hi --attention foo", 2, "foo"),
+    ("generate --prompt hi --max-len 0", 2, "--max-len"),
+    ("generate --prompt hi --max-new-tokens -3", 2, "new tokens"),
+    ("generate --prompt hi --device tpu", 2, "tpu"),
+    ("generate --prompt hi --dtype int8", 2, "int8"),
+    ("generate --prompt hi --device cpu --model {t}/trunc.gguf", 2, "not a readable GGUF", "loads"),
+    ("generate --prompt hi --device cpu --model {t}/no_such_folder", 2, "no_such_folder", "loads"),
+    # calibrate
+    ("calibrate --method nope --keep 0.5 --out {t}/th.safetensors", 2, "nope"),
+    ("calibrate --keep 0 --out {t}/th.safetensors", 2, "keep"),
+    ("calibrate --out {t}", 2, "is a folder"),
+    ("calibrate --out {t}/exists.safetensors", 2, "exists"),
+    ("calibrate --out {t}/th.safetensors --text-file {t}/latin1.txt", 2, "not UTF-8"),
+    ("calibrate --out {t}/th.safetensors --tokens 12Q", 2, "not a token count"),
+    # report
+    ("report {t}/no_campaign", 2, "not found"),
+    ("report {t}/empty", 2, "no timing records"),
+    ("report {paper} --peak-gbps -1", 2, "--peak-gbps"),
+    ("report {paper} --out {t}/exists.safetensors", 2, "--out"),
+    # campaign
+    ("campaign run {t}/none.toml --out {t}/run", 2, "none.toml"),
+    ("campaign run {t}/latin1.toml --out {t}/run", 2, "not UTF-8"),
+    ("campaign run {t}/broken.toml --out {t}/run", 2, "broken.toml"),
+    ("campaign run {t}/cpu.toml --out {t}/run --gpus 0,1", 2, "share its cores"),
+    ("campaign run {t}/cpu.toml --out {t}/run --max-cells -1", 2, "--max-cells"),
+    ("campaign run {t}/cpu.toml --out {t}/run --executor foo", 2, "foo"),
+    ("campaign run {t}/cpu.toml --out {t}/exists.safetensors", 2, "--out"),
+    ("campaign status {t}/no_campaign", 2, "no_campaign"),
+    # bench cell
+    ("bench cell --model smollm2-135m --mode foo --context 256 --out {t}/c1.json", 2, "mode 'foo'"),
+    ("bench cell --model smollm2-135m --mode dense --context abc --out {t}/c2.json", 2, "not a token count"),
+    # dispatch
+    ("dispatch price {t}/no_campaign", 2, "no such folder"),
+    ("dispatch price {paper} --select-seconds -1", 2, "--select-seconds"),
+    ("dispatch price {paper} --select-seconds 0.2 --mix {t}/bad.csv", 2, "line 3"),
+    ("dispatch price {paper} --select-seconds 0.2 --seed -1", 2, "--seed"),
+    ("dispatch table {paper} --select-seconds 0.2 --out {t}", 2, "is a folder"),
+    ("dispatch check {t}/gate.json --model llama-3.1-8b --request 2K", 2, "PROMPT:ANSWER"),
+    # eval
+    ("eval admit --ppl {t}/none.json --passkey {t}/none.json --multikey {t}/none.json --budget 0.2", 2, "none.json"),
+    ("eval admit --ppl {t}/rec.json --passkey {t}/rec.json --multikey {t}/rec.json --budget lots", 2, "--budget"),
+    ("eval ppl --proj-keep 2", 2, "outside (0, 1]"),
+    ("eval ppl --kv snapkv", 2, "--kv-keep"),
+    ("eval ppl --text-file {t}/latin1.txt", 2, "not UTF-8"),
+    # route
+    ("route build --thresholds {t}/none.st --out {t}/r.st", 2, "none.st"),
+    ("route calibrate --table {t}/none.st", 2, "none.st"),
+    ("route calibrate --table {t}/none.st --target 2", 2, "--target"),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    t = tmp_path_factory.mktemp("bad")
+    (t / "latin1.json").write_bytes(b'{"name": "caf\xe9"}')
+    (t / "latin1.txt").write_bytes(b"caf\xe9 " * 100)
+    (t / "latin1.toml").write_bytes(b'name = "caf\xe9"\n')
+    (t / "broken.json").write_text('{"hidden_size": 64,')
+    (t / "broken.toml").write_text("name = [unclosed\n")
+    (t / "list.json").write_text("[1, 2]")
+    (t / "moe.json").write_text(json.dumps({**TINY, "num_local_experts": 8, "num_experts_per_tok": 2}))
+    (t / "zero_heads.json").write_text(json.dumps({**TINY, "num_attention_heads": 0}))
+    (t / "string_dims.json").write_text(json.dumps({**TINY, "hidden_size": "64"}))
+    (t / "exists.safetensors").write_bytes(b"x")
+    (t / "empty").mkdir()
+    (t / "gate.json").write_text(json.dumps({"kind": "gate_table"}))
+    (t / "rec.json").write_text(json.dumps({"kind": "ppl_eval"}))
+    (t / "bad.csv").write_text("prompt_tokens,answer_tokens\n100,20\n100,twenty\n")
+    (t / "trunc.gguf").write_bytes(b"GGUF\x03\x00\x00")
+    (t / "cpu.toml").write_text('name = "c"\nmodel = "smollm2-135m"\ninit = "pretrained"\ndevice = "cpu"\n'
+                                'dtype = "float32"\nblocks = 1\nrepeats = 2\nsteps = 3\nwarmup = 1\n'
+                                'fill = "prefill"\nseed = 0\n'
+                                '[[grid]]\ngroup = "g"\ncontexts = [256]\nmodes = ["dense"]\n')
+    import torch
+
+    from sparsedecode.projection.thresholds import FORMAT
+    from sparsedecode.stfile import save_with_header
+
+    save_with_header(t / "nan.safetensors", {"layers.0.q": torch.tensor(float("nan"))}, FORMAT,
+                     {"method": "teal", "keep": 0.5, "model": "m", "dims": {}})
+    return t
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0][:60] for c in CASES])
+def test_bad_input(case, files, capsys, monkeypatch):
+    argv, code, needle = case[:3]
+    if "loads" not in case[3:]:  # the error must come before any model loads
+        import sparsedecode
+
+        def refuse(*a, **k):
+            raise AssertionError("a model was loaded before the bad argument was refused")
+
+        monkeypatch.setattr(sparsedecode, "load", refuse)
+    if "{paper}" in argv and not PAPER.is_dir():
+        pytest.skip(f"ByteCross records not found at {PAPER}")
+    args = argv.format(t=files, paper=PAPER).split()
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == code, (exc.value.code, err)
+    assert "Traceback" not in err
+    assert needle in err, err
+
+
+def test_the_suite_covers_every_command():
+    commands = {c[0].split()[0] for c in CASES}
+    assert commands >= {"account", "generate", "calibrate", "report", "campaign", "bench", "dispatch", "eval",
+                        "route"}
+    assert len(CASES) >= 60
