@@ -50,6 +50,11 @@ CASES = [
     ("account --config {t}/broken.json", 2, "not valid JSON"),
     ("account matched --model llama-3.1-8b --proj x --sel 0.3:0.01 --budget 0.2", 2, "KEEP:DELTA"),
     # generate: everything checked before the model loads
+    ("generate", 2, "give the prompt as --prompt TEXT"),
+    ("generate --prompt hi --prompt-file {t}/latin1.txt", 2, "one of them"),
+    ("generate --prompt-file {t}/none.txt", 2, "no such file"),
+    ("generate --prompt-file {t}/latin1.txt", 2, "not UTF-8"),
+    ("generate --prompt hi --threads 0", 2, "--threads"),
     ("generate --prompt hi --temperature nan", 2, "--temperature"),
     ("generate --prompt hi --temperature -1", 2, "--temperature"),
     ("generate --prompt hi --top-p 0", 2, "--top-p"),

@@ -176,12 +176,12 @@ def test_cli_verdicts_and_exit_status(capsys, tmp_path):
     args = _files(tmp_path, ppl(0.15, 0.08, 0.26), retrieval("passkey"),
                   retrieval("multikey", {(0.5, 1): ("correct", "distractor")}))
     code, out, _ = _cli(capsys, *args, "--budget", "0.2")
-    assert code == 1
+    assert code == 3
     assert out.splitlines()[0] == "smollm2-135m, both: projection teal keep 0.5, kv snapkv keep 0.3"
     assert "multikey  FAIL: 9/10" in out and "depth 0.5 trial 1: distractor" in out
     code, out, _ = _cli(capsys, *args, "--budget", "0.2", "--json")
     v = json.loads(out)
-    assert code == 1 and v["kind"] == "admissibility" and v["admissible"] is False
+    assert code == 3 and v["kind"] == "admissibility" and v["admissible"] is False
     assert [r["passed"] for r in v["retrieval"]] == [True, False] and v["ppl"]["passed"] is True
     assert v["retrieval"][1]["failures"][0]["depth"] == 0.5
 
@@ -189,7 +189,7 @@ def test_cli_verdicts_and_exit_status(capsys, tmp_path):
     code, out, _ = _cli(capsys, *args, "--budget", "0.2")
     assert code == 0 and out.rstrip().endswith("verdict: admissible")
     code, out, _ = _cli(capsys, *args, "--budget", "0.2", "--use-upper", "--json")
-    assert code == 1 and json.loads(out)["reasons"] == ["ΔPPL upper +0.2600 exceeds the budget 0.2"]
+    assert code == 3 and json.loads(out)["reasons"] == ["ΔPPL upper +0.2600 exceeds the budget 0.2"]
 
 
 def test_cli_errors(capsys, tmp_path):

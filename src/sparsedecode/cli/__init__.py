@@ -20,7 +20,24 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from sparsedecode import __version__
+
+        typer.echo(f"sparsedecode {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Faster single-sequence LLM decoding by reading fewer bytes per step."""
 
 # Registration order is the order of `sparsedecode --help`.
 from sparsedecode.cli import account as _account  # noqa: E402,F401

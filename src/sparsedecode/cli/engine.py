@@ -16,7 +16,9 @@ from sparsedecode.cli import app
 
 @app.command()
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text ('-' reads it from stdin)."),
+    prompt_file: str = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m",
                               help="Known name, HF folder, hub id or .gguf file."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
@@ -52,6 +54,13 @@ def generate(
     from sparsedecode.errors import InputError
 
     # every argument is checked before the model loads
+    prompt = _prompt(prompt, prompt_file)
+    if threads is not None:
+        if threads < 1:
+            raise InputError(f"--threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
     check_sampling(temperature, top_p, seed)
     if max_new_tokens < 0:
         raise InputError(f"--max-new-tokens must be >= 0 new tokens, got {max_new_tokens}")
@@ -90,8 +99,16 @@ def generate(
         from sparsedecode.projection.thresholds import Thresholds
 
         th = Thresholds.load(thresholds)
+    import time
+
+    t_load = time.perf_counter()
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
                             attention=attention, quiet=as_json, thresholds=th, gate=gate)
+    load_s = time.perf_counter() - t_load
+    if not as_json:
+        typer.echo(f"[loaded {eng.name} from {eng.source_path} on {eng.device}, "
+                   f"{str(eng.dtype).removeprefix('torch.')}, cache {eng.max_len} tokens, in {load_s:.1f} s]",
+                   err=True)
     if table is not None:
         eng.route(table)
     if proj_keep is not None:
@@ -127,6 +144,7 @@ def generate(
         typer.echo(json.dumps({
             "model": eng.name, "source": str(eng.source_path), "device": str(eng.device),
             "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
+            "load_s": round(load_s, 3),
             "projection": None if eng.thresholds is None else {
                 "method": eng.thresholds.method, "keep": eng.thresholds.keep,
                 "path": "masked reference" if eng.device.type == "cpu" else (
@@ -160,6 +178,31 @@ def generate(
         typer.echo(f"[gate] {picked['mode']} for {speeds['prompt_tokens']} prompt + {max_new_tokens} new tokens: "
                    f"predicted {picked['predicted_ms_per_token']:.3f} ms/token, measured {measured} ms/token "
                    f"(chosen in {picked['choose_ms']:.2f} ms among {', '.join(eng.gate.specs)})", err=True)
+
+
+def _prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt from --prompt TEXT, --prompt - (stdin) or --prompt-file F: exactly one."""
+    from sparsedecode.errors import InputError
+
+    if (prompt is None) == (prompt_file is None):
+        raise InputError("give the prompt as --prompt TEXT, --prompt - (stdin) or --prompt-file FILE (one of them)")
+    if prompt_file is not None:
+        from sparsedecode.textfile import read_text
+
+        text = read_text(prompt_file, "--prompt-file")
+    elif prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"the prompt on stdin is not UTF-8 text (byte {e.start}); send UTF-8") from None
+    else:
+        text = prompt
+    if prompt != text:  # a file or a pipe ends its last line; the prompt does not
+        text = text.removesuffix("\n").removesuffix("\r")
+    if not text.strip():
+        raise InputError("the prompt is empty: give some text")
+    return text
 
 
 def _pct(x: float) -> str:

@@ -10,7 +10,7 @@ App. H and the admissibility verdict of §5.1 and §5.3 (issue 7).
 `eval grid` scores dense once (DIR/dense.json), then every other setting beside it, one
 'ppl_eval' record each (quality/grid.py); a rerun resumes. `eval admit` reads a ppl_eval
 record and the passkey and multi-key 'retrieval_eval' records of one configuration and
-says whether it is admissible (quality/admit.py); its exit status is 0 when it is, 1 when
+says whether it is admissible (quality/admit.py); its exit status is 0 when it is, 3 when
 it is not, 2 on bad input.
 """
 
@@ -110,6 +110,9 @@ def grid(
     typer.echo(f"{len(done_now)} settings scored now, {reused} read from {folder}; wrote {md}")
 
 
+NOT_ADMISSIBLE = 3  # exit status of a clean "no": 1 stays for crashes, 2 for bad input
+
+
 @eval_app.command("admit")
 def admit(
     ppl: Annotated[str, typer.Option("--ppl", help="The configuration's 'ppl_eval' record (sparsedecode eval ppl or eval grid).")],
@@ -120,7 +123,8 @@ def admit(
     json_out: JsonOpt = False,
 ) -> None:
     """Is a configuration admissible: both retrieval tests answered on every placement dense
-    answers, and ΔPPL within the budget? Exit status 0 if so, 1 if not."""
+    answers, and ΔPPL within the budget? Exit status 0 if so, 3 if not (2 is bad input, 1 a
+    crash)."""
     from sparsedecode.quality.admit import admit as verdict_of
     from sparsedecode.records import read_record
 
@@ -131,4 +135,4 @@ def admit(
     else:
         typer.echo(v.text())
     if not v.admissible:
-        raise typer.Exit(1)
+        raise typer.Exit(NOT_ADMISSIBLE)
