@@ -14,7 +14,7 @@ def run(*args):
 
 
 def test_json_has_crossovers_bounds_and_bytes():
-    r = run("--model", "llama-3.1-8b", "--rp", "0.5", "--rkv", "0.3", "--context", "128K", "--json")
+    r = run("--model", "llama-3.1-8b", "--proj-keep", "0.5", "--kv-keep", "0.3", "--context", "128K", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["crossover_tokens"] == 76_069
@@ -84,8 +84,8 @@ def test_matched_json(budget, expected):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--model", "llama-3.1-8b", "--rp", "1.5"], "outside (0, 1]"),
-        (["--model", "llama-3.1-8b", "--rkv", "0"], "outside (0, 1]"),
+        (["--model", "llama-3.1-8b", "--proj-keep", "1.5"], "outside (0, 1]"),
+        (["--model", "llama-3.1-8b", "--kv-keep", "0"], "outside (0, 1]"),
         (["--model", "lama-3.1-8b"], "did you mean 'llama-3.1-8b'"),
         (["--model", "llama-3.1-8b", "--context", "12Q"], "not a token count"),
         (["--model", "llama-3.1-8b", "--contexts", "2K,,x"], "not a token count"),
@@ -118,7 +118,7 @@ def test_matched_json(budget, expected):
             ],
             "outside (0, 1]",
         ),
-        (["--rp", "0.9", "plot", "--model", "llama-3.1-8b", "--out", "x.png"], "--rp before 'plot' would be ignored"),
+        (["--proj-keep", "0.9", "plot", "--model", "llama-3.1-8b", "--out", "x.png"], "--proj-keep before 'plot' would be ignored"),
         (["--model", "qwen3-8b", "matched", "--model", "llama-3.1-8b", "--proj", "0.5:0.1", "--sel", "0.3:0.01",
           "--budget", "0.2"], "--model before 'matched'"),
     ],

@@ -41,7 +41,7 @@ def _cli(capsys, *args):
 
 
 def test_cli_reports_effective_keep_and_bound(capsys):
-    code, out, err = _cli(capsys, "--rp", "0.5", "--routed", "0.5", "--ff-only", "--context", "8K", "--json")
+    code, out, err = _cli(capsys, "--proj-keep", "0.5", "--routed", "0.5", "--ff-only", "--context", "8K", "--json")
     assert code == 0, err
     got = json.loads(out)
     rt = got["routing"]
@@ -54,7 +54,7 @@ def test_cli_reports_effective_keep_and_bound(capsys):
     # the rest of the account follows the mean step
     assert got["bounds"]["projection"] == pytest.approx(rt["bound"])
     assert got["crossover_exact"] == pytest.approx(acc.crossover(dims, 0.75, 0.3, True))
-    code, out, err = _cli(capsys, "--rp", "0.5", "--routed", "0.25")
+    code, out, err = _cli(capsys, "--proj-keep", "0.5", "--routed", "0.25")
     assert code == 0 and "effective keep 0.875" in " ".join(out.split())
 
 

@@ -51,9 +51,28 @@ from sparsedecode.cli import eval_retrieval as _eval_retrieval  # noqa: E402,F40
 from sparsedecode.cli import report as _report  # noqa: E402,F401
 from sparsedecode.cli import route as _route  # noqa: E402,F401
 
+# One spelling per option across commands; the old names still work, with a note.
+ALIASES = {"account": {"--rp": "--proj-keep", "--rkv": "--kv-keep"}, "calibrate": {"--keep": "--proj-keep"}}
+
+
+def _aliases(argv: list[str]) -> list[str]:
+    """argv with the old option names of its command replaced by the current ones."""
+    table = ALIASES.get(argv[0]) if argv else None
+    if not table:
+        return argv
+    out = []
+    for a in argv:
+        flag, eq, value = a.partition("=")
+        if flag in table:
+            print(f"note: {flag} is now {table[flag]} (the old name still works)", file=sys.stderr)
+            a = table[flag] + eq + value
+        out.append(a)
+    return out
+
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning InputError into one line and exit code 2."""
+    argv = _aliases(list(sys.argv[1:] if argv is None else argv))
     try:
         app(args=argv, standalone_mode=True)
     except InputError as e:

@@ -1,7 +1,7 @@
 """`sparsedecode account`: the byte account of a decode step (ByteCross §3, §4.3, §5.2).
 
-    sparsedecode account --model llama-3.1-8b --rp 0.5 --rkv 0.3 --context 128K
-    sparsedecode account --model llama-3.1-8b --rp 0.5 --routed 0.5 --ff-only --context 8K
+    sparsedecode account --model llama-3.1-8b --proj-keep 0.5 --kv-keep 0.3 --context 128K
+    sparsedecode account --model llama-3.1-8b --proj-keep 0.5 --routed 0.5 --ff-only --context 8K
     sparsedecode account matched --model llama-3.1-8b --proj 0.7:0.18,0.5:0.995 \
         --sel 0.3:0.004,0.1:0.06 --budget 0.2
     sparsedecode account plot --model llama-3.1-8b --out bounds.png
@@ -150,7 +150,7 @@ def account(
         _refuse_leading_options(ctx)
         return
     dims = acc.resolve_dims(model, config)
-    r_sparse, r_kv = check_keep(rp, "--rp"), check_keep(rkv, "--rkv")
+    r_sparse, r_kv = check_keep(rp, "--proj-keep"), check_keep(rkv, "--kv-keep")
     s_w, s_kv = _sizes(weight_bytes, kv_bytes)
     routing = None
     r_p = r_sparse
@@ -190,7 +190,7 @@ def account(
         u = check_keep(union, "--union")
         if u < r_sparse:
             raise InputError(
-                f"--union {u} is below --rp {r_sparse}: a batch reads at least the channels one "
+                f"--union {u} is below --proj-keep {r_sparse}: a batch reads at least the channels one "
                 "sequence reads, so u_B >= r_P"
             )
         nb = acc.crossover_batched(dims, u, r_kv, batch, ff_only, s_w, s_kv)
@@ -385,7 +385,7 @@ def plot(
     from sparsedecode.report.account_plot import plot_bounds
 
     dims = acc.resolve_dims(model, config)
-    r_p, r_kv = check_keep(rp, "--rp"), check_keep(rkv, "--rkv")
+    r_p, r_kv = check_keep(rp, "--proj-keep"), check_keep(rkv, "--kv-keep")
     s_w, s_kv = _sizes(weight_bytes, kv_bytes)
     n_max = acc.parse_tokens(max_context, "--max-context") if max_context else None
     path = plot_bounds(dims, r_p, r_kv, out, ff_only, s_w, s_kv, n_max)

@@ -1,8 +1,8 @@
 """`sparsedecode calibrate`: activation thresholds for the projection branch (issue 4).
 
-    sparsedecode calibrate --model smollm2-135m --method teal --keep 0.5 --out t.safetensors
-    sparsedecode calibrate --model qwen2.5-coder-0.5b --method teal --keep 0.5 --greedy --out g.st
-    sparsedecode calibrate --model smollm2-135m --method cats --keep 0.5 --out c.st --json
+    sparsedecode calibrate --model smollm2-135m --method teal --proj-keep 0.5 --out t.safetensors
+    sparsedecode calibrate --model qwen2.5-coder-0.5b --method teal --proj-keep 0.5 --greedy --out g.st
+    sparsedecode calibrate --model smollm2-135m --method cats --proj-keep 0.5 --out c.st --json
 
 Calibrates on WikiText-2 validation (or --text-file), then measures the
 realized keep with the sparsity applied (masked reference) on held-out text:
@@ -35,7 +35,7 @@ def calibrate(
     out: Annotated[str, typer.Option("--out", "-o", help="Thresholds file to write (.safetensors).")],
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")] = "smollm2-135m",
     method: Annotated[str, typer.Option("--method", help="Calibration method: teal, cats or sats.")] = "teal",
-    keep: Annotated[str, typer.Option("--keep", help="Target keep in (0, 1].")] = "0.5",
+    keep: Annotated[str, typer.Option("--proj-keep", help="Target projection keep in (0, 1] (formerly --keep).")] = "0.5",
     greedy: Annotated[bool, typer.Option("--greedy", help="TEAL's greedy block-wise allocation.")] = False,
     ff_only: FfOnlyOpt = False,
     text_file: Annotated[str | None, typer.Option("--text-file", help="Calibration text: a file, or a folder with wiki.valid.raw.")] = None,
@@ -51,7 +51,7 @@ def calibrate(
     from sparsedecode.projection.calibrate import get_calibrator, measure_keep
     from sparsedecode.quality.data import require_tokens, text_ids, wikitext_path
 
-    params = {"keep": check_keep(keep, "--keep")}
+    params = {"keep": check_keep(keep, "--proj-keep")}
     if greedy:
         params["greedy"] = True
     if ff_only:

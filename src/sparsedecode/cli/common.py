@@ -20,8 +20,8 @@ ConfigOpt = Annotated[
     str | None,
     typer.Option("--config", help="A HF config.json, a folder holding one, or a hub id."),
 ]
-RpOpt = Annotated[str, typer.Option("--rp", help="Projection keep ratio r_P in (0, 1].")]
-RkvOpt = Annotated[str, typer.Option("--rkv", help="KV keep ratio r_KV in (0, 1].")]
+RpOpt = Annotated[str, typer.Option("--proj-keep", help="Projection keep ratio r_P in (0, 1] (formerly --rp).")]
+RkvOpt = Annotated[str, typer.Option("--kv-keep", help="KV keep ratio r_KV in (0, 1] (formerly --rkv).")]
 FfOnlyOpt = Annotated[
     bool,
     typer.Option("--ff-only", help="Sparsify only gate/up/down, not the attention projections."),

@@ -161,7 +161,7 @@ class Thresholds:
             raise InputError(
                 f"thresholds calibrated on '{self.model}' do not fit '{dims.name}': "
                 f"{'; '.join(diffs)}. Calibrate for this model: "
-                f"sparsedecode calibrate --model {dims.name} --method {self.method} --keep {self.keep:g}"
+                f"sparsedecode calibrate --model {dims.name} --method {self.method} --proj-keep {self.keep:g}"
             )
         beyond = sorted({k for k in self.values if parse_key(k)[0] >= dims.n_layers})
         if beyond:
