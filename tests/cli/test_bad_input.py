@@ -117,6 +117,8 @@ CASES = [
     ("eval ppl --proj-keep 2", 2, "outside (0, 1]"),
     ("eval ppl --kv snapkv", 2, "--kv-keep"),
     ("eval ppl --text-file {t}/latin1.txt", 2, "not UTF-8"),
+    ("eval ppl --protocol decode --length 12x", 2, "'12x' is not a token count"),
+    ("eval passkey --context 4Q", 2, "'4Q' is not a token count"),
     # route
     ("route build --thresholds {t}/none.st --out {t}/r.st", 2, "none.st"),
     ("route calibrate --table {t}/none.st", 2, "none.st"),

@@ -13,6 +13,20 @@ from typing import Annotated
 
 import typer
 
+
+def TOKENS(value) -> int:  # noqa: N802 (a typer parser, named like a type)
+    """A token count written 32768, 32K or 32k (K = 1,024), as a typer `parser`: parsed by the
+    account's parser, so a bad one fails in one line (InputError) like every other number."""
+    from sparsedecode.account.units import parse_tokens
+    from sparsedecode.errors import InputError
+
+    if isinstance(value, int):
+        return value
+    try:
+        return parse_tokens(value, "")
+    except InputError as err:  # typer shows it as the flag's invalid value
+        raise ValueError(str(err).strip()) from None
+
 ModelOpt = Annotated[
     str | None, typer.Option("--model", "-m", help="Known model name (see `sparsedecode models`).")
 ]

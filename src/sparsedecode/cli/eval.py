@@ -22,7 +22,7 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, emit_json
+from sparsedecode.cli.common import TOKENS, DeviceOpt, DtypeOpt, JsonOpt, emit_json
 from sparsedecode.errors import InputError
 
 eval_app = typer.Typer(help="Quality: perplexity protocols with paired bootstrap intervals.",
@@ -36,7 +36,7 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Known name, HF fol
 ProtocolOpt = Annotated[str, typer.Option("--protocol", help="chunked (2,048-token chunks, last 1,024 scored) or decode (last --scored tokens of each window through the decode step).")]
 ChunksOpt = Annotated[int, typer.Option("--chunks", help="chunked: chunks of 2,048 tokens from token 0 (ByteCross: 128).")]
 WindowsOpt = Annotated[int, typer.Option("--windows", help="decode: evenly spaced windows (ByteCross: 8).")]
-LengthOpt = Annotated[int, typer.Option("--length", help="decode: window length in tokens, at most the model window (ByteCross: 32768).")]
+LengthOpt = Annotated[int, typer.Option("--length", parser=TOKENS, metavar="TOKENS", help="decode: window length in tokens (32768, 32K), at most the model window (ByteCross: 32K).")]
 ScoredOpt = Annotated[int, typer.Option("--scored", help="decode: tokens per window scored one step at a time (ByteCross: 512).")]
 ObsOpt = Annotated[int, typer.Option("--obs", help="decode: observation window of the KV selection (tokens).")]
 TextFileOpt = Annotated[str | None, typer.Option("--text-file", help="Token stream: a text file, or a folder with wiki.test.raw (default: WikiText-2 beside the checkout).")]

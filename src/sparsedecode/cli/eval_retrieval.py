@@ -23,7 +23,7 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, emit_json, parse_float
+from sparsedecode.cli.common import TOKENS, DeviceOpt, DtypeOpt, JsonOpt, emit_json, parse_float
 from sparsedecode.cli.eval import (
     KvParamOpt,
     ModelOpt,
@@ -38,7 +38,7 @@ ProjKeepOpt = Annotated[str | None, typer.Option("--proj-keep", help="Projection
 KvOpt = Annotated[str | None, typer.Option("--kv", help="KV branch after the prefill: snapkv or window.")]
 KvKeepOpt = Annotated[str | None, typer.Option("--kv-keep", help="Fraction of the prompt's KV entries a step reads, in (0, 1]; needs --kv.")]
 ObsOpt = Annotated[int, typer.Option("--obs", help="Observation window of the KV selection (tokens).")]
-ContextOpt = Annotated[int, typer.Option("--context", help="Prompt length in tokens, template and question included.")]
+ContextOpt = Annotated[int, typer.Option("--context", parser=TOKENS, metavar="TOKENS", help="Prompt length in tokens (4096, 4K), template and question included.")]
 DepthsOpt = Annotated[str, typer.Option("--depths", help="Relative depths of the queried needle, comma-separated, in [0, 1].")]
 TrialsOpt = Annotated[int, typer.Option("--trials", help="Placements per depth (ByteCross: 8).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the codes, archives and placements.")]
