@@ -30,3 +30,14 @@ def test_prompt_from_stdin_and_file_match_the_flag(tmp_path):
     c = sd(*common[:-1], "--prompt", "-", stdin="The capital of France is\n")
     assert c.returncode == 0 and c.stdout.strip() == a["text"].strip()
     assert "[loaded smollm2-135m from" in c.stderr and f"prompt {a['prompt_tokens']} tokens" in c.stderr
+
+
+def test_report_never_rewrites_a_committed_report_unasked(tmp_path):
+    camp = tmp_path / "camp"
+    (camp / "report").mkdir(parents=True)
+    (camp / "report" / "report.md").write_text("# committed\n")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "camp/report/report.md"], check=True)
+    r = sd("report", str(camp))
+    assert r.returncode == 2 and "holds a committed report" in r.stderr and "--out" in r.stderr
+    assert (camp / "report" / "report.md").read_text() == "# committed\n"

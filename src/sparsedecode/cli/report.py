@@ -20,6 +20,26 @@ from sparsedecode.cli import app
 from sparsedecode.cli.common import JsonOpt, check_out_dir, emit_json, parse_float
 
 
+def _refuse_tracked(folder: str) -> None:
+    """Without --out the report goes to DIR/report: refuse that when git tracks files there,
+    so a committed report is rewritten only when --out says so."""
+    import subprocess
+    from pathlib import Path
+
+    from sparsedecode.errors import InputError
+
+    target = Path(folder) / "report"
+    if not target.is_dir():
+        return
+    try:
+        r = subprocess.run(["git", "-C", str(target), "ls-files", "."], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return  # no git here: nothing is committed that could be overwritten
+    if r.returncode == 0 and r.stdout.strip():
+        raise InputError(f"{target} holds a committed report: give --out FOLDER to write elsewhere, or "
+                         f"--out {target} to rewrite it")
+
+
 @app.command("report")
 def report(
     folder: Annotated[str, typer.Argument(help="Campaign folder of timing records.")],
@@ -39,6 +59,8 @@ def report(
     peak = parse_float(peak_gbps, "--peak-gbps", positive=True) if peak_gbps is not None else None
     if out is not None:
         check_out_dir(out, "--out")
+    else:
+        _refuse_tracked(folder)
     rep, md = write_report(folder, out, peak, figures=not no_figures)
     if json_out:
         emit_json(rep)
