@@ -113,6 +113,10 @@ def _check_sparsity(out: str | None, thresholds: str | None, proj_keep: str | No
         raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
     if thresholds is not None and proj_keep is not None:
         raise InputError("give --thresholds FILE or --proj-keep K, not both")
+    if thresholds is not None:
+        from sparsedecode.projection.thresholds import Thresholds
+
+        Thresholds.load(thresholds)  # a missing or bad file fails before the model loads
     if (kv is None) != (kv_keep is None):
         raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.3)")
     if kv_params and kv is None:

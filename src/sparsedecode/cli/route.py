@@ -57,11 +57,18 @@ def build(
 
     if unseen not in UNSEEN:
         raise InputError(f"--unseen '{unseen}' must be dense or sparse")
+    from sparsedecode.cli.common import check_engine_args, check_out_file
+
+    check_out_file(out, "--out")
+    check_engine_args(device, dtype)
     n = parse_tokens(tokens, "--tokens")
     w = parse_tokens(window, "--window")
     th = Thresholds.load(thresholds)
     check_cats(th)  # before loading the model
     path = wikitext_path("valid", text_file)
+    from sparsedecode.cli.common import check_text_file
+
+    check_text_file(path)
     eng = sparsedecode.load(model, device=device, dtype=dtype, quiet=json_out)
     ids = text_ids(eng.tokenizer, path)
     require_tokens(ids, n, path)
