@@ -128,6 +128,9 @@ CASES = [
     ("eval grid --out {t}/exists.safetensors", 2, "--out"),
     ("eval grid --out {t}/g --proj-keeps 0.5,2", 2, "outside (0, 1]"),
     ("eval ppl --out {t}", 2, "--out"),
+    ("eval ppl --threads 0", 2, "--threads"),
+    ("eval passkey --threads 0", 2, "--threads"),
+    ("calibrate --out {t}/th3.safetensors --threads 0", 2, "--threads"),
     ("eval ppl --thresholds {t}/nan.safetensors", 2, "is nan"),
     # route
     ("route build --thresholds {t}/nan.safetensors --out {t}/r.st", 2, "is nan"),

@@ -22,6 +22,8 @@ from sparsedecode.cli.common import (
     DtypeOpt,
     FfOnlyOpt,
     JsonOpt,
+    ThreadsOpt,
+    apply_threads,
     check_engine_args,
     check_new_file,
     check_text_file,
@@ -43,6 +45,7 @@ def calibrate(
     eval_tokens: Annotated[str, typer.Option("--eval-tokens", help="Held-out tokens for the realized keep (0 skips).")] = "4K",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Calibrate thresholds on text, save them, and report the realized keep on held-out text."""
@@ -51,6 +54,7 @@ def calibrate(
     from sparsedecode.projection.calibrate import get_calibrator, measure_keep
     from sparsedecode.quality.data import require_tokens, text_ids, wikitext_path
 
+    apply_threads(threads)
     params = {"keep": check_keep(keep, "--proj-keep")}
     if greedy:
         params["greedy"] = True

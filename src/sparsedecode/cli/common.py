@@ -44,6 +44,7 @@ WeightBytesOpt = Annotated[
     str, typer.Option("--weight-bytes", help="Bytes per weight element (2 = 16-bit, 0.5 = 4-bit).")
 ]
 KvBytesOpt = Annotated[str, typer.Option("--kv-bytes", help="Bytes per KV-cache element.")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads for torch (default: torch's own choice).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
@@ -146,4 +147,17 @@ def check_text_file(path) -> None:
     from sparsedecode.textfile import read_text
 
     read_text(path, "text file")
+
+
+def apply_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op CPU threads, checked first."""
+    if threads is None:
+        return
+    from sparsedecode.errors import InputError
+
+    if threads < 1:
+        raise InputError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 

@@ -18,7 +18,7 @@ from sparsedecode.cli import app
 def generate(
     prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text ('-' reads it from stdin)."),
     prompt_file: str = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's own choice)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m",
                               help="Known name, HF folder, hub id or .gguf file."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
@@ -55,12 +55,9 @@ def generate(
 
     # every argument is checked before the model loads
     prompt = _prompt(prompt, prompt_file)
-    if threads is not None:
-        if threads < 1:
-            raise InputError(f"--threads must be >= 1, got {threads}")
-        import torch
+    from sparsedecode.cli.common import apply_threads
 
-        torch.set_num_threads(threads)
+    apply_threads(threads)
     check_sampling(temperature, top_p, seed)
     if max_new_tokens < 0:
         raise InputError(f"--max-new-tokens must be >= 0 new tokens, got {max_new_tokens}")

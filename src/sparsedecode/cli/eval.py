@@ -22,7 +22,15 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import TOKENS, DeviceOpt, DtypeOpt, JsonOpt, emit_json
+from sparsedecode.cli.common import (
+    TOKENS,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ThreadsOpt,
+    apply_threads,
+    emit_json,
+)
 from sparsedecode.errors import InputError
 
 eval_app = typer.Typer(help="Quality: perplexity protocols with paired bootstrap intervals.",
@@ -67,6 +75,7 @@ def ppl(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'ppl_eval'; never overwritten).")] = None,
+    threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Aggregate perplexity of dense and of a configuration on the same windows, and ΔPPL with
@@ -83,6 +92,7 @@ def ppl(
 
     check_text_file(path)
     check_engine_args(device, dtype)
+    apply_threads(threads)
     need = CHUNK if protocol == "chunked" else length
 
     t0 = time.perf_counter()

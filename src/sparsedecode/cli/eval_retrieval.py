@@ -23,7 +23,16 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli.common import TOKENS, DeviceOpt, DtypeOpt, JsonOpt, emit_json, parse_float
+from sparsedecode.cli.common import (
+    TOKENS,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ThreadsOpt,
+    apply_threads,
+    emit_json,
+    parse_float,
+)
 from sparsedecode.cli.eval import (
     KvParamOpt,
     ModelOpt,
@@ -58,7 +67,7 @@ def passkey(
     context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
     text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
-    out: OutOpt = None, json_out: JsonOpt = False,
+    threads: ThreadsOpt = None, out: OutOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """A six-digit pass key in filler text at each depth: does the configuration answer
     what dense decoding answers?"""
@@ -72,7 +81,7 @@ def multikey(
     context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
     text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
-    out: OutOpt = None, json_out: JsonOpt = False,
+    threads: ThreadsOpt = None, out: OutOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Four archives' codes in WikiText-2 text, one asked for at each depth: correct,
     distractor (another archive's code) or miss."""
@@ -86,7 +95,7 @@ def two_turn(
     context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
     text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
-    out: OutOpt = None, json_out: JsonOpt = False, variant: VariantOpt = None,
+    threads: ThreadsOpt = None, out: OutOpt = None, json_out: JsonOpt = False, variant: VariantOpt = None,
 ) -> None:
     """Multi-key with a second question (App. G): the first answer is given, the second
     question asks for another archive at each depth."""
@@ -94,9 +103,10 @@ def two_turn(
 
 
 def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, kv_param, context, depths, trials,
-             seed, new, text_file, device, dtype, out, json_out, variant=None) -> None:
+             seed, new, text_file, device, dtype, out, json_out, variant=None, threads=None) -> None:
     from sparsedecode.quality.retrieval import check_counts, check_depths, check_variant
 
+    apply_threads(threads)
     # Everything the user can get wrong fails here, before a model loads.
     keep, kv_config = _check_sparsity(out, thresholds, proj_keep, kv, kv_keep, obs, kv_param)
     if thresholds is not None and not Path(thresholds).expanduser().is_file():

@@ -20,7 +20,15 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, emit_json, parse_float
+from sparsedecode.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ThreadsOpt,
+    apply_threads,
+    emit_json,
+    parse_float,
+)
 from sparsedecode.errors import InputError
 
 route_app = typer.Typer(
@@ -46,6 +54,7 @@ def build(
     unseen: Annotated[str, typer.Option("--unseen", help="Path of ids absent from the routing text: dense or sparse.")] = "dense",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Score every token id on routing text: mean excess loss of the CATS path over dense."""
@@ -61,6 +70,7 @@ def build(
 
     check_out_file(out, "--out")
     check_engine_args(device, dtype)
+    apply_threads(threads)
     n = parse_tokens(tokens, "--tokens")
     w = parse_tokens(window, "--window")
     th = Thresholds.load(thresholds)
