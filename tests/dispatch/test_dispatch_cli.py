@@ -90,18 +90,29 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path):
     one_line_error(run("price", a100, "--select-seconds", "0.2", "--admit", str(verdict)), "'admissibility'")
 
 
-def test_generate_refuses_a_gate_of_another_model(tmp_path):
+def _main(capsys, *args):
+    from sparsedecode.cli import main
+
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_generate_refuses_a_gate_of_another_model(tmp_path, capsys):
     gate = tmp_path / "a100.json"
     assert run("table", str(paper("sweep_a100")), "--select-seconds", "0.24", "--out", str(gate)).returncode == 0
-    r = subprocess.run([sys.executable, "-m", "sparsedecode", "generate", "--model", "smollm2-135m", "--device", "cpu",
-                        "--gate", str(gate), "--prompt", "Hello", "-n", "2"], capture_output=True, text=True)
+    r = _main(capsys, "generate", "--model", "smollm2-135m", "--device", "cpu", "--gate", str(gate),
+              "--prompt", "Hello", "-n", "2")
     one_line_error(r, "timed on Llama-3.1-8B-Instruct", "the engine runs smollm2-135m")
-    r = subprocess.run([sys.executable, "-m", "sparsedecode", "generate", "--gate", str(gate), "--kv", "snapkv",
-                        "--kv-keep", "0.3", "--prompt", "Hello"], capture_output=True, text=True)
+    r = _main(capsys, "generate", "--gate", str(gate), "--kv", "snapkv", "--kv-keep", "0.3", "--prompt", "Hello")
     one_line_error(r, "--gate chooses the configuration per request")
 
 
-def test_generate_under_a_cpu_gate_reports_its_choice(tmp_path):
+def test_generate_under_a_cpu_gate_reports_its_choice(tmp_path, capsys):
     from _tables import CPU_CELLS
 
     if not CPU_CELLS.is_dir():
@@ -109,9 +120,8 @@ def test_generate_under_a_cpu_gate_reports_its_choice(tmp_path):
     gate = tmp_path / "cpu.json"
     r = run("table", str(CPU_CELLS), "--assume-admissible", "--out", str(gate))
     assert r.returncode == 0 and "assumed admissible" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, "-m", "sparsedecode", "generate", "--model", "smollm2-135m", "--device", "cpu",
-                        "--gate", str(gate), "--prompt", "The capital of France is", "-n", "4", "--json"],
-                       capture_output=True, text=True)
+    r = _main(capsys, "generate", "--model", "smollm2-135m", "--device", "cpu", "--gate", str(gate),
+              "--prompt", "The capital of France is", "-n", "4", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     g = out["gate"]
