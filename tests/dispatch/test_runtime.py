@@ -83,7 +83,9 @@ def _static(eng, spec, th):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_every_request_decodes_as_its_configuration_alone(device):
+def test_every_request_decodes_as_its_configuration_alone(device, fresh_dynamo):
+    """On CUDA this compiles 6 steps of one code object (3 kept by the gate, 2 references, 1
+    plain), under torch._dynamo's recompile limit of 8 after the fixture's reset."""
     eng = engine(device)
     gate = RuntimeGate(eng, table(eng), calib_tokens=256)
     eng.gate = gate
@@ -98,9 +100,11 @@ def test_every_request_decodes_as_its_configuration_alone(device):
     assert [r[2] for r in runs] == ["proj0.5", "both0.5/0.3", "proj0.5", "both0.5/0.3"]
     assert runs[1][4].kv_select_s > 0 and eng.kv is not None and eng.kv.budget < len(long)
     th = gate._thresholds[0.5]
+    refs = {}
     for ids, n, spec, tokens, _ in runs:
-        ref = _static(engine(device), spec, th).generate(ids, max_new_tokens=n)
-        assert tokens == ref.ids, spec
+        if spec not in refs:
+            refs[spec] = _static(engine(device), spec, th)
+        assert tokens == refs[spec].generate(ids, max_new_tokens=n).ids, spec
     # back to dense: the dense modules are the very ones the engine started with
     gate.install("dense")
     assert eng.thresholds is None and eng.kv_config is None
