@@ -155,7 +155,7 @@ class RuntimeGate:
         price = self.table.configs[spec]
         eng.kv_config = (KVConfig(mode.kv_method, mode.kv_keep, {"window": price.window, "sinks": price.sinks})
                          if mode.kv_method else None)
-        eng._graph = None  # the next step replays the graph kept for this state, or captures it
+        eng.invalidate_step()  # the next step replays the graph kept for this state, or captures it
         self.current = spec
 
     def warm(self, progress=None) -> dict[str, float]:

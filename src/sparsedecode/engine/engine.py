@@ -186,6 +186,27 @@ class Engine:
         self.pos += 1
         return out
 
+    def seek(self, pos: int, token: int | None = None) -> None:
+        """Put the next decode step at position `pos` (the cache holding `pos` tokens), with
+        `token` as its input when given: how a harness steps from a filled cache."""
+        if not 0 <= pos < self.max_len:
+            raise InputError(f"position {pos} is outside the cache of {self.max_len} tokens")
+        self.pos = int(pos)
+        self._pos.fill_(self.pos)
+        if token is not None:
+            self._tok.fill_(int(token))
+
+    def eager_step(self) -> torch.Tensor:
+        """The model once on the static token and position, outside any captured graph, so
+        that counters (the realized keep) see it; writes the cache slot at `pos`. Logits (1, 1, V)."""
+        with torch.inference_mode():
+            return self.model(self._tok, self._pos, None)
+
+    def invalidate_step(self) -> None:
+        """What the decode step reads has changed (modules, buffers, bounds): the next step
+        replays the graph kept for the new state (`keep_graphs`) or captures one."""
+        self._graph = None
+
     def decode_replay(self) -> torch.Tensor:
         """Run the decode step on the current static token and position (the timed unit)."""
         if not self.cuda_graph:

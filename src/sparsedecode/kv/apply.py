@@ -86,7 +86,7 @@ def clear_kv(engine) -> None:
     for layer in engine.model.layers:
         layer.self_attn.cache.read_compact(None)
     engine.kv = None
-    engine._graph = None
+    engine.invalidate_step()
 
 
 def _reserve(engine, caches, need: int) -> bool:
@@ -153,7 +153,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
     sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params), kept)
     engine.kv = sel
     if recapture:
-        engine._graph = None  # the decode step reads other buffers now: capture again
+        engine.invalidate_step()  # the decode step reads other buffers now
     return sel
 
 

@@ -288,17 +288,13 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     realized = (_tracked_keep(eng, thresholds, n, ids[n : n + min(KEEP_STEPS, generated)])
                 if thresholds is not None else 1.0)
 
-    eng.pos = n
-    eng._pos.fill_(n)
-    eng._tok.fill_(ids[n])
+    eng.seek(n, ids[n])
     t = time.perf_counter()
     eng.decode_replay()  # the first call compiles and captures; it rewrites slot n, as step 1 does
     if eng.host_len and eng.compile:  # a second length compiles the dynamic-length graph
-        eng.pos = n + 1
-        eng._pos.fill_(n + 1)
+        eng.seek(n + 1)
         eng.decode_replay()  # rewrites slot n + 1, as step 2 does before reading it
-        eng.pos = n
-        eng._pos.fill_(n)
+        eng.seek(n)
     sync()
     one_time["capture_s"] = time.perf_counter() - t
     step_ms = _time_steps(eng, ids[n:], spec, cuda)
@@ -427,20 +423,16 @@ def _tracked_keep(eng, thresholds, n: int, tokens) -> float:
     `tokens` (App. A 'Timed reads'), pooled over the steps by the sparse modules' counters
     (one token alone is noisy); tracking is off again for the timed steps, which rewrite
     the same cache slots."""
-    import torch
-
     from sparsedecode.projection.sparse_linear import realized_projection_keep, sparsify_
 
     ff_only = not set(thresholds.sites) - {"gate", "up", "down"}
     sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=True)
-    with torch.inference_mode():
-        for i, token in enumerate(tokens):
-            eng._pos.fill_(n + i)
-            eng._tok.fill_(int(token))
-            eng.model(eng._tok, eng._pos, None)  # slot n + i: the timed steps rewrite it
+    for i, token in enumerate(tokens):
+        eng.seek(n + i, token)
+        eng.eager_step()  # slot n + i: the timed steps rewrite it
     keep = realized_projection_keep(eng.model)
     sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=False)
-    eng._graph = None
+    eng.invalidate_step()
     return keep
 
 
