@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsedecode.engine.attention import decode_attention
 from sparsedecode.kernels.decode_attention import (
     _kernel_config,
     default_num_splits,
     split_k_attention,
     split_k_ref,
 )
+from sparsedecode.models.attention import decode_attention
 from sparsedecode.records import stamp, write_record
 
 HQ, HKV, D = 32, 8, 128  # llama-3.1-8b attention

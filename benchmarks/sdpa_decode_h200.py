@@ -2,7 +2,7 @@
 token over a valid cache slice, per backend, beside our split-K kernel, on one GPU.
 
 Llama-3.1-8B attention shapes in bf16: q (1, 8, 4, 128), the 4 query heads of each of 8 KV
-heads riding as 4 query rows (as engine.attention._fused calls it), keys and values the
+heads riding as 4 query rows (as models.attention._fused calls it), keys and values the
 first n entries of a (1, 8, T, 128) cache. Each cell times `--reps` CUDA-graph replays of
 32 calls (one per layer, each on its own cache so the 32 reads come from DRAM; the graph
 timer of sparse_gemv_bench.py) and reports
@@ -26,7 +26,7 @@ from sparse_gemv_bench import time_graph  # benchmarks/ is the script's folder: 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sparsedecode.account.units import parse_token_list
-from sparsedecode.engine.attention import split_k_lse
+from sparsedecode.models.attention import split_k_lse
 from sparsedecode.records import stamp, write_record
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,

@@ -20,7 +20,6 @@ from _compare import mismatch
 
 from interpreted import run_interpreted
 from shapes import random_qkv
-from sparsedecode.engine.attention import BACKENDS, decode_attention, get_backend, split_k_lse
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.decode_attention import (
     arrival_counters,
@@ -28,6 +27,7 @@ from sparsedecode.kernels.decode_attention import (
     split_k_attention,
     split_k_ref,
 )
+from sparsedecode.models.attention import BACKENDS, decode_attention, get_backend, split_k_lse
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}

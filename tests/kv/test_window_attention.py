@@ -21,9 +21,9 @@ from torch import Tensor
 
 from interpreted import run_interpreted
 from shapes import random_qkv
-from sparsedecode.engine.attention import BACKENDS
 from sparsedecode.errors import InputError
-from sparsedecode.kv.window_attention import WINDOW_BACKENDS, window_attention, window_bounds
+from sparsedecode.models.attention import BACKENDS
+from sparsedecode.models.window_attention import WINDOW_BACKENDS, window_attention, window_bounds
 
 _spec = importlib.util.spec_from_file_location(
     "_compare", Path(__file__).resolve().parents[1] / "kernels" / "_compare.py"

@@ -103,9 +103,9 @@ def check_out_file(path: str, flag: str, suffix: str | None = None):
 
 def check_engine_args(device: str, dtype: str, max_len: int | None = None, attention: str = "split_k") -> None:
     """The engine options of a command, checked before its model loads (flags named)."""
-    from sparsedecode.engine.attention import get_backend
     from sparsedecode.engine.device import check_dtype, resolve_device, resolve_dtype
     from sparsedecode.errors import InputError
+    from sparsedecode.models.attention import get_backend
 
     get_backend(attention)
     dev = resolve_device(device)

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsedecode.engine.attention import get_backend
 from sparsedecode.engine.device import check_dtype, resolve_device, resolve_dtype
 from sparsedecode.engine.sampling import check_sampling, sample
 from sparsedecode.errors import InputError
+from sparsedecode.models.attention import get_backend
 
 DEFAULT_MAX_LEN = 4096
 

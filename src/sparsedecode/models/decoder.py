@@ -9,7 +9,7 @@ tensor, and two paths through each attention layer:
   cached prefix with PyTorch SDPA, causal within the chunk;
 - decode (`start is None`): one token per sequence at the position held in a
   device tensor; attention reads cache entries [0, pos+1) through the named
-  backend of `engine.attention`, so the step has no host sync and no Python
+  backend of `models.attention`, so the step has no host sync and no Python
   branch on tensor values and can be captured in a CUDA graph. A backend that
   slices on the host (sdpa_fused) gets the valid length as `host_len`, a Python
   int that torch.compile traces as a dynamic size.
@@ -27,14 +27,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsedecode.engine.attention import decode_attention
 from sparsedecode.kernels import decode_attention as split_k_kernels
 from sparsedecode.kernels.rope_cache import rope_cache
 from sparsedecode.kernels.rope_cache import usable as rope_cache_usable
 from sparsedecode.kernels.sparse_gemv import sumsq
-from sparsedecode.kv.window_attention import window_attention
 from sparsedecode.models.args import ModelArgs
+from sparsedecode.models.attention import decode_attention
 from sparsedecode.models.rope import apply_rope, rope_tables
+from sparsedecode.models.window_attention import window_attention
 
 ATTN_SITES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_SITES = ("gate_proj", "up_proj", "down_proj")

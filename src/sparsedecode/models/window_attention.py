@@ -53,7 +53,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import sdpa_kernel
 
-from sparsedecode.engine.attention import UNMASKED_BACKENDS, _host_bounds, _in_range, split_k_lse
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.decode_attention import (
     check_inputs,
@@ -61,6 +60,7 @@ from sparsedecode.kernels.decode_attention import (
     split_k_attention,
     split_k_ref,
 )
+from sparsedecode.models.attention import UNMASKED_BACKENDS, _host_bounds, _in_range, split_k_lse
 
 __all__ = ["WINDOW_BACKENDS", "window_attention", "window_bounds"]
 
@@ -119,13 +119,13 @@ def _gathered(q, k_cache, v_cache, end, sinks, recent, scale):
         sink_end, recent_start = window_bounds(e, sinks, recent)
         k = torch.cat([k_cache[b : b + 1, :, :sink_end], k_cache[b : b + 1, :, recent_start:e]], 2)
         v = torch.cat([v_cache[b : b + 1, :, :sink_end], v_cache[b : b + 1, :, recent_start:e]], 2)
-        with sdpa_kernel(UNMASKED_BACKENDS):  # flash first: see engine.attention.UNMASKED_BACKENDS
+        with sdpa_kernel(UNMASKED_BACKENDS):  # flash first: see models.attention.UNMASKED_BACKENDS
             rows.append(F.scaled_dot_product_attention(qg[b : b + 1], k, v, scale=scale))  # (1, Hkv, G, D)
     return torch.cat(rows).reshape(B, Hq, D), None
 
 
 # name -> fn(q, k_cache, v_cache, end, sinks, recent, scale) -> (out, lse or None); every
-# name of engine.attention.BACKENDS is here, so any engine path can run the window.
+# name of models.attention.BACKENDS is here, so any engine path can run the window.
 WINDOW_BACKENDS = {
     "split_k": functools.partial(_in_place, split_k_lse),  # kernel on CUDA, split_k_ref elsewhere
     "split_k_kernel": functools.partial(_in_place, split_k_attention),
