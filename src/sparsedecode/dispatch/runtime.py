@@ -112,10 +112,7 @@ class RuntimeGate:
         kv = [self.table.configs[s].mode.kv_keep for s in self.specs if self.table.configs[s].uses_kv]
         if not kv:
             return
-        from sparsedecode.kv.apply import _reserve
-
-        need = math.floor(max(kv) * self.engine.max_len + 0.5) + 1
-        _reserve(self.engine, [layer.self_attn.cache for layer in self.engine.model.layers], need)
+        self.engine.compact_buffers(math.floor(max(kv) * self.engine.max_len + 0.5) + 1)
 
     # -- choosing ----------------------------------------------------------------------------
     def choose(self, prompt_tokens: int, max_new_tokens: int) -> Choice:

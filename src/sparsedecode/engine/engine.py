@@ -101,6 +101,8 @@ class Engine:
         # configurations between requests captures each one once.
         self.keep_graphs = False
         self._graphs: dict[tuple, tuple] = {}
+        self._kv_buffers: list | None = None  # the KV selection's compact buffers (compact_buffers)
+        self._kv_offset: torch.Tensor | None = None
         self.gate = None  # a dispatch.runtime.RuntimeGate: each request under its cheapest configuration
         self.thresholds = None  # set by sparsify
         self.kv = None  # a kv.apply.KVSelection while decoding reads selected entries
@@ -201,6 +203,23 @@ class Engine:
         that counters (the realized keep) see it; writes the cache slot at `pos`. Logits (1, 1, V)."""
         with torch.inference_mode():
             return self.model(self._tok, self._pos, None)
+
+    def compact_buffers(self, need: int) -> tuple[list, torch.Tensor, bool]:
+        """The KV selection's compact buffers: per layer a (k, v) pair of at least `need` slots
+        (B, Hkv, slots, D), the offset tensor the step reads (slot = position - offset), and
+        whether the step must read them anew (just allocated, or not read before). Buffers
+        that fit are reused, so a captured step replays as is: only entries and offset change."""
+        caches = [layer.self_attn.cache for layer in self.model.layers]
+        bufs = self._kv_buffers
+        reading = bufs is not None and all(
+            c.compact is not None and c.compact[0] is b[0] for c, b in zip(caches, bufs, strict=True))
+        if bufs is not None and bufs[0][0].shape[2] >= need:
+            return bufs, self._kv_offset, not reading
+        k = caches[0].k
+        B, Hkv, _, D = k.shape
+        self._kv_buffers = [(k.new_zeros(B, Hkv, need, D), k.new_zeros(B, Hkv, need, D)) for _ in caches]
+        self._kv_offset = torch.zeros(1, dtype=torch.long, device=k.device)  # (1,)
+        return self._kv_buffers, self._kv_offset, True
 
     def invalidate_step(self) -> None:
         """What the decode step reads has changed (modules, buffers, bounds): the next step

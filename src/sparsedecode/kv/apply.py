@@ -89,23 +89,6 @@ def clear_kv(engine) -> None:
     engine.invalidate_step()
 
 
-def _reserve(engine, caches, need: int) -> bool:
-    """Make engine._kv_buffers hold >= `need` slots per layer; True when the decode step must
-    be captured again (buffers allocated, or the step did not read them before). A selection
-    that fits the buffers of the previous one reuses them, offset updated in place, so a
-    captured step replays as is: only the entries and the offset change."""
-    bufs = getattr(engine, "_kv_buffers", None)
-    reading = bufs is not None and all(
-        c.compact is not None and c.compact[0] is b[0] for c, b in zip(caches, bufs, strict=True))
-    if bufs is not None and bufs[0][0].shape[2] >= need:
-        return not reading
-    k = caches[0].k
-    B, Hkv, _, D = k.shape
-    engine._kv_buffers = [(k.new_zeros(B, Hkv, need, D), k.new_zeros(B, Hkv, need, D)) for _ in caches]
-    engine._kv_offset = torch.zeros(1, dtype=torch.long, device=k.device)
-    return True
-
-
 def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = False,
               **params) -> KVSelection:
     """Select the KV entries decoding reads for the next max_new tokens; see the module doc.
@@ -137,18 +120,18 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
                 cache.read_window(sinks, budget - sinks + max_new)
         else:
             queries = observation_queries(engine, selector.window)
-            recapture = _reserve(engine, caches, budget + max_new)
+            bufs, offset, recapture = engine.compact_buffers(budget + max_new)
             kept = [] if indices else None
             with torch.no_grad():  # not inference_mode: the step writes these buffers in place
-                for cache, q_obs, (k_buf, v_buf) in zip(caches, queries, engine._kv_buffers, strict=True):
+                for cache, q_obs, (k_buf, v_buf) in zip(caches, queries, bufs, strict=True):
                     idx = selector.select(q_obs, cache.k, n, keep, max_new)  # (B, Hkv, budget)
                     if kept is not None:
                         kept.append(idx.cpu())
                     k, v = selector.gather(cache.k, cache.v, idx, check=False)  # (B, Hkv, budget, D)
                     k_buf[:, :, :budget].copy_(k)
                     v_buf[:, :, :budget].copy_(v)
-                    cache.read_compact(k_buf, v_buf, engine._kv_offset, host_offset=n - budget)
-            engine._kv_offset.fill_(n - budget)  # (1,): slot = position - offset
+                    cache.read_compact(k_buf, v_buf, offset, host_offset=n - budget)
+            offset.fill_(n - budget)  # (1,): slot = position - offset
     sync()
     sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params), kept)
     engine.kv = sel
