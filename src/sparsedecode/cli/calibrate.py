@@ -55,6 +55,7 @@ def calibrate(
     from sparsedecode.quality.data import require_tokens, text_ids, wikitext_path
 
     apply_threads(threads)
+    check_new_file(out, "--out", ".safetensors")
     params = {"keep": check_keep(keep, "--proj-keep")}
     if greedy:
         params["greedy"] = True
@@ -64,7 +65,6 @@ def calibrate(
     n_cal = parse_tokens(tokens, "--tokens")
     n_eval = 0 if str(eval_tokens).strip() == "0" else parse_tokens(eval_tokens, "--eval-tokens")
     cal_path = wikitext_path("valid", text_file)
-    check_new_file(out, "--out", ".safetensors")
     check_text_file(cal_path)
     check_engine_args(device, dtype)
 

@@ -84,6 +84,7 @@ def ppl(
     from sparsedecode.quality.perplexity import CHUNK
 
     # Everything the user can get wrong fails here, before a model loads.
+    apply_threads(threads)
     keep, kv_config = _check_sparsity(out, thresholds, proj_keep, kv, kv_keep, obs, kv_param)
     _check_run(protocol, kv_config, chunks=chunks, windows=windows, length=length, scored=scored,
                resamples=resamples, level=level)
@@ -92,7 +93,6 @@ def ppl(
 
     check_text_file(path)
     check_engine_args(device, dtype)
-    apply_threads(threads)
     need = CHUNK if protocol == "chunked" else length
 
     t0 = time.perf_counter()

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -50,209 +49,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from sparsedecode.account.units import parse_tokens
 from sparsedecode.errors import InputError
-from sparsedecode.timing.cell import ATTENTION, FILLS, CellSpec, model_window, parse_mode
+from sparsedecode.timing.cell import CellSpec, model_window
+from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is part of a campaign)
+    _SAFE,
+    DTYPES,
+    SPEC_FILE,
+    CampaignSpec,
+    Grid,
+    _fields,
+    _grid,
+    _safe,
+    _toml,
+    load_spec,
+    parse_spec,
+)
 
 EXECUTORS = ("local", "ray")
-DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-SPEC_FILE = "spec.toml"
-_SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-
-# key -> (types, default); a key without a default is required.
-_TOP: dict[str, tuple[tuple[type, ...], object]] = {
-    "name": ((str,), None),
-    "model": ((str,), None),
-    "init": ((str,), "pretrained"),
-    "dtype": ((str,), "auto"),
-    "device": ((str,), "auto"),
-    "blocks": ((int,), None),
-    "repeats": ((int,), 5),
-    "steps": ((int,), 50),
-    "warmup": ((int,), 5),
-    "fill": ((str,), "prefill"),
-    "compile_mode": ((str,), ""),
-    "seed": ((int,), 0),
-    "text": ((str,), ""),
-    "calib_tokens": ((int, str), 2048),
-    "obs": ((int,), 64),
-}
-_GRID: dict[str, tuple[tuple[type, ...], object]] = {
-    "group": ((str,), None),
-    "contexts": ((list,), None),
-    "modes": ((list,), None),
-    "attention": ((str,), "split_k"),
-}
-
-
-@dataclass(frozen=True)
-class Grid:
-    """One [[grid]] table: a group of contexts x modes under one attention path."""
-
-    group: str
-    contexts: tuple[int, ...]
-    modes: tuple[str, ...]
-    attention: str = "split_k"
-
-
-@dataclass(frozen=True)
-class CampaignSpec:
-    """A validated campaign spec (the TOML's top-level keys and its grids)."""
-
-    name: str
-    model: str
-    blocks: int
-    grids: tuple[Grid, ...]
-    init: str = "pretrained"
-    dtype: str = "auto"
-    device: str = "auto"
-    repeats: int = 5
-    steps: int = 50
-    warmup: int = 5
-    fill: str = "prefill"
-    compile_mode: str = ""
-    seed: int = 0
-    text: str = ""
-    calib_tokens: int = 2048
-    obs: int = 64
-
-    @property
-    def generated(self) -> int:
-        return self.warmup + self.repeats * self.steps
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# -- the spec --------------------------------------------------------------------
-def _toml():
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise InputError(
-                "reading a campaign spec on Python 3.10 needs the 'tomli' package: pip install tomli "
-                "(Python 3.11+ has tomllib built in)"
-            ) from None
-    return tomllib
-
-
-def load_spec(path: str | os.PathLike) -> CampaignSpec:
-    """Read and validate a campaign TOML; every error names the file and the field."""
-    from sparsedecode.textfile import read_text
-
-    path = Path(path)
-    return parse_spec(read_text(path, "campaign spec"), where=str(path))
-
-
-def parse_spec(text: str, where: str = "campaign spec") -> CampaignSpec:
-    """A `CampaignSpec` from TOML text (see the module doc), validated up front: unknown
-    keys, wrong types, empty lists, bad modes, grids without 'dense', duplicate groups,
-    cells, contexts over the model window."""
-    toml = _toml()
-    try:
-        raw = toml.loads(text)
-    except toml.TOMLDecodeError as e:
-        raise InputError(f"{where} is not valid TOML: {e}") from None
-    top = _fields(raw, _TOP | {"grid": ((list,), None)}, where)
-    grids_raw = top.pop("grid")
-    if not grids_raw:
-        raise InputError(f"{where}: 'grid' is empty: add at least one [[grid]] table")
-    top["calib_tokens"] = parse_tokens(top["calib_tokens"], f"{where}: calib_tokens")
-    for name, choices in (("init", ("pretrained", "random")), ("fill", FILLS)):
-        if top[name] not in choices:
-            raise InputError(f"{where}: {name} '{top[name]}' is not one of {', '.join(choices)}")
-    if top["dtype"] not in DTYPES:
-        raise InputError(f"{where}: dtype '{top['dtype']}' is not one of {', '.join(DTYPES)}")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", top["device"]):
-        raise InputError(f"{where}: device '{top['device']}' is not auto, cpu, cuda or cuda:N")
-    for name, low in (("blocks", 1), ("repeats", 1), ("steps", 1), ("warmup", 0), ("seed", 0), ("obs", 1)):
-        if top[name] < low:
-            raise InputError(f"{where}: {name} must be >= {low}, got {top[name]}")
-    if not _safe(top["name"]):
-        raise InputError(f"{where}: name '{top['name']}' may hold only letters, digits, '_', '.' and '-'")
-    grids, groups = [], set()
-    for i, g in enumerate(grids_raw, 1):
-        gwhere = f"{where}: [[grid]] {i}"
-        if not isinstance(g, dict):
-            raise InputError(f"{gwhere} is not a table: write [[grid]] with group, contexts, modes")
-        grid = _grid(_fields(g, _GRID, gwhere), gwhere)
-        if grid.group in groups:
-            raise InputError(f"{gwhere}: group '{grid.group}' is used twice; each grid needs its own group")
-        groups.add(grid.group)
-        grids.append(grid)
-    spec = CampaignSpec(**top, grids=tuple(grids))
-    name, window = model_window(spec.model, spec.init)
-    for g in spec.grids:
-        too_long = [n for n in g.contexts if window and n + spec.generated > window]
-        if too_long:
-            raise InputError(
-                f"{where}: grid '{g.group}' contexts: context {max(too_long)} + {spec.generated} "
-                f"generated tokens exceeds the {window}-token window of {name}; use at most "
-                f"{window - spec.generated}"
-            )
-    return spec
-
-
-def _fields(raw: dict, schema: dict, where: str) -> dict:
-    unknown = sorted(set(raw) - set(schema))
-    if unknown:
-        raise InputError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                         f"known keys: {', '.join(schema)}")
-    out = {}
-    for key, (types, default) in schema.items():
-        if key not in raw:
-            if default is None:
-                raise InputError(f"{where}: missing key '{key}'")
-            out[key] = default
-            continue
-        v = raw[key]
-        if isinstance(v, bool) or not isinstance(v, types):
-            want = " or ".join({int: "an integer", str: "a string", list: "a list"}[t] for t in types)
-            raise InputError(f"{where}: '{key}' must be {want}, got {v!r}")
-        out[key] = v
-    return out
-
-
-def _grid(g: dict, where: str) -> Grid:
-    if not _safe(g["group"]):
-        raise InputError(f"{where}: group '{g['group']}' may hold only letters, digits, '_', '.' and '-' "
-                         "(it names a folder)")
-    where = f"{where} ('{g['group']}')"
-    for key in ("contexts", "modes"):
-        if not g[key]:
-            raise InputError(f"{where}: '{key}' is empty: list at least one")
-    contexts = []
-    for c in g["contexts"]:
-        if isinstance(c, bool) or not isinstance(c, int | str):
-            raise InputError(f"{where}: contexts entry {c!r} is not a token count such as 2048 or '2K'")
-        contexts.append(parse_tokens(c, f"{where}: contexts entry"))
-    if len(set(contexts)) != len(contexts):
-        raise InputError(f"{where}: contexts lists a context twice: {contexts}")
-    modes, cells = [], {}
-    for m in g["modes"]:
-        if not isinstance(m, str):
-            raise InputError(f"{where}: modes entry {m!r} is not a mode string such as 'sel0.3'")
-        try:
-            mode = parse_mode(m)
-        except InputError as e:
-            raise InputError(f"{where}: modes: {e}") from None
-        if mode.cell in cells:
-            raise InputError(f"{where}: modes '{cells[mode.cell]}' and '{m}' are the same cell ({mode.cell})")
-        cells[mode.cell] = m
-        modes.append(mode.spec)
-    if "dense" not in modes:
-        raise InputError(f"{where}: modes lacks 'dense'; speedups pair each cell with the dense cell "
-                         "of the same group, block and context, so add 'dense'")
-    if g["attention"] not in ATTENTION:
-        raise InputError(f"{where}: attention '{g['attention']}' is not one of {', '.join(ATTENTION)}")
-    return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"])
-
-
-def _safe(name: str) -> bool:
-    return bool(name) and set(name) <= _SAFE and name not in (".", "..")
 
 
 # -- the plan ----------------------------------------------------------------------
