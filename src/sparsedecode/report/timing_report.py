@@ -37,6 +37,7 @@ import numpy as np
 
 from sparsedecode.account import bounds, crossover, step_bytes
 from sparsedecode.errors import InputError
+from sparsedecode.report.timing_markdown import fmt_ctx, render_markdown  # noqa: F401 (re-exported)
 from sparsedecode.timing import stats
 from sparsedecode.timing.cells import CampaignCells
 from sparsedecode.timing.paper import PaperCell
@@ -63,13 +64,6 @@ def nominal_peak(gpu: str) -> tuple[float | None, str]:
             return gbps, f"nominal peak of the {label}"
     return None, (f"no nominal peak for GPU '{gpu}': fraction of peak left blank "
                   "(pass --peak-gbps)")
-
-
-def fmt_ctx(n: float) -> str:
-    """2048 -> '2K', 76069 -> '74.3K' (K = 1,024 tokens, §3)."""
-    if n >= 1024:
-        return f"{n / 1024:g}K" if n % 1024 == 0 else f"{n / 1024:.1f}K"
-    return f"{n:.0f}"
 
 
 def _est(e: stats.Estimate | None) -> dict | None:
@@ -439,157 +433,6 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None) -> dict:
         "groups_without_dense": no_dense,
         "retired": cc.retired,
     }
-
-
-# ---- markdown --------------------------------------------------------------------------------
-
-
-def _f(x: float | None, fmt: str) -> str:
-    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
-def _interval(e: dict | None, fmt: str, scale: float = 1.0, unit: str = "") -> str:
-    if e is None:
-        return ""
-    v, lo, hi = (e[k] / scale for k in ("value", "low", "high"))
-    if math.isnan(v):
-        return "none"
-    return f"{v:{fmt}}{unit} [{lo:{fmt}}, {hi:{fmt}}]"
-
-
-def _group_md(g: dict) -> list[str]:
-    att = f" (attention {g['attention']}" + (f", {'/'.join(g['runtime'])}" if g.get("runtime") else "") + ")" \
-        if g["attention"] else ""
-    out = [f"## Group `{g['name']}`{att}", "",
-           "| context | cell | mode | blocks | ms/token | speedup [95%] | byte bound | % of bound "
-           "| kernel cost ms | GB/s | % of peak |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in g["rows"]:
-        sp = _interval(r["speedup"], ".3f", unit="×")
-        out.append(
-            f"| {fmt_ctx(r['context'])} | {r['cell']} | {r['mode']} | {len(r['blocks'])} "
-            f"| {r['ms_per_token']:.3f} | {sp} | {_f(r['byte_bound'], '.3f')} "
-            f"| {_f(r['fraction_of_bound'] and 100 * r['fraction_of_bound'], '.1f')} "
-            f"| {_f(r['kernel_cost_ms'] and r['kernel_cost_ms']['value'], '.3f')} "
-            f"| {_f(r['achieved_gbps'], '.0f' if (r['achieved_gbps'] or 0) >= 100 else '.3g')} "
-            f"| {_f(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], '.1f')} |")
-    out += ["", f"Kernel cost c_b = t_b − t_D·B_b/B_D (App. D): {g['bytes_note']}"]
-    # A group without dense cells is summarised once under "Missing pairs".
-    notes = [f"{fmt_ctx(r['context'])} {r['cell']}: {r['note']}"
-             for r in g["rows"] if r["note"] and g["has_dense"]]
-    out += [f"- {n}" for n in notes]
-    once = [r for r in g["rows"] if r["one_time_s"] or r["peak_memory_bytes"]]
-    if once:
-        keys = sorted({k for r in once for k in r["one_time_s"]})
-        out += ["", "| context | cell | " + " | ".join(f"{k} (s)" for k in keys) + " | peak memory GB |",
-                "|---|---|" + "---|" * (len(keys) + 1)]
-        for r in once:
-            out.append(f"| {fmt_ctx(r['context'])} | {r['cell']} | "
-                       + " | ".join(_f(r["one_time_s"].get(k), ".3g") for k in keys)
-                       + f" | {_f(r['peak_memory_bytes'] and r['peak_memory_bytes'] / 1e9, '.2f')} |")
-    x = g["crossing"]
-    if x is not None:
-        out += ["", f"### Projection against selection (`{x['proj']}` − `{x['sel']}`, §4.3, App. E)", ""]
-        if x["rows"]:
-            out += ["| context | proj ms | sel ms | difference ms [95%] | sel faster |",
-                    "|---|---|---|---|---|"]
-            for r in x["rows"]:
-                out.append(f"| {fmt_ctx(r['context'])} | {r['proj_ms']:.3f} | {r['sel_ms']:.3f} "
-                           f"| {_interval(r['difference_ms'], '+.3f')} "
-                           f"| {r['sel_faster_blocks']}/{r['blocks']} |")
-            out.append("")
-        m = x["measured"]
-        if m is not None:
-            out.append(f"- measured crossing: {_crossing_str(m)} "
-                       f"({m['n_resamples']} block resamples, {m['n_undefined']} without a crossing)")
-        nb = x["byte_crossover"]
-        if nb is not None:
-            out.append(f"- byte crossover n*: {fmt_ctx(nb['tokens']) if nb['tokens'] else 'never'} "
-                       f"(Eq. 5 at {nb['keeps']} keeps r_P={nb['rp']:.3f}, r_KV={nb['rkv']:.3f})")
-        p = x["predicted"]
-        if p is not None and p.get("tokens") is not None:
-            out.append(f"- cost-aware prediction: {fmt_ctx(p['tokens'])} (t_D, c_P, c_KV from group "
-                       f"`{p['source_group']}` at {', '.join(fmt_ctx(n) for n in p['contexts'])}; App. D)")
-        elif p is not None:
-            out.append(f"- {p['note']}")
-        if x["note"]:
-            out.append(f"- {x['note']}")
-    out.append("")
-    return out
-
-
-def _crossing_str(m: dict) -> str:
-    if math.isnan(m["value"]):
-        return "none inside the contexts"
-    lo = "?" if math.isnan(m["low"]) else fmt_ctx(m["low"])
-    hi = "?" if math.isnan(m["high"]) else fmt_ctx(m["high"])
-    return f"{fmt_ctx(m['value'])} [{lo}, {hi}]"
-
-
-def render_markdown(rep: dict) -> str:
-    """The report as markdown: one table per group, crossings, failed cells, missing pairs."""
-    cpu = " — CPU" if rep["label"] == "CPU" else ""
-    out = [f"# Timing report: {rep['campaign']}{cpu}", "",
-           f"- model {rep['model']} on {rep['gpu']} ({rep['device']}); {rep['n_ok']} ok cells, "
-           f"{rep['n_failed']} failed; records: {rep['source']} ({rep['folder']})",
-           f"- {rep['peak_note']}" + (f": {rep['peak_gbps']:g} GB/s" if rep["peak_gbps"] else ""),
-           "- speedup: paired ratio to the dense cell of the same block and context, mean over "
-           "blocks, 95% interval over all B^B block resamples (ByteCross App. A, App. E); "
-           "ms/token = 1000 / mean repeat throughput; K = 1,024 tokens"]
-    if rep["label"] == "CPU":
-        out.append("- CPU: these cells time the CPU reference path; they say nothing of GPU speed")
-    out.append("")
-    for g in rep["groups"]:
-        out += _group_md(g)
-    if rep["attention_paths"]:
-        out += ["## Attention paths (§4.4, Figure 5)", ""]
-        for cl in rep["attention_paths"]:
-            out.append(f"- cells {', '.join(cl['cells'])}: " + ", ".join(
-                f"`{x['group']}` ({x['attention']}" + (f", {'/'.join(x['runtime'])}" if x["runtime"] else "")
-                + ")" for x in cl["groups"]))
-            if cl["against_dense"]:
-                out += ["", "The split-K path's sparse cells against the dense cell of each path "
-                        "(paired by block; what a slower dense baseline does to the apparent gain):", "",
-                        "| context | cell | ms/token | dense path | dense ms/token | dense % of peak "
-                        "| apparent speedup [95%] |", "|---|---|---|---|---|---|---|"]
-                for a in cl["against_dense"]:
-                    out.append(f"| {fmt_ctx(a['context'])} | {a['cell']} | {a['sparse_ms']:.3f} "
-                               f"| {a['dense_attention']} | {a['dense_ms']:.3f} "
-                               f"| {_f(a['dense_fraction_of_peak'] and 100 * a['dense_fraction_of_peak'], '.1f')} "
-                               f"| {_interval(a['speedup'], '.3f', unit='×')} |")
-        out.append("")
-    out += ["## Failed cells", ""]
-    if rep["failed"]:
-        out += ["| record | group | cell | context | block | error |", "|---|---|---|---|---|---|"]
-        for f in rep["failed"]:
-            err = f["error"].replace("|", "\\|").replace("\n", " ")
-            out.append(f"| {Path(f['path']).name} | {f['group'] or ''} | {f['cell'] or ''} "
-                       f"| {'' if f['context'] is None else fmt_ctx(f['context'])} "
-                       f"| {'' if f['block'] is None else f['block']} | {err} |")
-    else:
-        out.append("none")
-    out += ["", "## Missing pairs (sparse cells without a dense cell of the same group, context "
-            "and block)", ""]
-    listed = [m for m in rep["missing"] if m["group"] not in rep["groups_without_dense"]]
-    for g in rep["groups_without_dense"]:
-        k = sum(m["group"] == g for m in rep["missing"])
-        out.append(f"- group `{g}` has no dense cells: its {k} sparse cells have no speedup "
-                   "(a crossing campaign times only proj and sel, App. E)")
-    for m in listed:
-        out.append(f"- `{m['group']}` {m['cell']} at {fmt_ctx(m['context'])}, block {m['block']} "
-                   f"({Path(m['path']).name})")
-    if not rep["missing"]:
-        out.append("none")
-    if rep["retired"]:
-        out += ["", f"{rep['retired']} earlier failed attempt(s) were retried; their records lie in "
-                "DIR/failed/ and do not enter the tables."]
-    figs = rep.get("figures")
-    if figs:
-        out += ["", "## Figures", ""]
-        for name, what in figs.items():
-            out.append(f"- {name}: " + (f"![{name}]({Path(what['path']).name})" if "path" in what
-                                        else f"skipped ({what['skipped']})"))
-    return "\n".join(out) + "\n"
 
 
 def write_report(
