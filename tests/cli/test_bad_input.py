@@ -15,7 +15,7 @@ import pytest
 
 from sparsedecode.cli import main
 
-PAPER = Path(__file__).resolve().parents[2].parent / "shared/data/bytecross-records/sweep_a100"
+PAPER = Path(__file__).resolve().parents[2] / "data/bytecross/sweep_a100"
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=100, max_position_embeddings=256)
 

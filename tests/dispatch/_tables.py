@@ -6,7 +6,7 @@ import pytest
 
 from sparsedecode.account import ModelDims
 
-RECORDS = Path(__file__).resolve().parents[2].parent / "shared/data/bytecross-records"
+RECORDS = Path(__file__).resolve().parents[2] / "data/bytecross"
 CPU_CELLS = Path(__file__).resolve().parents[2] / "benchmarks/records/cpu/dispatch/cpu_gate_smollm2"
 
 

@@ -1,8 +1,8 @@
 """Reproduce the ByteCross paper's measured crossings and Figure 3 speedups from its own records.
 
 Crossings: Table 2 and Tables 12/13 of App. E (K = 1,024 tokens, §3). Speedups:
-§4.2 / Figure 3. The records live in ../shared/data/bytecross-records next to
-the checkout; the tests skip when that folder is absent.
+§4.2 / Figure 3. The records live in data/bytecross in this repository (a copy of the
+paper's records/, see its SOURCE.md); the tests skip when that folder is absent.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from sparsedecode.timing import paper, stats
 
-RECORDS = Path(__file__).resolve().parents[2].parent / "shared/data/bytecross-records"
+RECORDS = Path(__file__).resolve().parents[2] / "data/bytecross"
 K = 1024
 
 

@@ -25,7 +25,7 @@ from sparsedecode.report.timing_report import (
 )
 from sparsedecode.timing.cells import load_cells
 
-RECORDS = Path(__file__).resolve().parents[2].parent / "shared/data/bytecross-records"
+RECORDS = Path(__file__).resolve().parents[2] / "data/bytecross"
 DIMS = ModelDims.known("llama-3.1-8b")
 PNG = b"\x89PNG\r\n\x1a\n"
 

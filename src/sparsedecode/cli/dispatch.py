@@ -1,7 +1,7 @@
 """`sparsedecode dispatch price` and `dispatch table`: dispatch policies priced on request mixes
 from measured step latencies, and the gate table the engine reads (ByteCross §3.3, §5.4, App. I).
 
-    sparsedecode dispatch price ../shared/data/bytecross-records/sweep_a100 --select-seconds 0.24
+    sparsedecode dispatch price data/bytecross/sweep_a100 --select-seconds 0.24
     sparsedecode dispatch price runs/h200_sweep --mix traffic.jsonl --assume-admissible --json
     sparsedecode dispatch table runs/h200_sweep --admit verdict_both.json --out gate.json
     sparsedecode generate --model M --gate gate.json --prompt "..."

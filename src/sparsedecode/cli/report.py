@@ -1,7 +1,7 @@
 """`sparsedecode report DIR`: tables and figures of a timing campaign from its records (ByteCross §4.2-4.4).
 
     sparsedecode report runs/h200_sweep
-    sparsedecode report ../shared/data/bytecross-records/sweep_a100 --out /tmp/a100
+    sparsedecode report data/bytecross/sweep_a100 --out /tmp/a100
     sparsedecode report runs/cpu_smoke --no-figures --json
 
 DIR holds the timing harness's records (cells/{group}/*.json, kind 'timing_cell')
@@ -12,12 +12,13 @@ the PNG figures go to DIR/report unless --out says otherwise. Imports no torch.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import JsonOpt, check_out_dir, emit_json, parse_float
+from sparsedecode.cli.common import JsonOpt, check_out_dir, check_out_file, emit_json, parse_float
 
 
 def _refuse_tracked(folder: str) -> None:
@@ -51,9 +52,22 @@ def report(
         typer.Option("--peak-gbps", help="Peak memory bandwidth in GB/s (default: nominal for the GPU)."),
     ] = None,
     no_figures: Annotated[bool, typer.Option("--no-figures", help="Write tables only.")] = False,
+    manifest: Annotated[str, typer.Option("--manifest", help="report results: the manifest of tables.")] = "docs/results.toml",
     json_out: JsonOpt = False,
 ) -> None:
-    """Paired speedups with intervals, byte bounds, kernel costs, crossings, failed cells, figures."""
+    """Paired speedups with intervals, byte bounds, kernel costs, crossings, failed cells, figures.
+    `sparsedecode report results` instead rebuilds the results page (docs/results.md) from the
+    records its manifest (docs/results.toml) names."""
+    if folder == "results" and not Path(folder).exists():
+        from sparsedecode.report.results import write
+
+        target = check_out_file(out or "docs/results.md", "--out", ".md")
+        written = write(manifest, target)
+        if json_out:
+            emit_json({"kind": "results_page", "path": str(written), "manifest": manifest})
+        else:
+            typer.echo(f"wrote {written} from {manifest}")
+        return
     from sparsedecode.report.timing_report import write_report
 
     peak = parse_float(peak_gbps, "--peak-gbps", positive=True) if peak_gbps is not None else None

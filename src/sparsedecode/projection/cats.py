@@ -2,7 +2,7 @@
 
 Lee et al., 2024, 'CATS: Contextually-Aware Thresholding for Sparsity in Large
 Language Models' (cited in ByteCross §3.2; described in §2 of the SATS paper,
-../shared/seeds/002_86fa77f66644c7de.txt): for a target sparsity k, the cutoff
+"Sensitivity-Aware Thresholding for Sparsity", 2026): for a target sparsity k, the cutoff
 t of a layer is the k-th percentile of |SiLU(x W_gate)| over calibration
 activations, and channels with |SiLU(x W_gate)| <= t are zeroed. A zeroed
 channel zeroes SiLU(gate)·up, so the decode step computes gate densely, then

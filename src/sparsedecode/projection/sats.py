@@ -1,6 +1,6 @@
 """SATS: CATS thresholds chosen per layer by local MLP distortion under one error budget.
 
-SATS paper (../shared/seeds/002_86fa77f66644c7de.txt), §3.1. CATS (§2; cats.py)
+SATS paper (Sensitivity-Aware Thresholding for Sparsity, and token routing, 2026), §3.1. CATS (§2; cats.py)
 puts every layer's cutoff on |SiLU(x W_gate)| at the same percentile. SATS keeps
 that runtime form (keys `layers.{i}.act`, the CATS runtime runs it unchanged) but
 picks each layer's threshold by the damage it does to that layer's MLP output:

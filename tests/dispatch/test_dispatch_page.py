@@ -1,4 +1,4 @@
-"""The README's dispatch tables are the output of the commands it names: rebuilt here from the
+"""The dispatch page's tables (docs/dispatch.md) are the output of the commands it names: rebuilt here from the
 same records, a table that drifted from them fails."""
 
 from pathlib import Path
@@ -24,4 +24,4 @@ def test_readme_shows_what_the_command_prints(args, capsys):
         main(["dispatch", "price", *args(), "--markdown"])
     assert exc.value.code in (0, None)
     table = capsys.readouterr().out.strip()
-    assert table.startswith("| policy |") and table in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert table.startswith("| policy |") and table in (ROOT / "docs/dispatch.md").read_text(encoding="utf-8")

@@ -1,0 +1,38 @@
+"""docs/results.md is what `sparsedecode report results` makes of the records docs/results.toml
+names; the README's headline rows come from it. Either drifting from the records fails here."""
+
+from pathlib import Path
+
+import pytest
+
+from sparsedecode.errors import InputError
+from sparsedecode.report.results import render
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_results_page_is_up_to_date_with_its_records():
+    page = render(ROOT / "docs/results.toml")
+    assert page == (ROOT / "docs/results.md").read_text(encoding="utf-8"), (
+        "docs/results.md is out of date: run `sparsedecode report results` and commit it")
+
+
+def test_readme_headline_rows_come_from_the_results_page():
+    page = (ROOT / "docs/results.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    head = readme.split("<!-- headline -->")
+    assert len(head) == 3, "the README marks its headline table with two <!-- headline --> lines"
+    rows = [ln for ln in head[1].splitlines() if ln.startswith("| ") and not ln.startswith("| context")]
+    assert rows and all(r in page for r in rows)
+
+
+def test_a_bad_manifest_is_refused(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    m = docs / "results.toml"
+    m.write_text('[[table]]\ntitle = "t"\nconditions = "c"\nkind = "magic"\nrecords = "x"\n')
+    with pytest.raises(InputError, match="kind 'magic'"):
+        render(m)
+    m.write_text('[[table]]\nkind = "campaign"\n')
+    with pytest.raises(InputError, match="lacks 'title'"):
+        render(m)
