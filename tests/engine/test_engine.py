@@ -124,6 +124,10 @@ def test_models_command_lists_sources():
 def test_cli_generate_answers_paris():
     from typer.testing import CliRunner
 
+    from conftest import require_embedded
+
+    require_embedded("smollm2-135m")  # skipped with the reason on a machine without the index
+
     from sparsedecode.cli import app
 
     res = CliRunner().invoke(app, ["generate", "--model", "smollm2-135m", "--prompt",
