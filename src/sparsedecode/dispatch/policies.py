@@ -71,24 +71,25 @@ def choose(table: PriceTable, prompt: int, answer: int, specs: list[str]) -> tup
 
 
 # -- a whole mix, vectorized ------------------------------------------------------------------
+def _integrate(step_ms, price: ConfigPrice, mix: Mix) -> np.ndarray:
+    """Cost in ms (R,) of every request of `mix`: `step_ms` (a vectorized function of context)
+    summed over 64-token segments at their midpoints, plus the configuration's one-time cost."""
+    p, a = mix.prompt.astype(float), mix.answer
+    total = np.zeros(len(mix))
+    for t in range(0, int(a.max()), SEGMENT):
+        k = np.clip(a - t, 0, SEGMENT)
+        live = k > 0
+        total[live] += k[live] * step_ms(p[live] + t + k[live] / 2)
+    if price.select is not None:
+        total += 1000.0 * price.select.many(p)
+    return total
+
+
 def cost_matrix(table: PriceTable, mix: Mix) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(specs, costs (C, R) in ms, feasible (C, R)) of every configuration on every request."""
     specs = table.specs
-    p, a = mix.prompt.astype(float), mix.answer
-    out = np.zeros((len(specs), len(mix)))
-    feas = np.ones((len(specs), len(mix)), dtype=bool)
-    for i, s in enumerate(specs):
-        price = table.configs[s]
-        total = np.zeros(len(mix))
-        for t in range(0, int(a.max()), SEGMENT):
-            k = np.clip(a - t, 0, SEGMENT)
-            live = k > 0
-            total[live] += k[live] * price.curve.many(p[live] + t + k[live] / 2)
-        if price.select is not None:
-            total += 1000.0 * price.select.many(p)
-            mode = price.mode
-            feas[i] = np.floor(mode.kv_keep * p + 0.5) - a >= price.sinks + price.window
-        out[i] = total
+    out = np.stack([_integrate(table.configs[s].curve.many, table.configs[s], mix) for s in specs])
+    feas = np.stack([table.configs[s].feasible(mix.prompt, mix.answer) for s in specs])
     return specs, out, feas
 
 
@@ -148,18 +149,11 @@ def _byte_costs(table: PriceTable, mix: Mix, specs: list[str]) -> np.ndarray:
     grid = np.unique(np.geomspace(lo, max(hi, lo + 1), 96).astype(int))
     pred = byte_predictions(table, grid)
     lg = np.log(grid)
-    p, a = mix.prompt.astype(float), mix.answer
-    out = np.zeros((len(specs), len(mix)))
-    for i, s in enumerate(specs):
-        ly = np.log(pred[s])
-        total = np.zeros(len(mix))
-        for t in range(0, int(a.max()), SEGMENT):
-            k = np.clip(a - t, 0, SEGMENT)
-            live = k > 0
-            total[live] += k[live] * np.exp(np.interp(np.log(p[live] + t + k[live] / 2), lg, ly))
-        sel = table.configs[s].select
-        out[i] = total + (0.0 if sel is None else 1000.0 * sel.many(p))
-    return out
+
+    def step(ly):
+        return lambda n: np.exp(np.interp(np.log(n), lg, ly))
+
+    return np.stack([_integrate(step(np.log(pred[s])), table.configs[s], mix) for s in specs])
 
 
 def threshold(table: PriceTable, short: str, long: str) -> float:

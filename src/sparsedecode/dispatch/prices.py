@@ -169,11 +169,14 @@ class ConfigPrice:
     def uses_kv(self) -> bool:
         return self.mode.kv_method is not None
 
-    def feasible(self, prompt: int, answer: int) -> bool:
-        """Whether the KV budget of a (prompt, answer) request holds sinks and window."""
+    def feasible(self, prompt, answer):
+        """Whether the KV budget round(keep x prompt) - answer of a request holds sinks and
+        window; prompt and answer may be arrays (an array of bools comes back)."""
         if not self.uses_kv:
-            return True
-        return math.floor(self.mode.kv_keep * prompt + 0.5) - answer >= self.sinks + self.window
+            return True if np.isscalar(prompt) else np.ones(np.shape(prompt), dtype=bool)
+        budget = np.floor(self.mode.kv_keep * np.asarray(prompt, dtype=float) + 0.5) - answer
+        ok = budget >= self.sinks + self.window
+        return bool(ok) if np.isscalar(prompt) else ok
 
     def to_dict(self) -> dict:
         return {"spec": self.spec, "curve": self.curve.to_dict(),
@@ -315,16 +318,14 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
             ex = camp.extra(cell)
             if ex.attention:
                 attention.add(ex.attention)
+            if ex.dtype:
+                dtype.add(ex.dtype)
+            if ex.obs:
+                obs.add(ex.obs)
             if parse_mode(spec).kv_method:
                 s = (ex.one_time or {}).get("select_s")
                 if isinstance(s, int | float) and not isinstance(s, bool) and s > 0:
                     selects.setdefault(spec, []).append((cell.context, float(s)))
-        for path in (camp.extras or {}):
-            rec_dtype, rec_obs = _record_fields(path)
-            if rec_dtype:
-                dtype.add(rec_dtype)
-            if rec_obs:
-                obs.add(rec_obs)
     if len(attention) > 1:
         raise InputError(f"the records mix attention paths ({', '.join(sorted(attention))}): a speedup "
                          "is only meaningful against a dense step on the same path; give one path's records")
@@ -368,19 +369,6 @@ def select_seconds_of(record: dict, where: str = "--select-record") -> float:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise InputError(f"{where}: field 'context' is {n!r}, expected a positive token count")
     return _positive_finite(s, f"{where}: field 'select_s_median'") * SELECT_REF_TOKENS / n
-
-
-def _record_fields(path: Path) -> tuple[str | None, int | None]:
-    """(dtype, observation window) of one of our timing records."""
-    import json
-
-    try:
-        rec = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None, None
-    spec = rec.get("spec") or {}
-    obs = spec.get("obs")
-    return rec.get("dtype"), obs if isinstance(obs, int) and not isinstance(obs, bool) else None
 
 
 __all__ = ["KIND", "SELECT_REF_TOKENS", "ConfigPrice", "Curve", "PriceTable", "SelectCost", "device_name",

@@ -27,7 +27,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from sparsedecode.dispatch.policies import choose, request_ms
+from sparsedecode.dispatch.policies import choose
 from sparsedecode.dispatch.prices import PriceTable
 from sparsedecode.errors import InputError
 from sparsedecode.projection.sparse_linear import FUSED
@@ -122,7 +122,7 @@ class RuntimeGate:
         best, costs = choose(self.table, int(prompt_tokens), answer, self.specs)
         price = self.table.configs[best]
         select_s = 0.0 if price.select is None else price.select.at(prompt_tokens)
-        per_token = (request_ms(price, int(prompt_tokens), answer) - 1000.0 * select_s) / answer
+        per_token = (costs[best] - 1000.0 * select_s) / answer  # the step cost along the answer
         return Choice(best, int(prompt_tokens), int(max_new_tokens), per_token, select_s, costs,
                       (time.perf_counter() - t0) * 1e3)
 

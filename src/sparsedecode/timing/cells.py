@@ -62,6 +62,7 @@ _EXTRAS: dict[str, tuple[type, ...]] = {
     "compile_mode": (str,),
     "step_ms_median": _NUM,
     "model": (dict,),
+    "dtype": (str,),
 }
 
 
@@ -87,6 +88,8 @@ class CellExtras:
     mode_spec: str | None = None
     compile_mode: str | None = None
     step_ms_median: float | None = None
+    dtype: str | None = None
+    obs: int | None = None  # the selection's observation window (the cell spec's obs)
 
 
 @dataclass(frozen=True)
@@ -203,8 +206,16 @@ def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtra
         mode_spec=x["mode_spec"],
         compile_mode=x["compile_mode"],
         step_ms_median=floats("step_ms_median"),
+        dtype=x["dtype"],
+        obs=_spec_obs(obj),
     )
     return cell, extras
+
+
+def _spec_obs(obj: dict) -> int | None:
+    spec = obj.get("spec")
+    obs = spec.get("obs") if isinstance(spec, dict) else None
+    return obs if isinstance(obs, int) and not isinstance(obs, bool) else None
 
 
 def _failed_cell(obj: dict, path: Path) -> FailedCell:
