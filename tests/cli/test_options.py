@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from conftest import run_cli
 from sparsedecode import __version__
-from sparsedecode.cli import main
 
 
 def sd(*args, stdin=None):
@@ -18,13 +18,8 @@ def sd(*args, stdin=None):
 
 def run(capsys, *args):
     """(exit code, stdout, stderr) of the CLI run in this process (no interpreter start-up)."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    r = run_cli(capsys, *args)
+    return r.returncode, r.stdout, r.stderr
 
 
 def test_version_and_short_help():

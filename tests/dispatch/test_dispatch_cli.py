@@ -8,6 +8,8 @@ import sys
 import pytest
 from _tables import paper
 
+from conftest import run_cli
+
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "sparsedecode", "dispatch", *args], capture_output=True, text=True)
@@ -90,25 +92,13 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path):
     one_line_error(run("price", a100, "--select-seconds", "0.2", "--admit", str(verdict)), "'admissibility'")
 
 
-def _main(capsys, *args):
-    from sparsedecode.cli import main
-
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
-
-
 def test_generate_refuses_a_gate_of_another_model(tmp_path, capsys):
     gate = tmp_path / "a100.json"
     assert run("table", str(paper("sweep_a100")), "--select-seconds", "0.24", "--out", str(gate)).returncode == 0
-    r = _main(capsys, "generate", "--model", "smollm2-135m", "--device", "cpu", "--gate", str(gate),
+    r = run_cli(capsys, "generate", "--model", "smollm2-135m", "--device", "cpu", "--gate", str(gate),
               "--prompt", "Hello", "-n", "2")
     one_line_error(r, "timed on Llama-3.1-8B-Instruct", "the engine runs smollm2-135m")
-    r = _main(capsys, "generate", "--gate", str(gate), "--kv", "snapkv", "--kv-keep", "0.3", "--prompt", "Hello")
+    r = run_cli(capsys, "generate", "--gate", str(gate), "--kv", "snapkv", "--kv-keep", "0.3", "--prompt", "Hello")
     one_line_error(r, "--gate chooses the configuration per request")
 
 
@@ -120,7 +110,7 @@ def test_generate_under_a_cpu_gate_reports_its_choice(tmp_path, capsys, wikitext
     gate = tmp_path / "cpu.json"
     r = run("table", str(CPU_CELLS), "--assume-admissible", "--out", str(gate))
     assert r.returncode == 0 and "assumed admissible" in r.stdout, r.stdout + r.stderr
-    r = _main(capsys, "generate", "--model", "smollm2-135m", "--device", "cpu", "--gate", str(gate),
+    r = run_cli(capsys, "generate", "--model", "smollm2-135m", "--device", "cpu", "--gate", str(gate),
               "--prompt", "The capital of France is", "-n", "4", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -162,15 +162,11 @@ def test_dispatch_check_sets_measured_beside_predicted(tmp_path, capsys):
     configuration, predicted and measured ms/token; a table of another model is refused."""
     import json
 
-    from sparsedecode.cli import main
+    from conftest import run_cli
 
     def cli(*args):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as e:
-            code = e.code or 0
-        return code, capsys.readouterr().err
+        r = run_cli(capsys, *args)
+        return r.returncode, r.stderr
 
     folder = tmp_path / "tiny"
     folder.mkdir()

@@ -82,7 +82,6 @@ def _finite(x):
 def check_out_file(path: str, flag: str, suffix: str | None = None):
     """An output file path checked before any work: not a folder, a writable place, and with
     `suffix` (e.g. '.png') when given. Returns it as a Path; InputError names the flag."""
-    import os
     from pathlib import Path
 
     from sparsedecode.errors import InputError
@@ -92,13 +91,21 @@ def check_out_file(path: str, flag: str, suffix: str | None = None):
         raise InputError(f"{flag} {path} is a folder; give a file path such as {p / ('out' + (suffix or '.json'))}")
     if suffix is not None and p.suffix.lower() != suffix:
         raise InputError(f"{flag} {path} must end in {suffix}")
-    parent = p.parent if str(p.parent) else Path(".")
-    probe = parent
+    _check_writable(p.parent if str(p.parent) else Path("."), path, flag)
+    return p
+
+
+def _check_writable(where, path: str, flag: str) -> None:
+    """`where`, or its nearest existing parent (folders are made on write), is a writable folder."""
+    import os
+
+    from sparsedecode.errors import InputError
+
+    probe = where
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         raise InputError(f"{flag} {path}: cannot write under {probe}; pick a writable place")
-    return p
 
 
 def check_engine_args(device: str, dtype: str, max_len: int | None = None, attention: str = "split_k") -> None:
@@ -126,7 +133,6 @@ def check_new_file(path: str, flag: str, suffix: str | None = None):
 
 def check_out_dir(path: str, flag: str):
     """An output folder checked before any work: not an existing file, and writable."""
-    import os
     from pathlib import Path
 
     from sparsedecode.errors import InputError
@@ -134,11 +140,7 @@ def check_out_dir(path: str, flag: str):
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise InputError(f"{flag} {path} is a file; give a folder")
-    probe = p
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise InputError(f"{flag} {path}: cannot write under {probe}; pick a writable place")
+    _check_writable(p, path, flag)
     return p
 
 
