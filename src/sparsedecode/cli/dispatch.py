@@ -12,7 +12,6 @@ or one gate table written by `dispatch table`. Imports no torch.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Annotated
@@ -57,14 +56,9 @@ def _table(records: list[str], select_seconds: float | None):
     from sparsedecode.dispatch.prices import PriceTable, from_records
 
     if len(records) == 1 and Path(records[0]).is_file():
-        path = Path(records[0])
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise InputError(f"{path}: not a JSON gate table ({err})") from None
         if select_seconds is not None:
             raise InputError("--select-seconds applies to timing records; a gate table holds its selection costs")
-        return PriceTable.from_dict(obj, str(path))
+        return PriceTable.read(records[0])
     for r in records:
         if not Path(r).exists():
             raise InputError(f"{r}: no such folder of timing records")
@@ -122,8 +116,7 @@ def price_cmd(
     chosen = get_mix(mix, seed)  # a bad trace fails before any pricing
     table = _table(records, sel)
     ok, why = _admit(table, admit, assume_admissible)
-    mixes = [chosen] + [get_mix(w, seed) for w in WORKLOADS if w != chosen.name or chosen.name not in WORKLOADS]
-    mixes = list({m.name: m for m in mixes}.values())
+    mixes = [chosen] + [get_mix(w, seed) for w in WORKLOADS if w != chosen.name]
     rows = {m.name: price(table, m, ok) for m in mixes}
     main = {r.policy: r for r in rows[chosen.name]}
     if plot_path is not None:

@@ -243,6 +243,17 @@ class PriceTable:
                 "admissibility": self.admissibility, "notes": list(self.notes)}
 
     @classmethod
+    def read(cls, path: str | Path) -> PriceTable:
+        """A gate table file written by `sparsedecode dispatch table`."""
+        from sparsedecode.textfile import read_json
+
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"gate table {path} not found (make one with sparsedecode dispatch table "
+                             "RECORDS --out gate.json)")
+        return cls.from_dict(read_json(path, "gate table"), str(path))
+
+    @classmethod
     def from_dict(cls, d: dict, where: str = "gate table") -> PriceTable:
         if not isinstance(d, dict) or d.get("kind") != KIND:
             got = d.get("kind") if isinstance(d, dict) else type(d).__name__

@@ -184,22 +184,12 @@ class RuntimeGate:
 
 def load_gate(engine, gate, **kwargs) -> RuntimeGate:
     """A RuntimeGate from a gate table file (or dict, or PriceTable) for `engine`."""
-    import json
-    from pathlib import Path
-
     if isinstance(gate, PriceTable):
         table = gate
     elif isinstance(gate, dict):
         table = PriceTable.from_dict(gate)
     else:
-        path = Path(gate)
-        if not path.is_file():
-            raise InputError(f"gate table {path} not found (make one with sparsedecode dispatch table RECORDS --out gate.json)")
-        try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise InputError(f"{path}: not a JSON gate table ({err})") from None
-        table = PriceTable.from_dict(obj, str(path))
+        table = PriceTable.read(gate)
     return RuntimeGate(engine, table, **kwargs)
 
 
