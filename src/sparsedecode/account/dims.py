@@ -9,6 +9,7 @@ shape is general: query heads x head_dim need not equal the hidden size, and
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -116,10 +117,7 @@ class ModelDims:
             config = config["text_config"]
 
         def count(key: str, value):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InputError(f"config field '{key}' is {value!r}, expected a positive whole number; "
-                                 "fix it in config.json")
-            return value
+            return config_number({key: value}, key, None)
 
         def need(key: str) -> int:
             if config.get(key) is None:
@@ -175,6 +173,18 @@ class ModelDims:
         """Dims of a model in the known-model table."""
         m = known_model(name)
         return cls.from_config(m.config, name=m.name)
+
+
+def config_number(cfg: dict, key: str, default, kind: type = int):
+    """cfg[key] as a positive `kind` (int or float), `default` when absent; InputError otherwise."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    ok = not isinstance(v, bool) and (isinstance(v, int) if kind is int else isinstance(v, int | float))
+    if not ok or not math.isfinite(v) or v <= 0:
+        raise InputError(f"config field '{key}' is {v!r}, expected a positive "
+                         f"{'whole number' if kind is int else 'number'}; fix it in config.json")
+    return kind(v)
 
 
 def load_config(ref: str | os.PathLike | dict) -> tuple[dict, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparsedecode.account.dims import ModelDims
+from sparsedecode.account.dims import ModelDims, config_number
 from sparsedecode.errors import InputError
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -78,16 +78,16 @@ class ModelArgs:
             head_dim=dims.head_dim,
             d_ff=dims.d_ff,
             vocab=dims.vocab,
-            norm_eps=_number(cfg, "rms_norm_eps", 1e-5, float),
+            norm_eps=config_number(cfg, "rms_norm_eps", 1e-5, float),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position=_number(cfg, "max_position_embeddings", 4096, int),
+            max_position=config_number(cfg, "max_position_embeddings", 4096, int),
             tie_embeddings=dims.tie_embeddings,
             qkv_bias=dims.qkv_bias,
             o_bias=dims.o_bias,
             mlp_bias=dims.mlp_bias,
             qk_norm=dims.qk_norm,
-            sliding_window=_number({"sliding_window": window}, "sliding_window", None, int) if window else None,
+            sliding_window=config_number({"sliding_window": window}, "sliding_window", None, int) if window else None,
             bos_id=cfg.get("bos_token_id"),
             eos_ids=tuple(int(e) for e in eos_ids),
             name=dims.name,
@@ -126,25 +126,11 @@ class ModelArgs:
             )
 
 
-def _number(cfg: dict, key: str, default, kind: type):
-    """cfg[key] as a positive `kind` (int or float), `default` when absent; InputError otherwise."""
-    import math
-
-    v = cfg.get(key)
-    if v is None:
-        return default
-    ok = not isinstance(v, bool) and (isinstance(v, int) if kind is int else isinstance(v, int | float))
-    if not ok or not math.isfinite(v) or v <= 0:
-        raise InputError(f"config field '{key}' is {v!r}, expected a positive "
-                         f"{'whole number' if kind is int else 'number'}; fix it in config.json")
-    return kind(v)
-
-
 def _rope(cfg: dict) -> tuple[float, dict | None]:
     """(theta, scaling) from `rope_theta`/`rope_scaling` (4.x) or `rope_parameters` (5.x)."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or params)
-    theta = _number({"rope_theta": params.get("rope_theta", cfg.get("rope_theta", scaling.get("rope_theta")))},
+    theta = config_number({"rope_theta": params.get("rope_theta", cfg.get("rope_theta", scaling.get("rope_theta")))},
                     "rope_theta", 10000.0, float)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
