@@ -4,8 +4,10 @@
 prefill of n tokens:
 
 - scored methods (snapkv) re-run the last W prompt tokens through the model as
-  the observation window, which rewrites the same keys and values at the same
-  positions and collects each layer's post-RoPE queries (B, Hq, W, D);
+  the observation window and collect each layer's post-RoPE queries (B, Hq, W, D);
+  the window attends to the cache as prefilled, which it leaves bit for bit
+  (rewriting its keys from a W-row GEMM would round differently on CUDA than the
+  prefill's n-row one, and decoding would read keys it never scored);
 - each layer's selector picks round(keep x n) - max_new positions per KV head
   and the kept keys and values are gathered once into a contiguous buffer with
   room for the max_new generated tokens; every decode step then appends its own
@@ -59,7 +61,7 @@ class KVSelection:
 
 def observation_queries(engine, window: int) -> list[torch.Tensor]:
     """Post-RoPE queries (B, Hq, W, D) of each layer for the last W = min(window, n) cached
-    prompt tokens, from re-running them (their keys and values are rewritten unchanged)."""
+    prompt tokens, from re-running them over the cache as prefilled (which they do not write)."""
     n = engine.pos
     ids, start = engine.last_prefill  # (L,) ids the last prefill put at positions [start, start + L)
     w = min(window, n)

@@ -150,9 +150,10 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, L, D)
         v = v.transpose(1, 2)  # (B, Hkv, L, D)
-        self.cache.update(pos, k, v)  # the full cache receives every entry, in every mode
-        if self.observe is not None:  # queries of an observation window, for KV scoring
-            self.observe.append(q)
+        if self.observe is None:
+            self.cache.update(pos, k, v)  # the full cache receives every entry, in every mode
+        else:  # an observation window (kv.apply): its queries attend to the entries as prefilled,
+            self.observe.append(q)  # which stay bit for bit (rewriting them would round differently)
         if start is None:
             y = self._decode_attention(q[:, :, 0], k, v, pos, host_len)  # (B, Hq, D)
             y = y.reshape(B, 1, self.n_heads * self.head_dim)
