@@ -90,10 +90,10 @@ class Engine:
         if self.compile:
             # dynamic=None: the host length is specialized on the first call and traced as a
             # dynamic size from the second on; every tensor shape stays static.
-            self._step_fn = torch.compile(
+            self._step_fn = _without_dict_tag_guards(torch.compile(
                 self._decode_forward, fullgraph=True, dynamic=None if self.host_len else False,
                 mode=self.compile_mode,
-            )
+            ))
         self._graph = None
         self._graph_out = None
         # With keep_graphs (the runtime gate turns it on), a captured step is kept per state of
@@ -501,6 +501,23 @@ class Engine:
         return (f"Engine({self.name!r}, {self.args.model_type}, device={self.device}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, max_len={self.max_len}, "
                 f"attention={self.attention!r}, init={self.init!r})")
+
+
+def _without_dict_tag_guards(step):
+    """`step` building its guards with dynamo's recursive dict-tag fast path off, where this
+    torch has it on (2.10, 2.11): with a few compiled steps of one code object kept (the
+    runtime gate keeps one per configuration) the fast path aborts the process, "Could not
+    register a callback for recursive dict tag optimization" (measured on the H200,
+    torch 2.11; pytorch#178224, off upstream since #181873). Guards are built when a call
+    compiles, so the flag is off around each call; a CUDA graph replays without one."""
+    cfg = torch._dynamo.config
+    if not getattr(cfg, "use_recursive_dict_tags_for_guards", False):
+        return step
+
+    def call(*args):
+        with cfg.patch(use_recursive_dict_tags_for_guards=False):
+            return step(*args)
+    return call
 
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,

@@ -84,6 +84,10 @@ class KVCache(nn.Module):
         App. A: entries gathered once, each step appends its own). `offset` is a (1,) device
         tensor updated in place by the caller, `host_offset` its value on the host. None:
         read the cache."""
+        if k is not None and (offset is None or offset.device != k.device):
+            # a host offset would reach the captured step as a constant of another device
+            raise ValueError(f"the compact buffer's offset must be a (1,) tensor on {k.device}, "
+                             f"got {None if offset is None else offset.device}")
         self.compact = None if k is None else (k, v, offset)
         self.host_offset = int(host_offset)
         self.window = None
