@@ -50,6 +50,7 @@ from sparsedecode.cli import eval_grid as _eval_grid  # noqa: E402,F401
 from sparsedecode.cli import eval_retrieval as _eval_retrieval  # noqa: E402,F401
 from sparsedecode.cli import report as _report  # noqa: E402,F401
 from sparsedecode.cli import route as _route  # noqa: E402,F401
+from sparsedecode.cli import serve as _serve  # noqa: E402,F401
 
 # One spelling per option across commands; the old names still work, with a note.
 ALIASES = {"account": {"--rp": "--proj-keep", "--rkv": "--kv-keep"}, "calibrate": {"--keep": "--proj-keep"}}
@@ -87,6 +88,9 @@ METAVARS = {
     "--executor": "EXECUTOR", "--fill": "FILL", "--gpus": "ID,...", "--init": "INIT", "--kv-param": "KEY=VALUE",
     "--multikey": "FILE", "--passkey": "FILE", "--ppl": "FILE", "--plot": "PNG", "--proj": "KEEP:DELTA,...",
     "--sel": "KEEP:DELTA,...", "--protocol": "PROTOCOL", "--table": "FILE", "--unseen": "dense|sparse", "--variant": "VARIANT",
+    "--ready-file": "FILE", "--host": "ADDRESS", "--port": "PORT", "--max-queue": "INT",
+    "--url": "URL", "--clients": "INT", "--requests": "INT", "--max-tokens": "INT", "--pid": "PID",
+    "--timeout": "SECONDS",
 }
 
 

@@ -48,8 +48,7 @@ def generate(
 ):
     """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
     import sparsedecode
-    from sparsedecode.account.units import check_keep
-    from sparsedecode.cli.common import check_engine_args
+    from sparsedecode.cli.common import apply_sparsity, check_engine_args, check_sparsity_args
     from sparsedecode.engine.sampling import check_sampling
     from sparsedecode.errors import InputError
 
@@ -62,40 +61,7 @@ def generate(
     if max_new_tokens < 0:
         raise InputError(f"--max-new-tokens must be >= 0 new tokens, got {max_new_tokens}")
     check_engine_args(device, dtype, max_len, attention)
-    if thresholds is not None and proj_keep is not None:
-        raise InputError("give --thresholds FILE or --proj-keep K, not both")
-    if proj_keep is not None:
-        check_keep(proj_keep, "--proj-keep")
-    if kv is not None:
-        from sparsedecode.kv.select import get_selector
-
-        get_selector(kv)
-    if kv_keep is not None:
-        check_keep(kv_keep, "--kv-keep")
-    if gate is not None and (thresholds, proj_keep, kv, routing) != (None, None, None, None):
-        raise InputError("--gate chooses the configuration per request: drop --thresholds, --proj-keep, "
-                         "--kv/--kv-keep and --routing, or drop --gate")
-    if gate is not None:
-        from pathlib import Path
-
-        if not Path(gate).is_file():
-            raise InputError(f"--gate {gate}: file not found (make one with sparsedecode dispatch table RECORDS --out gate.json)")
-    if (kv is None) != (kv_keep is None):
-        raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.2)")
-    table = None
-    if routing is not None:
-        from sparsedecode.projection.routing import RoutingTable
-
-        if thresholds is None:
-            raise InputError("--routing chooses between the dense MLP and CATS thresholds: give "
-                             "--thresholds FILE (a cats or sats file) too")
-        table = RoutingTable.load(routing)  # a bad file fails before the model loads
-        table.sparse_of()  # and so does an uncalibrated one
-    th = None
-    if thresholds is not None:
-        from sparsedecode.projection.thresholds import Thresholds
-
-        th = Thresholds.load(thresholds)
+    th, table = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing)
     import time
 
     t_load = time.perf_counter()
@@ -106,20 +72,7 @@ def generate(
         typer.echo(f"[loaded {eng.name} from {eng.source_path} on {eng.device}, "
                    f"{str(eng.dtype).removeprefix('torch.')}, cache {eng.max_len} tokens, in {load_s:.1f} s]",
                    err=True)
-    if table is not None:
-        eng.route(table)
-    if proj_keep is not None:
-        from sparsedecode.projection.calibrate import cached_teal
-
-        eng.sparsify(cached_teal(eng, proj_keep, progress=not as_json))
-
-    if kv is not None:
-        from sparsedecode.engine.config import KVConfig
-
-        eng.kv_config = KVConfig(kv, check_keep(kv_keep, "--kv-keep"))
-        from sparsedecode.kv.select import get_selector
-
-        get_selector(kv)  # an unknown method fails before the prefill
+    apply_sparsity(eng, table, proj_keep, kv, kv_keep, progress=not as_json)
 
     def show(text: str) -> None:
         sys.stdout.write(text)

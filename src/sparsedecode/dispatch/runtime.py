@@ -166,20 +166,27 @@ class RuntimeGate:
             t0 = time.perf_counter()
             self.install(spec)
             price = self.table.configs[spec]
-            mode = price.mode
-            n = 16 if not mode.kv_method else math.ceil((price.sinks + price.window + 2) / mode.kv_keep) + 1
-            if n + 2 > eng.max_len:
-                raise InputError(f"the cache of {eng.max_len} tokens cannot hold a prompt that {spec} can select "
-                                 f"from ({n} tokens); load with a larger max_len")
-            eng.prefill([0] * n)
-            if mode.kv_method:
-                eng.select_kv(mode.kv_method, mode.kv_keep, 1, **eng.kv_config.params)
-            eng.decode_step(0)
-            eng.reset()
+            warm_step(eng, spec, price.sinks + price.window)
             out[spec] = time.perf_counter() - t0
             if progress is not None:
                 progress(spec, out[spec])
         return out
+
+
+def warm_step(engine, spec: str, room: int = 0) -> None:
+    """Compile and capture the decode step of the configuration `spec` installed on `engine`:
+    a prompt of zeros long enough for its KV selection to keep `room` entries (sinks + window)
+    and two more, the selection, one step; then the cache is forgotten."""
+    kv = engine.kv_config if engine.kv_config is not None and engine.kv_config.keep < 1.0 else None
+    n = 16 if kv is None else math.ceil((room + 2) / kv.keep) + 1
+    if n + 2 > engine.max_len:
+        raise InputError(f"the cache of {engine.max_len} tokens cannot hold a prompt that {spec} can select "
+                         f"from ({n} tokens); load with a larger max_len")
+    engine.prefill([0] * n)
+    if kv is not None:
+        engine.select_kv(kv.method, kv.keep, 1, **kv.params)
+    engine.decode_step(0)
+    engine.reset()
 
 
 def load_gate(engine, gate, **kwargs) -> RuntimeGate:

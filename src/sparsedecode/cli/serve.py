@@ -1,0 +1,174 @@
+"""`sparsedecode serve`: an OpenAI-compatible HTTP server, one model, batch 1 (sparsedecode.serve)."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from sparsedecode.cli import app
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Known name, HF folder, hub id or .gguf file."),
+    gate: str = typer.Option(None, "--gate", help="Gate table (sparsedecode dispatch table): every request "
+                             "decodes under the admissible configuration of least predicted cost, or the one it names."),
+    thresholds: str = typer.Option(None, "--thresholds", help="Projection thresholds file: one sparse configuration."),
+    proj_keep: str = typer.Option(None, "--proj-keep", help="Projection keep: cached TEAL thresholds on WikiText-2 validation."),
+    kv: str = typer.Option(None, "--kv", help="KV branch after each prefill: snapkv or window."),
+    kv_keep: str = typer.Option(None, "--kv-keep", help="Fraction of the prompt's KV entries decoding reads; needs --kv."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get 429."),
+    max_len: int = typer.Option(None, "--max-len", help="Cache length in tokens: the longest prompt + answer."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    attention: str = typer.Option("split_k", "--attention", help="split_k or sdpa_masked (the step is captured)."),
+    init: str = typer.Option("pretrained", "--init", help="pretrained, or random (a config's dims, token-id prompts)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's own choice)."),
+    ready_file: str = typer.Option(None, "--ready-file", help="Write a JSON of the start-up (address, seconds "
+                                   "per phase and configuration) here once the server accepts requests."),
+):
+    """Serve /v1/completions and /v1/chat/completions (streamed or not), /v1/models, /health, /metrics."""
+    from sparsedecode.cli.common import (
+        apply_sparsity,
+        apply_threads,
+        check_engine_args,
+        check_new_file,
+        check_sparsity_args,
+    )
+    from sparsedecode.errors import InputError
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise InputError(f"serve needs the [serve] extra ({e.name} is missing): pip install 'sparsedecode[serve]'") from None
+    apply_threads(threads)
+    check_engine_args(device, dtype, max_len, attention)
+    if attention == "sdpa_fused":
+        raise InputError("--attention sdpa_fused slices the cache on the host, so no decode step can be captured "
+                         "ahead of requests; serve with split_k or sdpa_masked")
+    if not 0 <= port <= 65535:
+        raise InputError(f"--port must be in 0..65535, got {port}")
+    if max_queue < 1:
+        raise InputError(f"--max-queue must be >= 1, got {max_queue}")
+    if ready_file is not None:
+        check_new_file(ready_file, "--ready-file", ".json")
+    th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)
+
+    import socket
+
+    import sparsedecode
+    from sparsedecode.serve.app import Server
+    from sparsedecode.serve.configs import Configurations
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))  # before the model loads: a taken port fails at once
+    except OSError as e:
+        raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
+    t0 = time.perf_counter()
+    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len, attention=attention, init=init,
+                            thresholds=th, gate=gate)
+    apply_sparsity(eng, None, proj_keep, kv, kv_keep)
+    load_s = time.perf_counter() - t0
+    gate_obj, eng.gate = eng.gate, None  # the server chooses per request itself (auto or named)
+    server = Server(eng, Configurations(eng, gate_obj), max_queue=max_queue)
+    typer.echo(f"[loaded {eng.name} on {eng.device}, {str(eng.dtype).removeprefix('torch.')}, cache {eng.max_len} "
+               f"tokens, in {load_s:.1f} s]", err=True)
+
+    def shown(spec, s):
+        typer.echo(f"  warmed {spec} in {s:.1f} s", err=True)
+
+    t1 = time.perf_counter()
+    warm = server.worker.start(shown)
+    warm_s = time.perf_counter() - t1
+    server.metrics.startup_seconds.labels("load").set(load_s)
+    server.metrics.startup_seconds.labels("warm").set(warm_s)
+    addr = sock.getsockname()
+    url = f"http://{host}:{addr[1]}"
+    typer.echo(f"[serving {eng.name} at {url}: configurations {', '.join(server.configs.specs)} "
+               f"(default {server.configs.default}); start-up {load_s + warm_s:.1f} s "
+               f"(load {load_s:.1f}, warm {warm_s:.1f})]", err=True)
+    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=30)
+    userver = uvicorn.Server(config)
+    if ready_file is not None:
+        record = {"url": url, "port": addr[1], "model": eng.name, "device": str(eng.device),
+                  "configurations": server.configs.specs, "default": server.configs.default,
+                  "load_s": load_s, "warm_s": warm_s, "warm_s_by_config": warm}
+        _when_started(userver, lambda: _write(ready_file, record))
+    userver.run(sockets=[sock])
+
+
+def _when_started(userver, action) -> None:
+    """Run `action` once uvicorn accepts connections."""
+    startup = userver.startup
+
+    async def wrapped(*args, **kwargs):
+        await startup(*args, **kwargs)
+        action()
+
+    userver.startup = wrapped
+
+
+def _write(path: str, record: dict) -> None:
+    from sparsedecode.records import stamp, write_record
+
+    write_record(path, stamp({"kind": "serve_startup", **record}))  # atomic: a reader never sees half
+
+
+@app.command("serve-load")
+def serve_load(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The server's base URL."),
+    clients: int = typer.Option(32, "--clients", help="Concurrent clients."),
+    requests: int = typer.Option(4, "--requests", help="Requests per client, one after another."),
+    max_tokens: int = typer.Option(8, "--max-tokens", help="max_tokens of each request."),
+    prompt: str = typer.Option("The capital of France is", "--prompt", help="The prompt of every request."),
+    pid: int = typer.Option(None, "--pid", help="The server's PID, to record its resident memory before and after."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds the whole run may take."),
+    out: str = typer.Option(None, "--out", help="Write the record here (JSON)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the record as JSON."),
+):
+    """A bounded load test of a running server: every request must end in 200 or 429."""
+    from sparsedecode.cli.common import check_new_file, emit_json
+    from sparsedecode.errors import InputError
+    from sparsedecode.serve.load import run_load
+
+    for name, v in (("--clients", clients), ("--requests", requests), ("--max-tokens", max_tokens)):
+        if v < 1:
+            raise InputError(f"{name} must be >= 1, got {v}")
+    if not timeout > 0:
+        raise InputError(f"--timeout must be > 0 seconds, got {timeout}")
+    if out is not None:
+        check_new_file(out, "--out", ".json")
+    import httpx
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as e:
+        raise InputError(f"no server answers at {url}/health ({type(e).__name__}); start one with sparsedecode serve") from None
+    from tqdm import tqdm
+
+    bar = tqdm(total=clients * requests, unit="req", disable=as_json)
+    rec = run_load(url, clients=clients, requests=requests, max_tokens=max_tokens, prompt=prompt,
+                   timeout_s=timeout, pid=pid, progress=lambda n: bar.update(n - bar.n))
+    bar.close()
+    if out is not None:
+        from sparsedecode.records import stamp, write_record
+
+        write_record(out, stamp({"kind": "serve_load", **rec}, with_torch=False))
+    if as_json:
+        emit_json(rec)
+    else:
+        lat = rec["latency_s"]
+        fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+        typer.echo(f"{rec['answered']} of {rec['sent']} answered: {rec['status_counts']}; p50 {fmt(lat['p50'])} s, "
+                   f"p95 {fmt(lat['p95'])} s; {fmt(rec['requests_per_s'])} req/s, {fmt(rec['tokens_per_s'])} tok/s; "
+                   f"server RSS {rec['server_rss_mb']['before']} -> {rec['server_rss_mb']['after']} MB")
+    if not rec["ok"]:
+        typer.echo(f"error: requests lost, errored or duplicated: {rec['errors']}", err=True)
+        raise typer.Exit(1)

@@ -1,0 +1,177 @@
+"""One engine, one worker thread, one FIFO queue (batch 1).
+
+Every use of the engine happens on the worker thread: the warm-up (compile and capture of each
+configuration) and every request. The HTTP handlers validate, tokenize and queue a `Job`, then
+read its events (`delta` text, then `done` or `error`) from an asyncio queue that the worker
+fills through the event loop. A job whose client went away is cancelled: the worker stops it
+between two decode steps (or skips it if it has not started) and takes the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from sparsedecode.errors import InputError
+from sparsedecode.serve.configs import Configurations, Plan
+from sparsedecode.serve.metrics import Metrics
+from sparsedecode.serve.protocol import Params, RequestError
+
+log = logging.getLogger("sparsedecode.serve")
+
+
+@dataclass
+class Job:
+    """A validated request: its token ids, configuration and the channel back to its handler."""
+
+    params: Params
+    ids: list[int]
+    plan: Plan
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, payload) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that may begin a stop sequence (not streamed yet)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class Worker:
+    """The engine's thread. `start()` warms every configuration; `submit(job)` queues a job or
+    raises a 429 RequestError beyond `max_queue` waiting jobs; `stop()` drains and joins."""
+
+    def __init__(self, engine, configs: Configurations, metrics: Metrics, max_queue: int):
+        self.engine, self.configs, self.metrics, self.max_queue = engine, configs, metrics, max_queue
+        self._jobs: queue.Queue = queue.Queue()
+        self._waiting = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="sparsedecode-engine", daemon=True)
+        self._ready = threading.Event()
+        self.warm_s: dict[str, float] = {}
+        self.failure: BaseException | None = None
+
+    # -- life cycle ------------------------------------------------------------------------
+    def start(self, progress=None) -> dict[str, float]:
+        """Start the thread and wait for its warm-up; returns seconds per configuration."""
+        self._progress = progress
+        self._thread.start()
+        self._ready.wait()
+        if self.failure is not None:
+            raise self.failure
+        return self.warm_s
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the queued jobs, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._waiting >= self.max_queue:
+                raise RequestError(f"the queue is full ({self.max_queue} requests waiting); retry later",
+                                   status=429, kind="rate_limit_error")
+            self._waiting += 1
+            self.metrics.queue_depth.set(self._waiting)
+        self._jobs.put(job)
+
+    # -- the thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.warm_s = self.configs.warm(self._progress)
+            for spec, s in self.warm_s.items():
+                self.metrics.capture_seconds.labels(spec).set(s)
+        except BaseException as e:  # reported by start() on the main thread
+            self.failure = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self._waiting -= 1
+                self.metrics.queue_depth.set(self._waiting)
+            if job.cancelled.is_set():
+                self.metrics.cancelled.inc()
+                continue
+            try:
+                self._serve(job)
+            except RequestError as e:
+                job.emit("error", e)
+            except InputError as e:
+                job.emit("error", RequestError(str(e)))
+            except Exception as e:  # a bug: the server keeps serving, the client learns it was ours
+                log.error("request failed:\n%s", traceback.format_exc())
+                job.emit("error", RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
+                                               kind="server_error"))
+
+    def _serve(self, job: Job) -> None:
+        from sparsedecode.engine.engine import Generation
+
+        eng, p = self.engine, job.params
+        self.configs.install(job.plan.spec)
+        ids: list[int] = []
+        timing = Generation(prompt_ids=list(job.ids), ids=ids)  # its decode speed counts `ids`
+        t0 = time.perf_counter()
+        steps = eng.tokens(job.ids, p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                           timing=timing)
+        tok_text = eng.tokenizer
+        sent, text, finish = 0, "", None
+        try:
+            for tok in steps:
+                if job.cancelled.is_set():
+                    finish = "cancelled"
+                    break
+                ids.append(tok)
+                if tok_text is None:  # a model without a tokenizer answers in ids only
+                    continue
+                text = tok_text.decode(ids, skip_special_tokens=True)
+                if text.endswith("\ufffd"):
+                    continue  # the middle of a multi-byte character
+                cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+                    break
+                ready = len(text) - _held_back(text, p.stop)
+                if ready > sent:
+                    job.emit("delta", text[sent:ready])
+                    sent = ready
+        finally:
+            steps.close()
+        if finish == "cancelled":
+            self.metrics.cancelled.inc()
+            return
+        if finish is None:
+            finish = "stop" if timing.stopped_at_eos else "length"
+        if tok_text is not None and len(text) > sent:
+            job.emit("delta", text[sent:])
+        ms = timing.ms_per_token
+        self.metrics.observe(job.plan.spec, len(job.ids), len(ids), ms)
+        job.emit("done", {
+            "ids": ids, "text": text if tok_text is not None else None, "finish": finish,
+            "sparsedecode": {
+                "mode": job.plan.spec, "predicted_ms_per_token": job.plan.predicted_ms_per_token,
+                "ms_per_token": None if ms != ms else ms, "kv_select_ms": 1000.0 * timing.kv_select_s,
+                "prefill_ms": 1000.0 * timing.prefill_s, "wall_ms": 1000.0 * (time.perf_counter() - t0),
+            },
+        })

@@ -1,0 +1,235 @@
+"""`sparsedecode serve` through real clients on loopback (the `openai` package and httpx):
+smollm2-135m on CPU behind a gate of dense and sel0.3 made from our committed CPU cells."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from conftest import require_embedded, run_cli  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CELLS = ROOT / "benchmarks/records/cpu/dispatch/cpu_gate_smollm2"
+MAX_LEN = 1024
+# after a graceful shutdown uvicorn re-raises the signal it caught, so the exit is by SIGTERM
+DRAINED = (0, -signal.SIGTERM)
+LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)  # ~400 tokens: sel0.3 can select
+
+
+def gate_file(tmp: Path, capsys) -> Path:
+    """A gate of dense and sel0.3 (no projection: nothing to calibrate) from the CPU cells."""
+    cells = tmp / "cells" / "sweep"
+    cells.mkdir(parents=True)
+    (tmp / "spec.toml").write_text((CELLS / "spec.toml").read_text())
+    for f in (CELLS / "cells" / "sweep").glob("*.json"):
+        if f.name.startswith(("dense_", "sel30_")):
+            (cells / f.name).write_text(f.read_text())
+    out = tmp / "gate.json"
+    r = run_cli(capsys, "dispatch", "table", str(tmp), "--assume-admissible", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def start(args: list[str], ready: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sparsedecode", "serve", "--port", "0", "--ready-file",
+                             str(ready), "--threads", "2", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=env)
+    t0 = time.monotonic()
+    while not ready.is_file():
+        if proc.poll() is not None or time.monotonic() - t0 > 300:
+            proc.kill()
+            pytest.fail(f"the server did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    require_embedded("smollm2-135m")
+    tmp = tmp_path_factory.mktemp("serve")
+
+    class Cap:  # run_cli's capsys, outside a test
+        def readouterr(self):
+            return type("O", (), {"out": "", "err": ""})()
+
+    gate = gate_file(tmp / "gate", Cap())
+    ready, log = tmp / "ready.json", tmp / "server.log"
+    proc = start(["--model", "smollm2-135m", "--gate", str(gate), "--max-len", str(MAX_LEN), "--max-queue", "6"],
+                 ready, log)
+    info = json.loads(ready.read_text())
+    yield {"url": info["url"], "pid": proc.pid, "info": info, "log": log}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) in DRAINED, log.read_text()[-3000:]
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="none", max_retries=0)
+
+
+def metric(server, name: str, **labels) -> float:
+    text = httpx.get(server["url"] + "/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{name}(?:\{{{re.escape(want)}\}})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_start_up_record_health_and_models(server):
+    info = server["info"]
+    assert info["configurations"] == ["dense", "sel0.3"] and info["default"] == "auto"
+    assert info["kind"] == "serve_startup" and info["load_s"] > 0 and info["env"]["git_commit"] is not None
+    h = httpx.get(server["url"] + "/health").json()
+    assert h["status"] == "ok" and h["max_len"] == MAX_LEN
+    assert [m.id for m in client(server).models.list().data] == ["smollm2-135m"]
+
+
+def test_chat_answers_paris(server):
+    r = client(server).chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.completion_tokens >= 1 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    sd = r.model_extra["sparsedecode"]
+    assert sd["mode"] == "dense" and sd["predicted_ms_per_token"] > 0  # a short prompt: the gate picks dense
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_chunks_concatenate_to_the_answer(server, chat):
+    c = client(server)
+    if chat:
+        kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Name three colours."}],
+                  max_tokens=20, temperature=0)
+        whole = c.chat.completions.create(**kw).choices[0].message.content
+        parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw, stream=True)]
+    else:
+        kw = dict(model="smollm2-135m", prompt="Once upon a time", max_tokens=20, temperature=0)
+        whole = c.completions.create(**kw).choices[0].text
+        stream = list(c.completions.create(**kw, stream=True))
+        parts = [ch.choices[0].text for ch in stream]
+        assert stream[-1].choices[0].finish_reason == "length" and stream[-1].usage.completion_tokens == 20
+    assert len(parts) > 3 and "".join(parts) == whole
+
+
+def test_token_ids_and_text_give_the_same_answer(server, embedded_engine):
+    c = client(server)
+    text = c.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=6, temperature=0)
+    ids = embedded_engine("smollm2-135m").tokenizer("The capital of France is")["input_ids"]
+    by_ids = c.completions.create(model="smollm2-135m", prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.usage.prompt_tokens == text.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == text.choices[0].text
+
+
+def test_a_named_configuration_is_honoured(server):
+    before = metric(server, "sparsedecode_requests_by_config_total", mode="sel0.3")
+    r = client(server).completions.create(model="smollm2-135m", prompt=LONG, max_tokens=8, temperature=0,
+                                          extra_body={"sparsedecode": {"kv": "snapkv", "kv_keep": 0.3}})
+    sd = r.model_extra["sparsedecode"]
+    assert sd["mode"] == "sel0.3" and sd["kv_select_ms"] > 0
+    assert metric(server, "sparsedecode_requests_by_config_total", mode="sel0.3") == before + 1
+    by_name = client(server).completions.create(model="smollm2-135m", prompt=LONG, max_tokens=8, temperature=0,
+                                                extra_body={"sparsedecode": {"mode": "sel0.3"}})
+    assert by_name.choices[0].text == r.choices[0].text
+
+
+BAD = [  # (endpoint, body or raw text, status, param, message pattern)
+    ("completions", "not json", 400, None, "not JSON"),
+    ("completions", {"prompt": ""}, 400, "prompt", "non-empty"),
+    ("completions", {"prompt": LONG * 3, "max_tokens": 4}, 400, "prompt", "cache of 1024 tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": MAX_LEN}, 400, "max_tokens", "lower max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
+    ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", ">= 0"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "> 0"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p", "<= 1"),
+    ("completions", {"prompt": [1, 2, 10**7]}, 400, "prompt", "outside the vocabulary"),
+    ("completions", {"prompt": "hi", "n": 2}, 400, "n", "one sequence"),
+    ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ("completions", {"prompt": "hi", "sparsedecode": {"speed": "max"}}, 400, "sparsedecode.speed", "unknown field"),
+    ("completions", {"prompt": "hi", "sparsedecode": {"mode": "fast"}}, 400, "sparsedecode.mode", "not one of"),
+    ("completions", {"prompt": "hi", "sparsedecode": {"proj_keep": 0.5}}, 400, "sparsedecode.mode", "not warmed up"),
+    ("completions", {"prompt": "hi", "sparsedecode": {"kv": "snapkv"}}, 400, "sparsedecode.kv", "both 'kv'"),
+    ("completions", {"prompt": "hi", "sparsedecode": {"kv": "h2o", "kv_keep": 0.3}}, 400, "sparsedecode.kv", "snapkv"),
+    ("completions", {"prompt": "hi", "sparsedecode": {"kv": "snapkv", "kv_keep": 1.5}}, 400, "sparsedecode.kv_keep", "<= 1"),
+    ("completions", {"prompt": "hi", "sparsedecode": {"mode": "sel0.3"}}, 400, "sparsedecode.mode", "longer prompt"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "not served here"),
+    ("chat", {"messages": []}, 400, "messages", "non-empty list"),
+    ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]", "role"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param,pattern", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_its_status_and_says_what_to_change(server, endpoint, body, status, param, pattern):
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(server["url"] + path, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and re.search(pattern, err["message"]), err
+    assert httpx.get(server["url"] + "/health").status_code == 200  # still serving
+
+
+def test_a_client_that_goes_away_frees_the_engine(server):
+    before = metric(server, "sparsedecode_cancelled_total")
+    with httpx.stream("POST", server["url"] + "/v1/completions",
+                      json={"prompt": "Count: 1, 2, 3,", "max_tokens": 800, "stream": True, "temperature": 0}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    t0 = time.monotonic()
+    r = httpx.post(server["url"] + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200
+    assert time.monotonic() - t0 < 30  # not behind 800 tokens of the abandoned answer
+    assert metric(server, "sparsedecode_cancelled_total") == before + 1
+
+
+def test_bounded_load_loses_nothing(server):
+    from sparsedecode.serve.load import run_load
+
+    rec = run_load(server["url"], clients=12, requests=2, max_tokens=4, timeout_s=300, pid=server["pid"])
+    assert rec["ok"], rec
+    assert rec["answered"] == 24 and set(rec["status_counts"]) <= {"200", "429"}
+    assert rec["status_counts"].get("429", 0) > 0  # 12 clients against a queue of 6: some are refused
+    assert rec["latency_s"]["p95"] >= rec["latency_s"]["p50"] > 0
+    growth = rec["server_rss_mb"]["after"] - rec["server_rss_mb"]["before"]
+    assert growth < 200, rec["server_rss_mb"]
+
+
+def test_sigterm_drains_the_request_in_flight(tmp_path):
+    require_embedded("smollm2-135m")
+    proc = start(["--model", "smollm2-135m", "--max-len", "256"], tmp_path / "ready.json", tmp_path / "log")
+    url = json.loads((tmp_path / "ready.json").read_text())["url"]
+    out = {}
+
+    def ask():
+        out["r"] = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 40, "temperature": 0},
+                              timeout=120)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert proc.wait(60) in DRAINED
+    assert out["r"].status_code == 200 and out["r"].json()["usage"]["completion_tokens"] == 40
+
+
+def test_bad_options_fail_before_loading(capsys):
+    r = run_cli(capsys, "serve", "--port", "70000")
+    assert r.returncode == 2 and "--port must be in 0..65535" in r.stderr
+    r = run_cli(capsys, "serve", "--gate", "missing.json")
+    assert r.returncode == 2 and "file not found" in r.stderr
+    r = run_cli(capsys, "serve", "--attention", "sdpa_fused")
+    assert r.returncode == 2 and "sdpa_fused" in r.stderr
