@@ -85,6 +85,7 @@ def generate(
         "new_tokens": len(out.ids),
         "prompt_tok_s": round(out.prompt_tok_s, 2),
         "decode_tok_s": round(out.decode_tok_s, 2) if out.decode_tok_s == out.decode_tok_s else None,
+        "compile_s": round(out.compile_s, 3),  # the decode step's compile and capture, apart from decode
     }
     picked = None
     if out.choice is not None:
@@ -112,7 +113,8 @@ def generate(
     typer.echo(
         f"[{eng.name} on {eng.device}] prompt {speeds['prompt_tokens']} tokens at "
         f"{speeds['prompt_tok_s']} tok/s, decode {speeds['new_tokens']} tokens at "
-        f"{speeds['decode_tok_s']} tok/s" + ("" if eng.thresholds is None else (
+        f"{speeds['decode_tok_s']} tok/s" + (f" (after compiling and capturing the step in {out.compile_s:.1f} s)"
+                                               if out.compile_s > 0 else "") + ("" if eng.thresholds is None else (
             f"; projection {eng.thresholds.method} keep {eng.thresholds.keep:g}, "
             + ("masked reference (reads every weight)" if eng.device.type == "cpu"
                else "row-gather up + sparse down GEMV" if eng.thresholds.method == "cats"

@@ -42,6 +42,7 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     kv_select_s: float = 0.0  # the KV branch's one-time observation, scoring and gather
+    compile_s: float = 0.0  # compiling and capturing the decode step on the way (not in decode_s)
     stopped_at_eos: bool = False
     choice: object = None  # the runtime gate's dispatch.runtime.Choice for this request
 
@@ -87,6 +88,8 @@ class Engine:
         self.host_len = attention == "sdpa_fused"  # the step slices on the host: pass the length
         self.cuda_graph = use_cuda and not self.host_len
         self._step_fn = self._decode_forward
+        self.compile_s = 0.0  # seconds this engine spent compiling and capturing decode steps
+        self.compile_cache = use_compile_cache() if self.compile else None
         if self.compile:
             # dynamic=None: the host length is specialized on the first call and traced as a
             # dynamic size from the second on; every tensor shape stays static.
@@ -264,6 +267,7 @@ class Engine:
     def _capture(self) -> None:
         # Warm-up on a side stream (compiles, autotunes, allocates), then capture.
         # The warm-ups rewrite the cache slot at `_pos`, which the real step rewrites too.
+        t0 = time.perf_counter()
         counts = None if self.router is None else self.router.counts.clone()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -277,6 +281,7 @@ class Engine:
         self._graph = graph
         if counts is not None:  # the warm-ups are not decode steps
             self.router.counts.copy_(counts)
+        self.compile_s += time.perf_counter() - t0
 
     def sparsify(self, thresholds) -> None:
         """Run the projection branch in the decode step (ByteCross §3.2): each site whose
@@ -460,11 +465,13 @@ class Engine:
             if timing is not None:
                 timing.kv_select_s = sel.select_s
         t1 = time.perf_counter()
+        c1 = self.compile_s
         if timing is not None:
             timing.prefill_s = t1 - t0 - timing.kv_select_s
         for i in range(max_new_tokens):
-            if timing is not None:
-                timing.decode_s = time.perf_counter() - t1
+            if timing is not None:  # a step compiled and captured on the way is not decode time
+                timing.compile_s = self.compile_s - c1
+                timing.decode_s = time.perf_counter() - t1 - timing.compile_s
                 timing.stopped_at_eos = tok in stop
             yield tok
             if tok in stop or i == max_new_tokens - 1:
@@ -501,6 +508,20 @@ class Engine:
         return (f"Engine({self.name!r}, {self.args.model_type}, device={self.device}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, max_len={self.max_len}, "
                 f"attention={self.attention!r}, init={self.init!r})")
+
+
+def use_compile_cache() -> str:
+    """Keep torch.compile's caches (FX graphs, generated kernels, autotuning) under the
+    sparsedecode cache, so that a later process on this machine (`serve` starting again,
+    another `generate`) skips most of the compile. A TORCHINDUCTOR_CACHE_DIR the user set wins.
+    Returns the directory."""
+    import os
+
+    from sparsedecode.models.embedded import cache_dir
+
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def _without_dict_tag_guards(step):

@@ -172,6 +172,6 @@ class Worker:
             "sparsedecode": {
                 "mode": job.plan.spec, "predicted_ms_per_token": job.plan.predicted_ms_per_token,
                 "ms_per_token": None if ms != ms else ms, "kv_select_ms": 1000.0 * timing.kv_select_s,
-                "prefill_ms": 1000.0 * timing.prefill_s, "wall_ms": 1000.0 * (time.perf_counter() - t0),
+                "prefill_ms": 1000.0 * timing.prefill_s, "compile_ms": 1000.0 * timing.compile_s, "wall_ms": 1000.0 * (time.perf_counter() - t0),
             },
         })
