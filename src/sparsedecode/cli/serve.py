@@ -158,9 +158,12 @@ def serve_load(
                    timeout_s=timeout, pid=pid, progress=lambda n: bar.update(n - bar.n))
     bar.close()
     if out is not None:
+        import sys
+
         from sparsedecode.records import stamp, write_record
 
-        write_record(out, stamp({"kind": "serve_load", **rec}, with_torch=False))
+        write_record(out, stamp({"kind": "serve_load", "command": ["sparsedecode", *sys.argv[1:]], **rec},
+                                with_torch=False))
     if as_json:
         emit_json(rec)
     else:

@@ -56,8 +56,7 @@ def _campaign_table(root: Path, t: dict) -> tuple[str, str]:
         frac = "" if r["fraction_of_bound"] is None else f"{100 * r['fraction_of_bound']:.1f}"
         lines.append(f"| {fmt_ctx(r['context'])} | {r['mode_spec'] or r['cell']} | {r['ms_per_token']:.3f} | "
                      f"{speed} | {bound} | {frac} |")
-    command = f"sparsedecode report {t['records']} --out /tmp/report"
-    return "\n".join(lines), command
+    return "\n".join(lines), f"Rebuilt by `sparsedecode report {t['records']} --out /tmp/report`."
 
 
 def _dispatch_table(root: Path, t: dict) -> tuple[str, str]:
@@ -77,10 +76,32 @@ def _dispatch_table(root: Path, t: dict) -> tuple[str, str]:
             if e.code not in (0, None):
                 raise InputError(f"table {t.get('title')!r}: dispatch price exited {e.code}") from None
     shown = " ".join([*t["records"], *[str(a) for a in t.get("args", [])]])
-    return buf.getvalue().strip(), f"sparsedecode dispatch price {shown} --markdown"
+    return buf.getvalue().strip(), f"Rebuilt by `sparsedecode dispatch price {shown} --markdown`."
 
 
-KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table}
+def _serve_load_table(root: Path, t: dict) -> tuple[str, str]:
+    """One row per `sparsedecode serve-load` record: what the server ran, the load, what came back."""
+    from sparsedecode.records import read_record
+
+    lines = ["| server | load | answered | p50 s | p95 s | req/s | tok/s | server RSS MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    commands = []
+    for rel in t["records"]:
+        r = read_record(root / rel)
+        if r.get("kind") != "serve_load":
+            raise InputError(f"table {t.get('title')!r}: {rel} is not a serve-load record")
+        s, lat, rss = r["server"], r["latency_s"], r["server_rss_mb"]
+        counts = ", ".join(f"{n} × {code}" for code, n in sorted(r["status_counts"].items()))
+        mem = "" if rss["before"] is None else f"{rss['before']:.0f} → {rss['after']:.0f}"
+        lines.append(f"| {s['model']} on {s['device']}, {'/'.join(s['configurations'])} | {r['clients']} clients × "
+                     f"{r['requests_per_client']}, {r['max_tokens']} tokens | {counts} | {lat['p50']:.3f} | "
+                     f"{lat['p95']:.3f} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.1f} | {mem} |")
+        commands.append(" ".join(r["command"]))
+    return "\n".join(lines), ("Measured by " + "; ".join(f"`{c}`" for c in commands)
+                               + ", against a running `sparsedecode serve` (the records say which).")
+
+
+KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table}
 
 
 def render(manifest: str | Path) -> str:
@@ -104,8 +125,8 @@ def render(manifest: str | Path) -> str:
         for key in ("title", "conditions", "records"):
             if key not in t:
                 raise InputError(f"{manifest}: table {i + 1} lacks '{key}'")
-        table, command = KINDS[kind](root, t)
-        out.append(f"## {t['title']}\n\n{t['conditions']}\n\n{table}\n\nRebuilt by `{command}`.\n")
+        table, source = KINDS[kind](root, t)
+        out.append(f"## {t['title']}\n\n{t['conditions']}\n\n{table}\n\n{source}\n")
     return "\n".join(out)
 
 

@@ -39,6 +39,7 @@ def run_load(url: str, *, clients: int = 32, requests: int = 4, max_tokens: int 
     """Run the load and return its record (see the module doc)."""
     import httpx
 
+    server = httpx.get(url.rstrip("/") + "/health", timeout=30).json()  # what was loaded
     rss0 = _rss_mb(pid)
     seen: dict[str, int] = {}
     results: list[dict] = []
@@ -84,7 +85,7 @@ def run_load(url: str, *, clients: int = 32, requests: int = 4, max_tokens: int 
     errors = [r for r in results if r["status"] not in (200, 429)]
     dup = sum(n - 1 for n in seen.values() if n > 1)
     return {
-        "url": url, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
+        "url": url, "server": server, "prompt": prompt, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
         "sent": clients * requests, "answered": len(results), "status_counts": counts,
         "errors": [r.get("error") or f"HTTP {r['status']}" for r in errors][:10], "duplicated_ids": dup,
         "ok": len(results) == clients * requests and not errors and dup == 0,
