@@ -27,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 WIKITEXT = ROOT.parent / "shared/data/wikitext-2-raw/wiki.test.raw"
+TARGET = 1.5  # issue 26: >= 1.5x transformers' generate at the defaults, 2 threads, 1K prompt, 128 tokens
 
 
 def ours_decode(eng, ids, new: int) -> tuple[float, float]:
@@ -65,13 +66,13 @@ def measure_ours(a, compile: bool) -> tuple[list[int], Path, dict]:
     """(prompt ids, GGUF path, speeds) of our engine, eager or with a compiled decode step."""
     import sparsedecode
 
-    eng = sparsedecode.load(a.model, device="cpu", dtype="float32", max_len=a.context + a.new,
-                            compile=compile, quiet=True)
+    eng = sparsedecode.load(a.model, device="cpu", dtype="float32", compile=compile or None, quiet=True)
     ids = eng.tokenizer(WIKITEXT.read_text(encoding="utf-8")[: 40 * a.context])["input_ids"][: a.context]
     assert len(ids) == a.context, "WikiText-2 test split too short for --context"
     ours_decode(eng, ids[:64], 8)  # warm-up (and compilation)
     pf, dec, runs = median_of(lambda: ours_decode(eng, ids, a.new), a.repeats)
-    return ids, eng.source_path, {"compile": compile, "attention": eng.attention, "prefill_chunk": 512,
+    return ids, eng.source_path, {"compile": compile, "attention": eng.attention, "max_len": eng.max_len,
+                                  "prefill_chunk": 512,
                                   "prefill_tok_s": pf, "decode_tok_s": dec, "runs": runs}
 
 
@@ -84,12 +85,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/records/cpu"))
     ap.add_argument("--no-static", action="store_true", help="skip the static-cache peer")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile run of ours")
+    ap.add_argument("--compile", action="store_true", help="also time ours with a torch.compile'd step")
     a = ap.parse_args()
 
     from sparsedecode.records import stamp, write_record
@@ -98,7 +99,7 @@ def main() -> None:
     ids, src, ours = measure_ours(a, compile=False)
     print(f"ours (eager): prefill {ours['prefill_tok_s']:.1f} tok/s, decode {ours['decode_tok_s']:.2f} tok/s")
     ours_c = None
-    if not a.no_compile:
+    if a.compile:
         _, _, ours_c = measure_ours(a, compile=True)
         print(f"ours (torch.compile): decode {ours_c['decode_tok_s']:.2f} tok/s")
 
@@ -119,7 +120,7 @@ def main() -> None:
     best = max([ours] + ([ours_c] if ours_c else []), key=lambda r: r["decode_tok_s"])
     speedup = best["decode_tok_s"] / h_dec
     print(f"decode speedup over transformers generate (dynamic cache): {speedup:.2f}x "
-          f"(eager {ours['decode_tok_s'] / h_dec:.2f}x; target 2x)")
+          f"(eager {ours['decode_tok_s'] / h_dec:.2f}x; target {TARGET}x)")
     rec = stamp({
         "kind": "cpu_decode_bench",
         "device": "CPU",
@@ -139,8 +140,8 @@ def main() -> None:
         "speedup_vs_transformers": speedup,
         "speedup_vs_transformers_eager": ours["decode_tok_s"] / h_dec,
         "speedup_of": "compiled" if best is ours_c else "eager",
-        "target_speedup": 2.0,
-        "target_met": speedup >= 2.0,
+        "target_speedup": TARGET,
+        "target_met": speedup >= TARGET,
     })
     path = Path(a.out) / f"cpu_decode_{a.model}_ctx{a.context}_t{a.threads}_{rec['timestamp'].replace(':', '')}.json"
     write_record(path, rec)

@@ -110,6 +110,22 @@ def test_end_offset_moves_the_end(backend):
     assert (out - decode_attention(q, k, v, pos, backend=backend)).abs().max() > 1e-3  # the offset counts
 
 
+@pytest.mark.parametrize("end_offset", [0, 1])
+def test_cpu_split_k_reads_only_the_valid_entries(end_offset):
+    """On CPU the split-K path slices the cache to [start, end): entries past the valid length
+    (NaN here) are never read, where a masked read would turn the output NaN (0 * NaN)."""
+    q, k, v = make(1, 2, 3, 512, 64, torch.float32, seed=5)
+    start, end = torch.tensor([7]), torch.tensor([300 - end_offset])
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 300:], v2[:, :, 300:] = float("nan"), float("nan")
+    k2[:, :, :7], v2[:, :, :7] = float("nan"), float("nan")
+    out, lse = split_k_lse(q, k2, v2, end, start, end_offset=end_offset)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref_out, ref_lse = split_k_ref(q, k, v, end, start, end_offset=end_offset)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_k_ref_lse_and_splits(num_splits, dtype):

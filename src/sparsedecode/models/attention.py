@@ -15,6 +15,8 @@ Backends:
 - split_k: flash-decoding, the KV range split across programs and merged by
   log-sum-exp (kernels/decode_attention.py: our Triton kernel on CUDA, the same
   math in PyTorch on CPU). Capturable with tensor bounds; reads only [start, end).
+  An eager CPU step (never captured) reads its bounds on the host and attends over
+  the valid entries only, through PyTorch's fused SDPA where no LSE is needed.
 - sdpa_masked: attention over the whole allocated cache with a length mask
   (gpt-fast style): capturable, but reads all T entries whatever the valid
   length. A masked-but-read baseline, labelled as such.
@@ -116,10 +118,40 @@ def split_k_lse(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int =
     """
     if q.is_cuda:
         return split_k_attention(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)
+    valid = _valid_slice(k_cache.shape[2], start, end, end_offset)
+    if valid is not None:  # eager CPU: read the valid entries only, not the allocated cache
+        lo, hi = valid
+        return split_k_ref(q, k_cache[:, :, lo:hi], v_cache[:, :, lo:hi], hi - lo, 0, scale)
     return split_k_ref(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)
 
 
+def _valid_slice(T: int, start, end, end_offset: int) -> tuple[int, int] | None:
+    """[lo, hi) on the host where the bounds are one int or one-element tensor each and the
+    call runs eagerly (a CPU step is never captured: reading a tensor bound costs nothing);
+    None inside torch.compile or for per-row bounds. Without it a CPU decode step attends over
+    all T allocated slots (4,096 by default) whatever the length (issue 26: 23% of the step)."""
+    if torch.compiler.is_compiling():
+        return None
+    bounds = []
+    for x in (start, end):
+        if isinstance(x, Tensor):
+            if x.numel() != 1 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+                return None  # per-row bounds, or a bad one that the checked path refuses
+            x = int(x)
+        bounds.append(int(x))
+    lo, hi = max(bounds[0], 0), min(bounds[1] + end_offset, T)
+    return (lo, hi) if hi > lo else None
+
+
 def _split_k(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0):
+    if not q.is_cuda:
+        valid = _valid_slice(k_cache.shape[2], start, end, end_offset)
+        if valid is not None:  # eager CPU, output only: PyTorch's fused SDPA over the valid entries
+            lo, hi = valid
+            B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
+            out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k_cache[:, :, lo:hi], v_cache[:, :, lo:hi],
+                                                 scale=scale)  # (B, Hkv, G, D)
+            return out.reshape(B, Hq, D)
     return split_k_lse(q, k_cache, v_cache, end, start, scale, end_offset)[0]
 
 
