@@ -219,7 +219,10 @@ def test_sigterm_drains_the_request_in_flight(tmp_path):
 
     t = threading.Thread(target=ask)
     t.start()
-    time.sleep(1.0)
+    t0 = time.monotonic()
+    while httpx.get(url + "/health").json()["running"] == 0:  # SIGTERM once the request decodes
+        assert time.monotonic() - t0 < 60 and t.is_alive(), "the request never started"
+        time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     t.join(120)
     assert proc.wait(60) in DRAINED

@@ -154,7 +154,7 @@ class Server:
         async def health():
             return {"status": "ok", "model": eng.name, "device": str(eng.device),
                     "configurations": self.configs.specs, "default": self.configs.default,
-                    "queue": self.worker.waiting, "max_len": eng.max_len}
+                    "queue": self.worker.waiting, "running": self.worker.running, "max_len": eng.max_len}
 
         @app.get("/metrics")
         async def metrics():

@@ -62,6 +62,7 @@ class Worker:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="sparsedecode-engine", daemon=True)
         self._ready = threading.Event()
+        self.running = 0  # 1 while a job decodes
         self.warm_s: dict[str, float] = {}
         self.failure: BaseException | None = None
 
@@ -114,6 +115,7 @@ class Worker:
             if job.cancelled.is_set():
                 self.metrics.cancelled.inc()
                 continue
+            self.running = 1
             try:
                 self._serve(job)
             except RequestError as e:
@@ -124,6 +126,8 @@ class Worker:
                 log.error("request failed:\n%s", traceback.format_exc())
                 job.emit("error", RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
                                                kind="server_error"))
+            finally:
+                self.running = 0
 
     def _serve(self, job: Job) -> None:
         from sparsedecode.engine.engine import Generation
