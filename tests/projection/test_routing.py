@@ -181,7 +181,9 @@ def test_mixed_routing_picks_each_steps_mlp_by_its_token(table):
 
 def test_routed_step_traces_whole_under_compile(table):
     """The decode step with its token lookup and counter compiles as one graph
-    (fullgraph=True, as on CUDA before capture) and decodes as the eager step."""
+    (fullgraph=True, as on CUDA before capture) and decodes as the eager step: the same
+    routing, logits to float32 rounding (the eager CPU step attends over the valid entries
+    with SDPA, the traced one reads the masked split-K)."""
     eng, ref = _tiny(), _tiny()
     half = calibrate_routing(table, eng, IDS, 0.5)
     for e in (eng, ref):
@@ -189,7 +191,7 @@ def test_routed_step_traces_whole_under_compile(table):
         e.route(half)
     eng._step_fn = torch.compile(eng._decode_forward, fullgraph=True, backend="aot_eager")
     ids = IDS[:24]
-    assert torch.equal(_decode(eng, ids), _decode(ref, ids))
+    torch.testing.assert_close(_decode(eng, ids), _decode(ref, ids), atol=1e-5, rtol=1e-5)
     assert eng.routed_fraction() == ref.routed_fraction()
     assert 0.0 < eng.routed_fraction() < 1.0
 
