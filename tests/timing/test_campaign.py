@@ -398,3 +398,34 @@ def test_e2e_failures_are_recorded_then_kept_in_failed(e2e):
     c = e2e["cells"][5]
     assert (kept[broken]["cell"], kept[broken]["block"], kept[broken]["context"]) == (c.cell, c.block, c.context)
     assert "Traceback" in kept[broken]["traceback"]
+
+
+# -- the Ray executor on a local Ray --------------------------------------------------------
+RAY_SAME = ("group", "cell", "mode", "context", "block", "order", "campaign", "status", "label", "generated")
+
+
+def test_ray_executor_resumes_and_matches_the_local_cells(e2e, tiny, tmp_path):
+    """`--executor ray` on a local Ray: the tiny campaign interrupted after 3 cells and resumed
+    ends with the local executor's cells (the e2e run), one for one, and the resume leaves the
+    finished records alone."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        spec = write_spec(tmp_path, toml(tiny))
+        out = tmp_path / "ray"
+        quiet = dict(progress=False, echo=lambda line: None)
+        first = run_campaign(spec, out, executor="ray", max_cells=3, **quiet)
+        assert (first.ok, first.failed, first.pending) == (3, 0, 5)
+        done = snapshot(out)
+        second = run_campaign(spec, out, executor="ray", **quiet)
+        assert (second.ok, second.failed, second.pending, second.skipped) == (5, 0, 0, 3)
+    finally:
+        ray.shutdown()
+    after = snapshot(out)
+    assert {k: after[k] for k in done} == done
+    assert sorted(after) == sorted(snapshot(e2e["out"]))
+    for c in e2e["cells"]:
+        a = json.loads(record_path(out, c).read_text())
+        b = json.loads(record_path(e2e["out"], c).read_text())
+        assert {k: a.get(k) for k in RAY_SAME} == {k: b.get(k) for k in RAY_SAME}, c.cell
+        assert a["status"] == "ok" and a["ms_per_token"] > 0

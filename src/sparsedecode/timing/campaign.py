@@ -419,11 +419,14 @@ def _run_ray(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, pyth
     from tqdm.auto import tqdm
 
     if not ray.is_initialized():
-        ray.init()
+        ray.init()  # RAY_ADDRESS (e.g. ray://head:10001) joins an existing cluster, else a local one
     gpus = 0 if spec.device == "cpu" else 1
     if spec.device == "auto" and not ray.cluster_resources().get("GPU"):
         gpus = 0
-    task = ray.remote(num_gpus=gpus)(_ray_cell)
+    # A GPU cell takes one GPU. A CPU cell takes every CPU of the smallest node, so no two CPU
+    # timing runs ever share the cores of one machine (as the local executor runs them).
+    cpus = 1 if gpus else min(n["Resources"].get("CPU", 1) for n in ray.nodes() if n.get("Alive"))
+    task = ray.remote(num_gpus=gpus, num_cpus=cpus)(_ray_cell)
     bar = tqdm(total=len(todo), unit="cell", desc=spec.name, disable=not progress)
     echo = echo or bar.write
     starts = {}
