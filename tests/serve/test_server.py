@@ -236,3 +236,29 @@ def test_bad_options_fail_before_loading(capsys):
     assert r.returncode == 2 and "file not found" in r.stderr
     r = run_cli(capsys, "serve", "--attention", "sdpa_fused")
     assert r.returncode == 2 and "sdpa_fused" in r.stderr
+
+
+def test_a_random_init_model_answers_token_ids_under_its_one_configuration(tmp_path):
+    """What the H200 run serves (paper dims, random weights): token-id prompts only, one static
+    configuration (here sel0.5) that a too-short prompt cannot select from."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=100,
+                                   max_position_embeddings=512, rope_theta=10000.0, eos_token_id=None)))
+    proc = start(["--model", str(cfg), "--init", "random", "--max-len", "512", "--kv", "snapkv", "--kv-keep", "0.5"],
+                 tmp_path / "ready.json", tmp_path / "log")
+    try:
+        info = json.loads((tmp_path / "ready.json").read_text())
+        assert info["configurations"] == ["sel0.5"] and info["default"] == "sel0.5"
+        url = info["url"] + "/v1/completions"
+        r = httpx.post(url, json={"prompt": list(range(1, 99)) * 3, "max_tokens": 5, "temperature": 0}, timeout=60)
+        body = r.json()
+        assert r.status_code == 200 and len(body["choices"][0]["token_ids"]) == 5 and body["choices"][0]["text"] == ""
+        assert body["sparsedecode"]["mode"] == "sel0.5" and body["sparsedecode"]["kv_select_ms"] > 0
+        r = httpx.post(url, json={"prompt": "hello"}, timeout=60)
+        assert r.status_code == 400 and "list of token ids" in r.json()["error"]["message"]
+        r = httpx.post(url, json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 3}, timeout=60)
+        assert r.status_code == 400 and "cannot hold" in r.json()["error"]["message"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in DRAINED

@@ -41,8 +41,8 @@ class Server:
                 raise RequestError(f"token id {bad[0]} is outside the vocabulary of {eng.dims.vocab}", "prompt")
             return list(p.prompt)
         if tok is None:
-            raise RequestError(f"'{eng.name}' has no tokenizer here: send 'prompt' as a list of token ids",
-                               "messages" if p.chat else "prompt")
+            raise RequestError(f"'{eng.name}' has no tokenizer here: send 'prompt' as a list of token ids"
+                               + (" to /v1/completions" if p.chat else ""), "messages" if p.chat else "prompt")
         if not p.chat:
             return tok(p.prompt)["input_ids"]
         if not getattr(tok, "chat_template", None):
