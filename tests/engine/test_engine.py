@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -159,3 +160,18 @@ def test_cli_generate_answers_paris():
     assert res.exit_code == 0, res.output
     assert "Paris" in res.stdout
     assert "tok/s" in res.stderr
+
+
+def test_compile_caches_persist_under_the_sparsedecode_cache(tmp_path, monkeypatch):
+    """torch.compile's caches go under the sparsedecode cache (a second process compiles less),
+    unless the user set TORCHINDUCTOR_CACHE_DIR."""
+    from sparsedecode.engine.engine import use_compile_cache
+
+    monkeypatch.setenv("SPARSEDECODE_CACHE", str(tmp_path / "c"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_compile_cache() == str(tmp_path / "c" / "inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache() == str(tmp_path / "mine")
+    eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=16)
+    assert eng.compile_cache is None  # an eager CPU engine compiles nothing
