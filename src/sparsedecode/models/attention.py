@@ -97,9 +97,7 @@ def _fused(q, k_cache, v_cache, end, start=0, scale=None):
     qg = q.view(B, Hkv, G, D)  # (B, Hkv, G, D)
     with sdpa_kernel(UNMASKED_BACKENDS):
         if B == 1 or (len(set(starts)) == 1 and len(set(ends)) == 1):
-            s, e = starts[0], ends[0]
-            out = F.scaled_dot_product_attention(qg, k_cache[:, :, s:e], v_cache[:, :, s:e], scale=scale)
-            return out.reshape(B, Hq, D)
+            return _sdpa_slice(q, k_cache, v_cache, starts[0], ends[0], scale)
         rows = [
             F.scaled_dot_product_attention(
                 qg[b : b + 1], k_cache[b : b + 1, :, s:e], v_cache[b : b + 1, :, s:e], scale=scale,
@@ -107,6 +105,13 @@ def _fused(q, k_cache, v_cache, end, start=0, scale=None):
             for b, (s, e) in enumerate(zip(starts, ends, strict=True))
         ]
     return torch.cat(rows).reshape(B, Hq, D)
+
+
+def _sdpa_slice(q, k_cache, v_cache, s: int, e: int, scale=None) -> Tensor:
+    """Unmasked SDPA of q (B, Hq, D) over cache entries [s, e) of every row: (B, Hq, D)."""
+    B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
+    out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k_cache[:, :, s:e], v_cache[:, :, s:e], scale=scale)
+    return out.reshape(B, Hq, D)  # from (B, Hkv, G, D)
 
 
 def split_k_lse(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0):
@@ -137,22 +142,18 @@ def _valid_slice(T: int, start, end, end_offset: int) -> tuple[int, int] | None:
         if isinstance(x, Tensor):
             if x.numel() != 1 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
                 return None  # per-row bounds, or a bad one that the checked path refuses
-            x = int(x)
         bounds.append(int(x))
     lo, hi = max(bounds[0], 0), min(bounds[1] + end_offset, T)
     return (lo, hi) if hi > lo else None
 
 
 def _split_k(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0):
-    if not q.is_cuda:
-        valid = _valid_slice(k_cache.shape[2], start, end, end_offset)
-        if valid is not None:  # eager CPU, output only: PyTorch's fused SDPA over the valid entries
-            lo, hi = valid
-            B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
-            out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k_cache[:, :, lo:hi], v_cache[:, :, lo:hi],
-                                                 scale=scale)  # (B, Hkv, G, D)
-            return out.reshape(B, Hq, D)
-    return split_k_lse(q, k_cache, v_cache, end, start, scale, end_offset)[0]
+    if q.is_cuda:
+        return split_k_attention(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)[0]
+    valid = _valid_slice(k_cache.shape[2], start, end, end_offset)
+    if valid is None:
+        return split_k_ref(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)[0]
+    return _sdpa_slice(q, k_cache, v_cache, *valid, scale)  # eager CPU, output only: no LSE to keep
 
 
 BACKENDS = {"split_k": _split_k, "sdpa_masked": _masked, "sdpa_fused": _fused}
