@@ -115,11 +115,16 @@ class RuntimeGate:
         self.engine.compact_buffers(math.floor(max(kv) * self.engine.max_len + 0.5) + 1)
 
     # -- choosing ----------------------------------------------------------------------------
-    def choose(self, prompt_tokens: int, max_new_tokens: int) -> Choice:
-        """The admissible configuration of least predicted cost for one request."""
+    def choose(self, prompt_tokens: int, max_new_tokens: int, spec: str | None = None) -> Choice:
+        """The admissible configuration of least predicted cost for one request, or `spec`
+        (one of `specs`) priced for it: infinite where its selection cannot run."""
         t0 = time.perf_counter()
         answer = max(int(max_new_tokens), 1)
         best, costs = choose(self.table, int(prompt_tokens), answer, self.specs)
+        if spec is not None:
+            if spec not in self.specs:
+                raise InputError(f"configuration {spec} is not one the gate may run ({', '.join(self.specs)})")
+            best = spec
         price = self.table.configs[best]
         select_s = 0.0 if price.select is None else price.select.at(prompt_tokens)
         per_token = (costs[best] - 1000.0 * select_s) / answer  # the step cost along the answer

@@ -63,13 +63,10 @@ class Configurations:
                 "server with a gate table or options that include it", "sparsedecode.mode")
         if self.gate is None:
             return Plan(asked)
-        costs = self.gate.choose(prompt_tokens, max_new).costs_ms
-        price = self.gate.table.configs[asked]
-        select_s = 0.0 if price.select is None else price.select.at(prompt_tokens)
-        total = costs.get(asked, math.inf)
-        if math.isinf(total):
+        c = self.gate.choose(prompt_tokens, max_new, spec=asked)
+        if math.isinf(c.predicted_ms_per_token):
             raise RequestError(self._too_short(asked, prompt_tokens, max_new), "sparsedecode.mode")
-        return Plan(asked, (total - 1000.0 * select_s) / max(max_new, 1), select_s)
+        return Plan(asked, c.predicted_ms_per_token, c.predicted_select_s)
 
     def _too_short(self, spec: str, n: int, max_new: int) -> str:
         price = self.gate.table.configs[spec]
@@ -93,7 +90,7 @@ class Configurations:
             from sparsedecode.kv.select import get_selector
 
             sel = get_selector(kv.method, **kv.params)
-            room = getattr(sel, "sinks", 0) + getattr(sel, "window", 0)
+            room = sel.sinks + sel.window
         t0 = time.perf_counter()
         warm_step(self.engine, spec, room)
         out = {spec: time.perf_counter() - t0}
