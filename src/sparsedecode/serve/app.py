@@ -83,8 +83,7 @@ class Server:
             p = parse(body, chat=chat, model=self.engine.name)
             ids = self._ids(p)
             self._check_len(p, len(ids))
-            asked = self.configs.default if p.sparsity == "auto" and self.configs.gate is None else p.sparsity
-            plan = self.configs.plan(asked, len(ids), p.max_tokens)
+            plan = self.configs.plan(p.sparsity, len(ids), p.max_tokens)
             job = Job(p, ids, plan, asyncio.get_running_loop())
             self.worker.submit(job)
             rid = new_id(chat)
