@@ -144,6 +144,45 @@ def test_a_named_configuration_is_honoured(server):
     assert by_name.choices[0].text == r.choices[0].text
 
 
+def test_ignore_eos_decodes_max_tokens_past_the_answer(server):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    short = client(server).chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=48, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 48
+    n = short.usage.completion_tokens + 6
+    long = client(server).chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=n, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == n
+    assert long.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
+def test_probe_sets_the_servers_ms_per_token_beside_its_cells(server, tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    r = run_cli(capsys, "serve-probe", "--url", server["url"], "--request", "512:3", "--mode", "dense", "--mode",
+                "sel0.3", "--cells", str(CELLS), "--tolerance", "0.99", "--out", str(out))
+    rec = json.loads(out.read_text())
+    assert rec["kind"] == "serve_probe" and [row["mode"] for row in rec["rows"]] == ["dense", "sel0.3"]
+    for row in rec["rows"]:
+        assert row["status"] == 200 and row["completion_tokens"] == 3 and row["cell_ms_per_token"] > 0
+        assert row["ratio"] == pytest.approx(row["ms_per_token"] / row["cell_ms_per_token"])
+    assert r.returncode == (0 if rec["comparison"]["passed"] else 1)
+    r = run_cli(capsys, "serve-probe", "--url", server["url"], "--request", "700:2", "--mode", "dense",
+                "--cells", str(CELLS), "--json")
+    row = json.loads(r.stdout)["rows"][0]
+    assert r.returncode == 1 and row["cell_ms_per_token"] is None and not row["within"]  # no cell at 700
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--request", "512", "--mode", "dense"], "PROMPT:ANSWER"),
+    (["--request", "512:2", "--mode", "fast"], "not one of"),
+    (["--request", "512:2", "--mode", "dense", "--tolerance", "2"], "--tolerance"),
+    (["--request", "512:2", "--mode", "dense", "--cells", "no/such/folder"], "no such folder"),
+    (["--request", "512:2", "--mode", "dense", "--url", "http://127.0.0.1:9"], "no server answers"),
+])
+def test_probe_bad_options_exit_2(capsys, args, pattern):
+    r = run_cli(capsys, "serve-probe", *args)
+    assert r.returncode == 2 and pattern in r.stderr and "Traceback" not in r.stderr
+
+
 BAD = [  # (endpoint, body or raw text, status, param, message pattern)
     ("completions", "not json", 400, None, "not JSON"),
     ("completions", {"prompt": ""}, 400, "prompt", "non-empty"),
@@ -156,6 +195,7 @@ BAD = [  # (endpoint, body or raw text, status, param, message pattern)
     ("completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p", "<= 1"),
     ("completions", {"prompt": [1, 2, 10**7]}, 400, "prompt", "outside the vocabulary"),
     ("completions", {"prompt": "hi", "n": 2}, 400, "n", "one sequence"),
+    ("completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos", "true or false"),
     ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ("completions", {"prompt": "hi", "sparsedecode": {"speed": "max"}}, 400, "sparsedecode.speed", "unknown field"),
     ("completions", {"prompt": "hi", "sparsedecode": {"mode": "fast"}}, 400, "sparsedecode.mode", "not one of"),

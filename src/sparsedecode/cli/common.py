@@ -53,6 +53,18 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or a
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
 
 
+def parse_requests(values: list[str], flag: str = "--request") -> list[tuple[int, int]]:
+    """PROMPT:ANSWER token counts such as '2K:256' -> [(2048, 256), ...]."""
+    from sparsedecode.account.units import parse_tokens
+
+    out = []
+    for r in values:
+        if r.count(":") != 1:
+            raise InputError(f"{flag} {r!r}: write PROMPT:ANSWER tokens, e.g. 2K:256")
+        out.append(tuple(parse_tokens(x.strip(), f"{flag} {r}") for x in r.split(":")))
+    return out
+
+
 def parse_float(text: str, what: str, positive: bool = False) -> float:
     """A float from user text, or an InputError saying what was expected."""
     from sparsedecode.errors import InputError

@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import JsonOpt, check_out_file, emit_json, parse_float
+from sparsedecode.cli.common import JsonOpt, check_out_file, emit_json, parse_float, parse_requests
 from sparsedecode.errors import InputError
 
 dispatch_app = typer.Typer(help="Price configurations on request mixes; write the gate table.",
@@ -267,14 +267,7 @@ def check_cmd(
     table's prediction; exit status 1 when one misses by more than --tolerance."""
     import time
 
-    from sparsedecode.account.units import parse_tokens
-
-    reqs = []
-    for r in request:
-        if r.count(":") != 1:
-            raise InputError(f"--request {r!r}: write PROMPT:ANSWER tokens, e.g. 2K:256")
-        p, a = (parse_tokens(x.strip(), f"--request {r}") for x in r.split(":"))
-        reqs.append((p, a))
+    reqs = parse_requests(request)
     if repeats < 1:
         raise InputError(f"--repeats must be >= 1, got {repeats}")
     tol = parse_float(tolerance, "--tolerance", positive=True)

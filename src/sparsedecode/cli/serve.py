@@ -175,3 +175,79 @@ def serve_load(
     if not rec["ok"]:
         typer.echo(f"error: requests lost, errored or duplicated: {rec['errors']}", err=True)
         raise typer.Exit(1)
+
+
+@app.command("serve-probe")
+def serve_probe(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The server's base URL."),
+    request: list[str] = typer.Option(..., "--request", help="PROMPT:ANSWER tokens, e.g. 2K:256, repeatable."),
+    mode: list[str] = typer.Option(..., "--mode", help="A configuration the server runs (dense, proj0.5, "
+                                   "both0.5/0.3, ...) or auto; repeatable: every request runs under each."),
+    cells: str = typer.Option(None, "--cells", help="Timing-cell folder (campaign run / bench cell records) of "
+                              "the same machine: set each request's ms/token beside its cell's."),
+    tolerance: float = typer.Option(0.05, "--tolerance", help="Largest |server / cell - 1| that passes."),
+    vocab: int = typer.Option(32000, "--vocab", help="Prompt token ids are drawn from [0, VOCAB)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompts' token ids."),
+    out: str = typer.Option(None, "--out", help="Write the record here (JSON)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the record as JSON."),
+):
+    """Token-id requests under named configurations; with --cells, exit 1 when the server's
+    ms/token misses its timing cell by more than --tolerance."""
+    from pathlib import Path
+
+    from sparsedecode.cli.common import check_new_file, emit_json, parse_requests
+    from sparsedecode.errors import InputError
+    from sparsedecode.serve.probe import compare, probe
+    from sparsedecode.timing.cell import parse_mode
+
+    reqs = parse_requests(request)
+    modes = [m if m == "auto" else parse_mode(m).spec for m in mode]
+    if not 0 < tolerance < 1:
+        raise InputError(f"--tolerance must be in (0, 1), got {tolerance}")
+    if vocab < 1:
+        raise InputError(f"--vocab must be >= 1, got {vocab}")
+    if cells is not None and not Path(cells).is_dir():
+        raise InputError(f"--cells {cells}: no such folder of timing cells")
+    if out is not None:
+        check_new_file(out, "--out", ".json")
+    import httpx
+
+    try:
+        server = httpx.get(url.rstrip("/") + "/health", timeout=10).json()
+    except httpx.HTTPError as e:
+        raise InputError(f"no server answers at {url}/health ({type(e).__name__}); start one with sparsedecode serve") from None
+
+    def show(r):
+        if as_json:
+            return
+        if r["status"] != 200:
+            typer.echo(f"{r['prompt_tokens']:>7,} + {r['max_tokens']} {r['asked']}: HTTP {r['status']}: {r['error']}")
+            return
+        pred = r.get("predicted_ms_per_token")
+        typer.echo(f"{r['prompt_tokens']:>7,} + {r['max_tokens']} {r['asked']:<12} -> {r['mode']:<12} "
+                   f"{r['ms_per_token']:.3f} ms/token" + ("" if pred is None else f" (gate predicted {pred:.3f})")
+                   + f", prefill {r['prefill_ms'] / 1000:.2f} s, select {r['kv_select_ms']:.0f} ms")
+
+    rows = probe(url, reqs, modes, vocab=vocab, seed=seed, progress=show)
+    rec = {"url": url, "server": server, "rows": rows}
+    if cells is not None:
+        rec["comparison"] = compare(rows, cells, tolerance)
+        if not as_json:
+            for r in rows:
+                cell = "no cell" if r["cell_ms_per_token"] is None else f"cell {r['cell_ms_per_token']:.3f}"
+                ratio = "" if r["ratio"] is None else f" ({100 * (r['ratio'] - 1):+.1f}%)"
+                typer.echo(f"  {r['prompt_tokens']:>7,} {r.get('mode', r['asked']):<12} {cell}{ratio}")
+    if out is not None:
+        import sys
+
+        from sparsedecode.records import stamp, write_record
+
+        write_record(out, stamp({"kind": "serve_probe", "command": ["sparsedecode", *sys.argv[1:]], **rec},
+                                with_torch=False))
+    if as_json:
+        emit_json(rec)
+    failed = [r for r in rows if r["status"] != 200]
+    if failed or (cells is not None and not rec["comparison"]["passed"]):
+        typer.echo("error: " + (f"{len(failed)} request(s) failed" if failed else
+                                f"a request's ms/token is not within {100 * tolerance:g}% of its cell"), err=True)
+        raise typer.Exit(1)

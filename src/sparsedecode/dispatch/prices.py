@@ -289,7 +289,7 @@ def device_name(device) -> str:
     return "CPU"
 
 
-def _spec_of(cell) -> str:
+def cell_spec(cell) -> str:
     """The configuration of a timing cell (ours or the paper's) as a mode string."""
     if cell.mode == "dense":
         return "dense"
@@ -324,7 +324,7 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
         for cell in camp.cells:
             if cell.mode == "window":
                 continue  # the paper's window cells have no dense partner here; not a gate choice
-            spec = _spec_of(cell)
+            spec = cell_spec(cell)
             points.setdefault(spec, []).append((cell.context, cell.ms_per_token))
             ex = camp.extra(cell)
             if ex.attention:

@@ -50,6 +50,7 @@ class Params:
     stream: bool = False
     sparsity: str = "auto"  # 'auto' or a canonical mode string
     model: str = ""
+    ignore_eos: bool = False  # vLLM's extra sampling field: decode max_tokens past an EOS
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float | None, *, lo_open=False, integer=False,
@@ -142,15 +143,17 @@ def parse(body, *, chat: bool, model: str) -> Params:
     n = body.get("n", 1)
     if n != 1:
         raise RequestError("'n' must be 1: the server decodes one sequence per request", "n")
-    stream = body.get("stream", False)
+    stream, ignore_eos = body.get("stream", False), body.get("ignore_eos", False)
     if not isinstance(stream, bool):
         raise RequestError(f"'stream' must be true or false, got {stream!r}", "stream")
+    if not isinstance(ignore_eos, bool):
+        raise RequestError(f"'ignore_eos' must be true or false, got {ignore_eos!r}", "ignore_eos")
     return Params(
         chat=chat, prompt=prompt, max_tokens=max_tokens, stream=stream, stop=stop, model=model,
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
         seed=_number(body, "seed", None, 0, 2**63 - 1, integer=True),
-        sparsity=_sparsity(body.get("sparsedecode")),
+        sparsity=_sparsity(body.get("sparsedecode")), ignore_eos=ignore_eos,
     )
 
 

@@ -138,7 +138,7 @@ class Worker:
         timing = Generation(prompt_ids=list(job.ids), ids=ids)  # its decode speed counts `ids`
         t0 = time.perf_counter()
         steps = eng.tokens(job.ids, p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                           timing=timing)
+                           stop_ids=() if p.ignore_eos else None, timing=timing)
         tok_text = eng.tokenizer
         sent, text, finish = 0, "", None
         try:
