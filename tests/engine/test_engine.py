@@ -51,6 +51,25 @@ def test_random_engine_generates_and_stops_at_eos():
     assert out2.ids == out.ids[: first + 1] and out2.stopped_at_eos
 
 
+@pytest.mark.parametrize("stop_at", [None, 4, "close"])
+def test_lookahead_yields_the_same_tokens_and_ends_at_the_same_position(stop_at):
+    """Step i+1 queued before token i is read (the CUDA default, forced here on CPU): the same
+    greedy tokens, and a generation stopped early (EOS or a closed iterator) takes back the step
+    it ran too many, so the engine's position and the next step's logits are as without."""
+    def run(lookahead):
+        eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, seed=3)
+        ref = list(eng.tokens([1, 2, 3], 12, stop_ids=[]))
+        stop = [] if stop_at in (None, "close") else [ref[stop_at]]
+        steps = eng.tokens([1, 2, 3], 12, stop_ids=stop, lookahead=lookahead)
+        got = [next(steps) for _ in range(5)] if stop_at == "close" else list(steps)
+        steps.close()
+        return got, eng.pos, eng.decode_step(got[-1]).clone()
+
+    (a, pos_a, logits_a), (b, pos_b, logits_b) = run(False), run(True)
+    assert a == b and pos_a == pos_b
+    assert torch.equal(logits_a, logits_b)
+
+
 def test_a_step_compiled_on_the_way_is_not_decode_time():
     """The first decode step of a configuration compiles and captures (seconds on CUDA): its
     time goes to Generation.compile_s, never into the decode speed (issue: generate reported

@@ -32,6 +32,30 @@ from sparsedecode.models.attention import get_backend
 DEFAULT_MAX_LEN = 4096
 
 
+class _HostToken:
+    """A sampled token's way to the host: on CUDA an asynchronous copy into pinned memory and
+    an event, so that reading token i waits for its own step and not for step i+1 queued after."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.buf = torch.empty(1, dtype=torch.long, pin_memory=True)
+            self.done = torch.cuda.Event()
+
+    def put(self, t: torch.Tensor) -> None:
+        if self.cuda:
+            self.buf.copy_(t.reshape(1), non_blocking=True)
+            self.done.record()
+        else:
+            self.t = t
+
+    def get(self) -> int:
+        if self.cuda:
+            self.done.synchronize()
+            return int(self.buf[0])
+        return int(self.t)
+
+
 @dataclass
 class Generation:
     """Result of `Engine.generate`: ids, text and wall-clock times in seconds."""
@@ -442,8 +466,15 @@ class Engine:
 
     def tokens(self, ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop_ids: Sequence[int] | None = None,
-               timing: Generation | None = None) -> Iterator[int]:
-        """Yield new token ids after prefilling ids, stopping after an EOS id or max_new_tokens."""
+               timing: Generation | None = None, lookahead: bool | None = None) -> Iterator[int]:
+        """Yield new token ids after prefilling ids, stopping after an EOS id or max_new_tokens.
+
+        With `lookahead` (the default on CUDA) step i+1 is queued on the GPU before token i is
+        read back to the host, so the host's per-token work (the sync, sampling's launch, the
+        caller's text handling) overlaps a step instead of leaving the GPU idle between steps,
+        as gpt-fast and vLLM's async scheduling do. A generation that stops early (EOS, or the
+        caller closes the iterator) has run one step too many; its position is taken back, so
+        the engine ends where it would have without (the extra slot lies past the valid prefix)."""
         check_sampling(temperature, top_p, seed)
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -469,16 +500,35 @@ class Engine:
         c1 = self.compile_s
         if timing is not None:
             timing.prefill_s = t1 - t0 - timing.kv_select_s
-        for i in range(max_new_tokens):
-            if timing is not None:  # a step compiled and captured on the way is not decode time
-                timing.compile_s = self.compile_s - c1
-                timing.decode_s = time.perf_counter() - t1 - timing.compile_s
-                timing.stopped_at_eos = tok in stop
-            yield tok
-            if tok in stop or i == max_new_tokens - 1:
-                return
-            nxt = sample(self.decode_step(nxt), temperature, top_p, gen)
-            tok = int(nxt)  # the one host sync per step, outside the captured step
+        if lookahead is None:
+            lookahead = self.device.type == "cuda"
+        host = _HostToken(self.device)
+        host.put(nxt)
+        ahead = False  # a step past the last yielded token is queued
+        try:
+            for i in range(max_new_tokens):
+                last = i == max_new_tokens - 1
+                if lookahead and not last:
+                    nxt = sample(self.decode_step(nxt), temperature, top_p, gen)  # step i+1, queued
+                    ahead = True
+                tok = host.get()  # token i: the one host sync per step, outside the captured step
+                if ahead:
+                    host.put(nxt)
+                if timing is not None:  # a step compiled and captured on the way is not decode time
+                    timing.compile_s = self.compile_s - c1
+                    timing.decode_s = time.perf_counter() - t1 - timing.compile_s
+                    timing.stopped_at_eos = tok in stop
+                yield tok
+                if tok in stop or last:
+                    return
+                if ahead:
+                    ahead = False
+                else:
+                    nxt = sample(self.decode_step(nxt), temperature, top_p, gen)
+                    host.put(nxt)
+        finally:
+            if ahead:  # stopped with step i+1 run: take its position back
+                self.pos -= 1
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool = False,
