@@ -1,0 +1,156 @@
+"""Kernel options as data: frozen dataclasses owned by the engine and recorded whole.
+
+An engine holds one `KernelOptions` (`sparsedecode.load(..., kernels=...)`,
+`Engine.set_kernels`); the sparse projections and the attention layers each hold the part
+they launch with, and the custom ops receive it unpacked into plain parameters, so a captured
+CUDA graph bakes in exactly the options of the engine that captured it. Only real tuning
+parameters live here: a choice that was measured and lost is deleted from the code, with a row
+in its kernel's decision log (docs/kernels/<kernel>.md).
+
+`KernelOptions.parse("gemv.pdl=false,attention.min_split_keys=256")` reads the `--kernels` flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from sparsedecode.errors import InputError
+
+
+def _positive_int(v, what: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InputError(f"{what} must be an integer >= 1, got {v!r}")
+
+
+@dataclass(frozen=True)
+class GemvOptions:
+    """Launch options of the sparse GEMVs (`kernels.sparse_gemv`, `kernels.gather_gemv`).
+
+    pdl: programmatic dependent launch on Hopper and later (each launch may start while the
+        kernel before it drains; docs/kernels/sparse_gemv.md). Ignored where the GPU lacks it.
+    programs_per_sm: one-warp programs per SM that the default split count aims at, where the
+        device's tuned table (kernels/tuned/<device>.json) has no entry for the shape.
+    """
+
+    pdl: bool = True
+    programs_per_sm: int = 16
+
+    def __post_init__(self):
+        if not isinstance(self.pdl, bool):
+            raise InputError(f"gemv.pdl must be true or false, got {self.pdl!r}")
+        _positive_int(self.programs_per_sm, "gemv.programs_per_sm")
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Launch options of the split-K decode attention (`kernels.decode_attention`).
+
+    programs_per_sm: programs per SM at full allocation (splits x KV heads / SMs).
+    min_split_keys: fewest keys a split covers, so short contexts get fewer, longer splits
+        (None: programs_per_sm alone sets the count).
+    """
+
+    programs_per_sm: int = 2
+    min_split_keys: int | None = 128
+
+    def __post_init__(self):
+        _positive_int(self.programs_per_sm, "attention.programs_per_sm")
+        if self.min_split_keys is not None:
+            _positive_int(self.min_split_keys, "attention.min_split_keys")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Every kernel option of an engine; `to_dict()` is what records store under 'kernels'."""
+
+    gemv: GemvOptions = field(default_factory=GemvOptions)
+    attention: AttentionOptions = field(default_factory=AttentionOptions)
+
+    def __post_init__(self):
+        if not isinstance(self.gemv, GemvOptions) or not isinstance(self.attention, AttentionOptions):
+            raise InputError("KernelOptions takes a GemvOptions and an AttentionOptions")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> KernelOptions:
+        """The inverse of to_dict; a record's missing part (or None) is the default."""
+        d = d or {}
+        unknown = sorted(set(d) - {"gemv", "attention"})
+        if unknown:
+            raise InputError(f"unknown kernel option group(s) {', '.join(unknown)}: the groups are gemv, attention")
+        try:
+            return cls(GemvOptions(**d.get("gemv", {})), AttentionOptions(**d.get("attention", {})))
+        except TypeError as e:
+            raise InputError(f"kernel options {d}: {e}") from None
+
+    def with_(self, **values) -> KernelOptions:
+        """A copy with 'group.name' (or group__name) keys set, checked like parse."""
+        out = self
+        for key, v in values.items():
+            group, _, name = key.replace("__", ".").partition(".")
+            part = getattr(out, group, None) if group in ("gemv", "attention") else None
+            if part is None or name not in {f.name for f in fields(part)}:
+                raise InputError(f"unknown kernel option '{key}'; options are {', '.join(option_names())}")
+            out = replace(out, **{group: replace(part, **{name: v})})
+        return out
+
+    @classmethod
+    def parse(cls, text: str | None, base: KernelOptions | None = None) -> KernelOptions:
+        """'gemv.pdl=false,attention.min_split_keys=256' (values: true/false, integers, none)."""
+        base = base or cls()
+        if not text:
+            return base
+        values = {}
+        for item in str(text).split(","):
+            key, eq, raw = item.strip().partition("=")
+            if not eq or not key:
+                raise InputError(f"--kernels '{item}': write KEY=VALUE, e.g. gemv.pdl=false "
+                                 f"(options: {', '.join(option_names())})")
+            values[key.strip()] = _value(raw.strip(), key.strip())
+        return base.with_(**values)
+
+    def changed(self) -> dict:
+        """The options that differ from the defaults, as 'group.name': value."""
+        d, ref = self.to_dict(), KernelOptions().to_dict()
+        return {f"{g}.{k}": v for g in d for k, v in d[g].items() if ref[g][k] != v}
+
+    def label(self) -> str:
+        """'default', or the changed options as parse reads them (a cell name's variant)."""
+        ch = self.changed()
+        return "default" if not ch else ",".join(f"{k}={_text(v)}" for k, v in ch.items())
+
+
+def option_names() -> list[str]:
+    return [f"{g}.{f.name}" for g, part in (("gemv", GemvOptions), ("attention", AttentionOptions))
+            for f in fields(part)]
+
+
+def _value(raw: str, key: str):
+    """raw read as the type of option `key`'s field (bool, int, or int | None)."""
+    group, _, name = key.partition(".")
+    part = {"gemv": GemvOptions, "attention": AttentionOptions}.get(group)
+    f = next((f for f in fields(part) if f.name == name), None) if part else None
+    if f is None:
+        raise InputError(f"unknown kernel option '{key}'; options are {', '.join(option_names())}")
+    low = raw.lower()
+    if f.type == "bool":
+        if low in ("true", "false"):
+            return low == "true"
+        raise InputError(f"--kernels {key}={raw}: write true or false")
+    if low == "none" and "None" in f.type:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(f"--kernels {key}={raw}: write an integer" + (" or none" if "None" in f.type else "")) from None
+
+
+def _text(v) -> str:
+    return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+DEFAULT = KernelOptions()
+
+__all__ = ["DEFAULT", "AttentionOptions", "GemvOptions", "KernelOptions", "option_names"]
