@@ -101,7 +101,37 @@ def _serve_load_table(root: Path, t: dict) -> tuple[str, str]:
                                + ", against a running `sparsedecode serve` (the records say which).")
 
 
-KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table}
+def _serve_probe_table(root: Path, t: dict) -> tuple[str, str]:
+    """One row per request of a `sparsedecode serve-probe --cells` record: the ms/token the server
+    reported beside its timing cell and the gate's price; then the start-up records, if named."""
+    from sparsedecode.records import read_record
+
+    lines = ["| prompt + answer | configuration | server ms/token | cell ms/token | server / cell | gate predicted |",
+             "|---|---|---|---|---|---|"]
+    commands = []
+    for rel in t["records"]:
+        r = read_record(root / rel)
+        if r.get("kind") != "serve_probe" or "comparison" not in r:
+            raise InputError(f"table {t.get('title')!r}: {rel} is not a serve-probe record with --cells")
+        for row in r["rows"]:
+            pred = row.get("predicted_ms_per_token")
+            lines.append(f"| {row['prompt_tokens']:,} + {row['max_tokens']} | {row['mode']} | {row['ms_per_token']:.3f} | "
+                         f"{row['cell_ms_per_token']:.3f} | {100 * (row['ratio'] - 1):+.1f}% | "
+                         + ("" if pred is None else f"{pred:.3f}") + " |")
+        commands.append(" ".join(r["command"]))
+    starts = []
+    for label, rel in t.get("startup", {}).items():
+        r = read_record(root / rel)
+        if r.get("kind") != "serve_startup":
+            raise InputError(f"table {t.get('title')!r}: {rel} is not a serve start-up record")
+        starts.append(f"{label} {r['load_s'] + r['warm_s']:.1f} s (load {r['load_s']:.1f}, compile and capture "
+                      f"{r['warm_s']:.1f})")
+    table = "\n".join(lines) + ("\n\nStart-up: " + "; ".join(starts) + "." if starts else "")
+    return table, "Measured by " + "; ".join(f"`{c}`" for c in commands) + ", against a running `sparsedecode serve`."
+
+
+KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table,
+         "serve_probe": _serve_probe_table}
 
 
 def render(manifest: str | Path) -> str:
