@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsedecode.kernels import decode_attention as split_k_kernels
+from sparsedecode.kernels.rope_attention import rope_attention
 from sparsedecode.kernels.rope_cache import rope_cache
 from sparsedecode.kernels.rope_cache import usable as rope_cache_usable
 from sparsedecode.kernels.sparse_gemv import sumsq
@@ -138,11 +138,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if start is None and L == 1 and self.cache.compact is None and tables is not None and rope_cache_usable(q):
-            if (split_k_kernels.ROPE_IN_ATTENTION and self.backend == "split_k" and self.cache.window is None
-                    and host_len is None and self.observe is None):
-                # one launch: RoPE, the cache write and the attention (kernels.decode_attention.rope_attention)
-                y, _ = split_k_kernels.rope_attention(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables,
-                                                      pos, self.cache.k, self.cache.v)
+            if self.backend == "split_k" and self.cache.window is None and host_len is None and self.observe is None:
+                # one launch: RoPE, the cache write and the attention (docs/kernels/decode_attention.md#rope-in-attention)
+                y, _ = rope_attention(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables, pos, self.cache.k,
+                                      self.cache.v)
                 return y.reshape(B, 1, self.n_heads * self.head_dim)
             # one launch: RoPE of q and k, k and v into the cache (kernels.rope_cache)
             q1 = rope_cache(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables, pos, self.cache.k,
