@@ -10,8 +10,10 @@ split_k (merge fused into the split kernel) and split_k_2kernel (the merge as a
 second launch) time our kernel's two paths side by side.
 
   PYTHONPATH=src python benchmarks/attention_bench.py --out DIR [--check] [--sweep]
+      [--kernels attention.min_split_keys=none,...]
 
-Writes one record per (backend, context) of kind 'attention_bench' into DIR.
+Writes one record per (backend, context) of kind 'attention_bench' into DIR, with the kernel
+options it ran under (`--kernels`, the attention part reaching split_k) under 'kernels'.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sparsedecode.kernels.decode_attention import (
     split_k_attention,
     split_k_ref,
 )
+from sparsedecode.kernels.options import AttentionOptions, KernelOptions
 from sparsedecode.models.attention import decode_attention
 from sparsedecode.records import stamp, write_record
 
@@ -46,14 +49,14 @@ def _fused_gqa(q, k, v, end):
     return out.squeeze(2)  # (B, Hq, D)
 
 
-def calls(name: str, n: int, end_t: torch.Tensor, config=None, splits=None):
+def calls(name: str, n: int, end_t: torch.Tensor, config=None, splits=None, opts=AttentionOptions()):
     """fn(q, k, v) for one backend; tensor bounds where the backend is capturable with them."""
     if name == "split_k" and not (config or splits):
-        return lambda q, k, v: decode_attention(q, k, v, end_t, backend="split_k")
+        return lambda q, k, v: decode_attention(q, k, v, end_t, backend="split_k", options=opts)
     if name in SPLIT_K:
         fused = SPLIT_K[name]
         return lambda q, k, v: split_k_attention(q, k, v, end_t, num_splits=splits, config=config,
-                                                 fused_merge=fused)[0]
+                                                 fused_merge=fused, options=opts)[0]
     if name == "sdpa_masked":
         return lambda q, k, v: decode_attention(q, k, v, end_t, backend="sdpa_masked")
     if name == "sdpa_fused":
@@ -89,17 +92,17 @@ def time_graph(fn, q, caches, reps: int) -> list[float]:
     return times
 
 
-def check(q, caches, n: int, end_t: torch.Tensor, names) -> None:
+def check(q, caches, n: int, end_t: torch.Tensor, names, opts: AttentionOptions) -> None:
     k, v = caches[0]
     want, want_lse = split_k_ref(q, k, v, end_t, num_splits=8)
     got, lse_errs = {}, []
     for name, fused in SPLIT_K.items():
-        got[name], lse = split_k_attention(q, k, v, end_t, fused_merge=fused)
+        got[name], lse = split_k_attention(q, k, v, end_t, fused_merge=fused, options=opts)
         lse_errs.append((lse - want_lse).abs().max().item())
         assert lse_errs[-1] < 1e-3, f"{name} lse off by {lse_errs[-1]:.3g} at n={n}"
     lse_err = max(lse_errs)
     for name in names:
-        out = got[name] if name in got else calls(name, n, end_t)(q, k, v)
+        out = got[name] if name in got else calls(name, n, end_t, opts=opts)(q, k, v)
         err = (out.float() - want.float()).abs()
         tol = 2e-2 * want.abs().max().item() + 1e-3
         bad = int((err > tol).sum())
@@ -123,7 +126,11 @@ def main() -> None:
                     "(default: half, equal and twice the default count)")
     ap.add_argument("--sweep-configs", default="", help="BLOCK_N:warps:stages list for --sweep, "
                     "e.g. 64:4:3,128:4:3 (default: a built-in list)")
+    ap.add_argument("--kernels", default="", help="kernel options as key=value, e.g. "
+                    "attention.min_split_keys=none,attention.programs_per_sm=3 (default: the defaults)")
     args = ap.parse_args()
+    kernels = KernelOptions.parse(args.kernels)
+    opts = kernels.attention
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dev, dtype = torch.device("cuda"), torch.bfloat16
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -138,10 +145,10 @@ def main() -> None:
         ]  # each (B, Hkv, T, D)
         end_t = torch.tensor([n], device=dev)
         if args.check:
-            check(q, caches, n, end_t, args.backends)
+            check(q, caches, n, end_t, args.backends, opts)
         variants = [(name, None, None) for name in args.backends]
         if args.sweep:
-            base = default_num_splits(T, HKV, dev)
+            base = default_num_splits(T, HKV, dev, options=opts)
             splits_list = ([int(x) for x in args.sweep_splits.split(",")] if args.sweep_splits
                            else (base // 2 or 1, base, min(2 * base, 128)))
             configs = ([tuple(int(v) for v in c.split(":")) for c in args.sweep_configs.split(",")]
@@ -150,7 +157,7 @@ def main() -> None:
         nbytes = 2 * HKV * D * n * 2
         for name, cfg, splits in variants:
             try:
-                t = statistics.median(time_graph(calls(name, n, end_t, cfg, splits), q, caches, args.reps))
+                t = statistics.median(time_graph(calls(name, n, end_t, cfg, splits, opts), q, caches, args.reps))
             except RuntimeError as e:  # a sweep config can exceed shared memory; report and go on
                 if cfg is None:
                     raise
@@ -160,12 +167,12 @@ def main() -> None:
             rec = stamp({
                 "kind": "attention_bench", "backend": name, "context": n, "t_alloc": T,
                 "shape": {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D}, "dtype": "bfloat16",
-                "layers": args.layers, "reps": args.reps, "graph": True,
+                "layers": args.layers, "reps": args.reps, "graph": True, "kernels": kernels.to_dict(),
                 "time_s": t, "kv_bytes": nbytes, "tb_per_s": nbytes / t / 1e12,
                 "bytes_read_masked": 2 * HKV * D * T * 2 if name == "sdpa_masked" else None,
                 "split_k": None if name not in SPLIT_K else {
                     "config": list(cfg or _kernel_config(D, dtype)),
-                    "num_splits": splits or default_num_splits(T, HKV, dev),
+                    "num_splits": splits or default_num_splits(T, HKV, dev, options=opts),
                     "fused_merge": SPLIT_K[name],
                 },
             })

@@ -27,6 +27,7 @@ from sparsedecode.kernels.decode_attention import (
     split_k_attention,
     split_k_ref,
 )
+from sparsedecode.kernels.options import AttentionOptions
 from sparsedecode.models.attention import BACKENDS, decode_attention, get_backend, split_k_lse
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -138,16 +139,24 @@ def test_split_k_ref_lse_and_splits(num_splits, dtype):
 
 
 def test_split_count_keeps_long_splits_at_short_allocations(monkeypatch):
-    """On 132 SMs with 8 KV heads: 33 splits at 128K, but splits of at least MIN_SPLIT_KEYS keys at
-    2K (17, measured faster on the H200 than 33 or 9), and the old count without the floor."""
+    """On 132 SMs with 8 KV heads: 33 splits at 128K, but splits of at least min_split_keys keys
+    at 2K (17, measured faster on the H200 than 33 or 9), and the count of programs_per_sm alone
+    without the floor; off CUDA one split whatever the options."""
     from sparsedecode.kernels import decode_attention as da
 
     monkeypatch.setattr(da, "_sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
-    assert da.default_num_splits(131072 + 64, 8, dev) == 33
-    assert da.default_num_splits(2048 + 64, 8, dev) == -(-2112 // da.MIN_SPLIT_KEYS) == 17
-    monkeypatch.setattr(da, "MIN_SPLIT_KEYS", None)
-    assert da.default_num_splits(2048 + 64, 8, dev) == 33
+    default = AttentionOptions()
+    assert da.default_num_splits(131072 + 64, 8, dev) == da.default_num_splits(131072 + 64, 8, dev, 64, default) == 33
+    assert da.default_num_splits(2048 + 64, 8, dev) == -(-2112 // default.min_split_keys) == 17
+    assert da.default_num_splits(2048 + 64, 8, dev, options=AttentionOptions(min_split_keys=None)) == 33
+    assert da.default_num_splits(2048 + 64, 8, dev, options=AttentionOptions(min_split_keys=512)) == 5
+    assert da.default_num_splits(131072 + 64, 8, dev, options=AttentionOptions(programs_per_sm=6)) == 99
+    assert da.default_num_splits(131072 + 64, 8, torch.device("cpu"), options=AttentionOptions(min_split_keys=None)) == 1
+    qkv = make(1, 1, 1, 16, 64, torch.float32)
+    for fn in (split_k_ref, split_k_attention) if HAS_TRITON else (split_k_ref,):
+        with pytest.raises(InputError, match="AttentionOptions"):  # refused, never read as the defaults
+            fn(*qkv, 4, options={"min_split_keys": None})
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -219,7 +228,7 @@ def _lengths_worker(fused: bool, splits: tuple[int, ...]) -> tuple[list[str], in
     Rows of one batch differ in length (row 1 reads half, so length 1 leaves it empty): one
     launch mixes an empty row, a single active split (written directly) and several active
     splits, with inactive ones past them (17 splits of 1000 keys: 16 of 64 keys active)
-    or a last one of 1 key (17 splits of 1025: 16 x 64 + 1, which FOLD_TAIL gives to the 16th;
+    or a last one of 1 key (17 splits of 1025: 16 x 64 + 1, which the 16th takes (the fold);
     the CUDA test runs 4097, whose split is 16 x 256 + 1, but the interpreter's time grows with
     the keys it walks).
     """
@@ -314,42 +323,37 @@ def _interpreter_worker() -> None:
 
 
 def test_fold_tail_rule():
-    """FOLD_TAIL's split count: a last split of fewer than BLOCK_N keys goes to the one before it
-    (17 splits of 1025 keys in 64-key chunks: 16 active, not 17), a longer one stays."""
-    from sparsedecode.kernels.decode_attention import _active_splits, _chunk_len
+    """The fold: a last split of fewer than BLOCK_N keys goes to the one before it (17 splits of
+    1025 keys in 64-key chunks: 16 active, not 17), a longer one stays."""
+    from sparsedecode.kernels.split_k_merge import _active_splits, _chunk_len
 
-    def active(length, splits, fold):
+    def active(length, splits):
         n = torch.tensor(length)
-        return int(_active_splits(n, _chunk_len(n, splits, 64), 64, fold))
+        return int(_active_splits(n, _chunk_len(n, splits, 64), 64))
 
-    assert [active(1025, 17, False), active(1025, 17, True)] == [17, 16]
-    assert [active(2049, 17, False), active(2049, 17, True)] == [17, 16]  # the step at 2K: 128-key chunks
-    assert active(1088, 17, True) == 17 and active(1089, 17, True) == 9  # a full 64-key tail; 128-key chunks, a 65-key tail
-    assert [active(64, 17, True), active(65, 17, True), active(0, 17, True)] == [1, 1, 0]
+    assert active(1025, 17) == 16 and active(2049, 17) == 16  # the step at 2K: 128-key chunks
+    assert active(1088, 17) == 17 and active(1089, 17) == 9  # a full 64-key tail; 128-key chunks, a 65-key tail
+    assert [active(64, 17), active(65, 17), active(0, 17)] == [1, 1, 0]
 
 
 def _fold_worker() -> None:
-    """With FOLD_TAIL on and off: split-K attention (fused merge and two launches) against
-    float64 and split_k_ref where the tail folds (1025 keys in 17 splits) and where it does not;
-    with it on, rope_attention with the new entry in the folded tail and elsewhere."""
-    from sparsedecode.kernels import decode_attention as da
-    from sparsedecode.kernels.decode_attention import rope_attention, rope_attention_ref
+    """Split-K attention (fused merge and two launches) against float64 and split_k_ref where the
+    tail folds (1025 keys in 17 splits) and where it does not; rope_attention with the new entry
+    in the folded tail and elsewhere."""
+    from sparsedecode.kernels.rope_attention import rope_attention, rope_attention_ref
 
     fails, n = [], 0
-    for fold, length, G, S in ((True, 1025, 2, 17), (True, 1089, 1, 17), (True, 65, 3, 17), (True, 1025, 4, 4),
-                               (False, 1025, 2, 17), (False, 65, 3, 17)):
-        da.FOLD_TAIL = fold
+    for length, G, S in ((1025, 2, 17), (1089, 1, 17), (65, 3, 17), (1025, 4, 4)):
         D = 32
         q, k, v = make(2, 2, G, length + 3, D, torch.float32, seed=length + S)
         end = torch.tensor([length, length - 700 if length > 700 else 1])
         for fused in (True, False):
             out, lse = split_k_attention(q, k, v, end, num_splits=S, fused_merge=fused)
-            what = f"FOLD_TAIL={fold} fused={fused} len={length} G={G} S={S}"
+            what = f"fold fused={fused} len={length} G={G} S={S}"
             fails += check(out, lse, q, k, v, 0, end, what)
             r_lse = split_k_ref(q, k, v, end, num_splits=S)[1]
             fails += [m for m in [mismatch(lse, r_lse, 1e-5, what + " lse vs split_k_ref")] if m]
             n += 1
-    da.FOLD_TAIL = True
     gen = torch.Generator().manual_seed(5)
     B, Hq, Hkv, D, T = 1, 4, 2, 32, 1100
     q, k, v = (torch.randn(B, h * D, generator=gen) for h in (Hq, Hkv, Hkv))
@@ -361,7 +365,7 @@ def _fold_worker() -> None:
         pos = torch.tensor([p])
         want, want_lse = rope_attention_ref(q, k, v, cos, sin, pos, *want_caches)
         got, lse = rope_attention(q, k, v, cos, sin, pos, kc, vc, num_splits=17)
-        what = f"FOLD_TAIL rope_attention pos={p}"
+        what = f"fold rope_attention pos={p}"
         fails += [m for m in [mismatch(got, want, 1e-4, what), mismatch(lse, want_lse, 1e-4, what + " lse"),
                               mismatch(kc, want_caches[0], 1e-5, what + " k_cache")] if m]
         n += 1
@@ -371,7 +375,64 @@ def _fold_worker() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fold_tail_under_interpreter():
     report = run_interpreted(__file__, "_fold_worker")
-    assert report["cases"] == 16 and not report["fails"], "\n".join(report["fails"])
+    assert report["cases"] == 12 and not report["fails"], "\n".join(report["fails"])
+
+
+def _options_worker() -> None:
+    """AttentionOptions reach the custom ops: CPU tensors launched as on a GPU of 4 SMs, one KV
+    head of 2 query heads over a 640-key allocation, get 5 splits of at least 128 keys by default,
+    8 (2 programs per SM) with min_split_keys=None and 4 with programs_per_sm=1 as well, as each
+    launch's grid shows; every result matches float64 and split_k_ref under the same options. The
+    same for rope_attention, and under torch.compile, which bakes in the options it was given."""
+    from sparsedecode.kernels import decode_attention as da
+    from sparsedecode.kernels.rope_attention import rope_attention, rope_attention_ref
+
+    da._device_sms = lambda device: 4  # a subprocess: nothing after it sees the mock
+    grids, kernel = [], da._split_kernel
+
+    class Spy:  # records the split count of every launch of the split kernel
+        def __getitem__(self, grid):
+            grids.append(grid[1])
+            return kernel[grid]
+
+    da._split_kernel = Spy()
+    fails, want = [], []
+    q, k, v = make(1, 1, 2, 640, 32, torch.float32, seed=21)
+    end = torch.tensor([600])  # 5 chunks of 128 keys, 5 of 128, or 3 of 192 and a folded tail
+    gen = torch.Generator().manual_seed(22)
+    qr, kr, vr = (torch.randn(1, h * 32, generator=gen) for h in (2, 1, 1))
+    ang = torch.randn(640, 16, generator=gen)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    pos = torch.tensor([599])
+    for opts, S in ((AttentionOptions(), 5), (AttentionOptions(min_split_keys=None), 8),
+                    (AttentionOptions(programs_per_sm=1, min_split_keys=None), 4)):
+        what = f"{opts} (want {S} splits)"
+        out, lse = split_k_attention(q, k, v, end, options=opts)
+        fails += check(out, lse, q, k, v, 0, end, what)
+        r_lse = split_k_ref(q, k, v, end, options=opts)[1]
+        fails += [m for m in [mismatch(lse, r_lse, 1e-5, what + " lse vs split_k_ref")] if m]
+        kc, vc = k.clone(), v.clone()
+        want_caches = [k.clone(), v.clone()]
+        r_out, r_lse = rope_attention_ref(qr, kr, vr, cos, sin, pos, *want_caches, options=opts)
+        out, lse = rope_attention(qr, kr, vr, cos, sin, pos, kc, vc, options=opts)
+        fails += [m for m in [mismatch(out, r_out, 1e-4, what + " rope_attention"),
+                              mismatch(lse, r_lse, 1e-4, what + " rope_attention lse"),
+                              mismatch(kc, want_caches[0], 1e-5, what + " rope_attention k_cache")] if m]
+        want += [S, S]
+    opts = AttentionOptions(min_split_keys=None)
+    traced = torch.compile(lambda q, k, v, e: split_k_attention(q, k, v, e, options=opts), backend="aot_eager",
+                           fullgraph=True)
+    out, lse = traced(q, k, v, end)
+    fails += check(out, lse, q, k, v, 0, end, "min_split_keys=None under torch.compile")
+    want.append(8)
+    fails += [] if grids == want else [f"split counts launched {grids}, want {want}"]
+    print(json.dumps({"cases": len(want), "fails": fails}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_options_reach_the_kernel_under_interpreter():
+    report = run_interpreted(__file__, "_options_worker")
+    assert report["cases"] == 7 and not report["fails"], "\n".join(report["fails"])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -396,22 +457,22 @@ def test_kernel_compiles_for_hopper(dtype, D, G):
     except ImportError as e:
         pytest.skip(f"triton's compiler API is not available: {e}")
     from sparsedecode.kernels import decode_attention as da
+    from sparsedecode.kernels import split_k_merge as merge
 
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     block_n, num_warps, num_stages = da._kernel_config(D, dtype)
-    block_gm, _, tile_s = da._merge_blocks(G, D, 66)
-    split = dict(HKV=8, G=G, D=D, NUM_SPLITS=66, FOLD=False, BLOCK_G=16, BLOCK_N=block_n,
+    block_gm, _, tile_s = merge._merge_blocks(G, D, 66)
+    split = dict(HKV=8, G=G, D=D, NUM_SPLITS=66, BLOCK_G=16, BLOCK_N=block_n,
                  BLOCK_D=triton.next_power_of_2(D), BLOCK_GM=block_gm, TILE_S=tile_s,
                  START_T=False, END_T=True, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                 DOT_F32=False, ROPE=False, HALF=D // 2, PDL=False)
+                 DOT_F32=False, ROPE=False, HALF=D // 2)
     split_types = dict(Q=ty, K=ty, V=ty, Out=ty, Count="*i32", Start="*i64", End="*i64", qk_scale="fp32",
                        Knew=ty, Vnew=ty, Cos=ty, Sin=ty)
     kernels = [
         (da._split_kernel, dict(split, FUSED=True), split_types, num_stages),
         (da._split_kernel, dict(split, FUSED=True, ROPE=True), split_types, num_stages),  # rope_attention
-        (da._split_kernel, dict(split, FUSED=True, ROPE=True, PDL=True), split_types, num_stages),
         (da._split_kernel, dict(split, FUSED=False), split_types, num_stages),
-        (da._merge_kernel, dict(HQ=8 * G, D=D, NUM_SPLITS=66, FOLD=False, BLOCK_S=128, TILE_S=16, BLOCK_N=block_n,
+        (merge._merge_kernel, dict(HQ=8 * G, D=D, NUM_SPLITS=66, BLOCK_S=128, TILE_S=16, BLOCK_N=block_n,
                                 BLOCK_D=triton.next_power_of_2(D), START_T=False, END_T=True),
          dict(Out=ty, Start="*i64", End="*i64"), 1),
     ]
@@ -438,13 +499,8 @@ def test_kernel_compiles_for_hopper(dtype, D, G):
                 "a CTA barrier must separate the partial stores from the arrival"
             )
             assert re.search(r"atom\.global\.gpu\.\w+\.exch", ptx[arrive.end():]), "the counter reset"
-            # PDL: the grid-dependency wait comes before any global access; without it, no wait
-            if consts.get("PDL"):
-                first = min(ptx.index(op) for op in ("ld.global", "cp.async") if op in ptx)
-                assert "griddepcontrol.wait" in ptx and ptx.index("griddepcontrol.wait") < first
-                assert "griddepcontrol.launch_dependents" in ptx
-            else:
-                assert "griddepcontrol" not in ptx, "without PDL the kernel must not wait on a grid dependency"
+            # launched plainly (docs/kernels/decode_attention.md#pdl): no wait on a grid dependency
+            assert "griddepcontrol" not in ptx, "the split kernel must not wait on a grid dependency"
 
 
 # ---- CUDA -----------------------------------------------------------------------------------
@@ -466,18 +522,15 @@ def test_kernel_on_cuda(length, G, D, dtype):
 
 @gpu
 @pytest.mark.parametrize("fused", [True, False])
-def test_fold_tail_on_cuda(fused, monkeypatch):
-    """FOLD_TAIL at the step's shape (8 KV heads, G=4, D=128, a 2112-key allocation: 17 splits)
+def test_fold_tail_on_cuda(fused):
+    """The fold at the step's shape (8 KV heads, G=4, D=128, a 2112-key allocation: 17 splits)
     for lengths whose tail folds (2049, 2080) and does not (2112), against float64."""
-    from sparsedecode.kernels import decode_attention as da
-
-    monkeypatch.setattr(da, "FOLD_TAIL", True)
     q, k, v = make(1, 8, 4, 2112, 128, torch.bfloat16, device="cuda", seed=2)
     fails = []
     for length in (2049, 2080, 2112):
         end = torch.tensor([length], device="cuda")
         out, lse = split_k_attention(q, k, v, end, fused_merge=fused)
-        fails += check(out, lse, q, k, v, 0, end, f"FOLD_TAIL cuda len={length} fused={fused}")
+        fails += check(out, lse, q, k, v, 0, end, f"fold cuda len={length} fused={fused}")
     assert not fails, "\n".join(fails)
 
 
@@ -553,8 +606,8 @@ def test_graph_replays_reuse_the_counters(fused):
 @gpu
 def test_pdl_chain_between_sparse_gemvs_in_a_graph(monkeypatch):
     """The decode step's order, attention then a projection of its output then attention of that,
-    with the attention and the sparse GEMVs launched as programmatic dependents (each waits for
-    the kernel before it) and captured in a graph: what the same chain gives without PDL."""
+    with the sparse GEMVs launched as programmatic dependents (each waits for the kernel before
+    it) after the plainly launched attention, captured in a graph: what the chain gives without."""
     from sparsedecode.kernels import decode_attention as da
     from sparsedecode.kernels import sparse_gemv as sg
 
@@ -568,10 +621,8 @@ def test_pdl_chain_between_sparse_gemvs_in_a_graph(monkeypatch):
             h = sg.sparse_gemv(out.view(1, 4096), w, thr, ws=ws) * 4.0
         return h
 
-    monkeypatch.setattr(da, "PDL", False)  # the reference chain: plain launches (sparse_gemv.PDL is the default)
-    monkeypatch.setattr(sg, "PDL", False)
+    monkeypatch.setattr(sg, "PDL", False)  # the reference chain: plain launches (sparse_gemv.PDL is the default)
     want = chain(q.view(1, 4096))
-    monkeypatch.setattr(da, "PDL", True)
     monkeypatch.setattr(sg, "PDL", True)
     chain(q.view(1, 4096))  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -2,7 +2,7 @@
 the reference against apply_rope and index_copy_, the Triton kernel against the reference under
 TRITON_INTERPRET=1 (odd head dims, two sequences, a position read on the device) and on CUDA
 (also inside torch.compile, where the cache write must be seen by the read after it). The same
-for `kernels.decode_attention.rope_attention`, which adds the split-K attention to the launch."""
+for `kernels.rope_attention`, which adds the split-K attention to the launch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from interpreted import run_interpreted
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.decode_attention import rope_attention, rope_attention_ref
+from sparsedecode.kernels.rope_attention import rope_attention, rope_attention_ref
 from sparsedecode.kernels.rope_cache import rope_cache, rope_cache_ref
 from sparsedecode.models.rope import apply_rope
 

@@ -20,9 +20,11 @@ Design points:
   chunk = BLOCK_N * ceil(ceil(len / NUM_SPLITS) / BLOCK_N), so every active
   program gets an equal share however short the valid range is within a large
   allocation; the first n_active = ceil(len / chunk) splits are active (one
-  fewer when the last would hold less than one block of keys: FOLD_TAIL gives
-  those to the split before it) and the rest exit at once (n_active is 0 for
-  an empty range).
+  fewer when the last would hold less than one block of keys: the split before
+  it takes those) and the rest exit at once (n_active is 0 for an empty range).
+  The split count comes from the `AttentionOptions` the caller passes (the
+  attention layer's `kernel_options`), unpacked into the custom op's plain
+  ints, so a compiled or captured step bakes in the options it was given.
 - The merge is fused into the split kernel, one launch per call: a second
   merge launch costs ~4 us per layer on an H200 (0.13 ms per decode step at
   2K). Each active program writes its partial and LSE to a workspace,
@@ -33,14 +35,17 @@ Design points:
   zero, so there is no memset per call and a captured graph replays as is.
   Inactive programs never arrive; a call with one active split writes its
   output directly, and an empty range is written (0, -inf) by split 0. The
-  two-launch path (split kernel, then `_merge_kernel`) stays behind
-  `fused_merge=False` for comparison.
+  two-launch path (split kernel, then `split_k_merge._merge_kernel`) stays
+  behind `fused_merge=False` for comparison.
+- `rope_attention` (kernels/rope_attention.py) runs the same kernel with RoPE
+  and the cache write of the step's token in it (the ROPE constexpr).
 - `start` lets a window read its recent entries in place from an offset and its
   sinks in a second call, the two merged by `merge_lse` (App. A) with no copy.
 - An empty range gives output 0 and LSE -inf, never NaN.
 
 `split_k_ref` is the same chunking and merge in plain PyTorch: the CPU path of
-the engine and the oracle of the tests.
+the engine and the oracle of the tests. Choices measured and their records:
+docs/kernels/decode_attention.md.
 """
 
 from __future__ import annotations
@@ -53,54 +58,31 @@ import torch
 from torch import Tensor
 
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.rope_cache import _check as check_rope
-from sparsedecode.kernels.rope_cache import rope_cache_ref
+from sparsedecode.kernels.options import DEFAULT, AttentionOptions
+from sparsedecode.kernels.split_k_merge import (
+    _active_splits,
+    _chunk_len,
+    _merge,
+    _merge_blocks,
+    merge_lse,
+)
 
 try:
     import triton
     import triton.language as tl
+
+    from sparsedecode.kernels.split_k_merge import (
+        _merge_group,
+        _merge_kernel,
+        _splits_of,
+        _store_out,
+        _valid_range,
+    )
 except ImportError:
     triton = None
 
 BLOCK_N = 64  # keys per inner iteration: 16 KB of K and of V per tile at D=128 in bf16
 MAX_SPLITS = 128  # the merge holds all split LSEs of a head in one vector
-# Elements of one (heads, splits, D) tile of partials in the fused merge (64 fp32 per thread
-# at 4 warps): the merge runs on the tail of the kernel, so it reads a 33-split group in few
-# serial steps. An sm_90 compile at the Llama shape (G=4, D=128, bf16) takes 128 registers
-# with the merge against 80 without, within the 170 that three resident programs allow, and
-# shared memory (~70 KB each) already caps an SM at three.
-MERGE_TILE = 8192
-# Target programs per SM at full length. Measured on an H200 (benchmarks/attention_bench.py
-# --sweep, Llama-3.1-8B layer shape, bf16): 2 per SM, i.e. 33 splits x 8 KV heads = 264
-# programs on 132 SMs, read a 128K cache at 4.15 TB/s against 3.82 TB/s for 6 per SM (99
-# splits) and 4.11 TB/s for 3 per SM; one even wave with long chunks beats more, shorter
-# ones whose tail and merge cost more than the extra loads in flight gain.
-PROGRAMS_PER_SM = 2
-# Fewest keys a split covers at full allocation: at short contexts fewer, longer splits leave the
-# fused merge fewer partials to read. On the H200 at 2K (allocation 2112, 8 KV heads) 17 splits
-# took 8.4 us a call against 9.3-9.4 us for 33 and 9, and 11.9-15.5 us for 5 and 3 (records
-# h200/sparse_gemv_20261130T1525Z_attn_splits/attn); long allocations keep PROGRAMS_PER_SM's
-# count (33 at 128K). `proj_decode_h200.py --attn-min-split-keys` overrides it for timing.
-MIN_SPLIT_KEYS: int | None = 128
-# True: a last split that would hold fewer than BLOCK_N keys (less than one block) is folded into
-# the one before it, which then reads to the end of the range, one partial block more. At the
-# step's 2049-key range (2K prompt, one decode token) the 17 splits of a 2112-key allocation have
-# 128-key chunks and the 17th holds one key, so 136 programs run on 132 SMs and the fused merge
-# reads its 17 partials in two tiles of 16; folded, 128 programs and one tile, the last split
-# reading 129 keys. On the H200 the split kernel took
-# 322.4 and 321.7 us a step against 326.1 and 330.3 without, and the step read 91.7% and 92.0% of
-# its byte bound against 91.3% and 91.8% (records h200/sparse_gemv_20261130T2334Z_attn_fold).
-# `proj_decode_h200.py --no-attn-fold-tail` turns it off for timing.
-FOLD_TAIL = True
-# Programmatic dependent launch (Hopper and later), as `sparse_gemv.PDL`: the split kernel may
-# launch while the kernel before it (the q|k|v projection in the decode step) drains, its programs
-# waiting at the top (`gdc_wait`) until that kernel's writes are visible, and it lets the kernel
-# after it (the o projection) launch at once. Off: in the llama-3.1-8b decode step at keep 0.5 and
-# 2K it made the sparse step slower in two runs each, 2.925 and 2.926 ms against 2.912 and 2.915 with
-# the sparse GEMVs launched plainly, 2.938 and 2.940 against 2.837 and 2.840 with them launched so
-# too, while the dense step ran 5.203 and 5.200 ms against 5.231 and 5.229 (records
-# h200/sparse_gemv_20261201T0625Z_pdl, `--attn-pdl`).
-PDL = False
 CPU_SPLITS = 1  # eager PyTorch gains no parallelism from splits; tests ask for more
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -134,35 +116,31 @@ def check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int,
     return B, Hq, Hkv, Hq // Hkv, T, D
 
 
-def _chunk_len(length, num_splits: int, block_n: int):
-    """Keys per split for a valid length (int or tensor): BLOCK_N-aligned equal shares, 0 if empty."""
-    per = (length + num_splits - 1) // num_splits
-    return (per + block_n - 1) // block_n * block_n
+def default_num_splits(T: int, batch_heads: int, device: torch.device, block_n: int = BLOCK_N,
+                       options: AttentionOptions = DEFAULT.attention) -> int:
+    """Static split count: options.programs_per_sm programs per SM at full length (on CUDA;
+    CPU_SPLITS elsewhere), each split covering at least options.min_split_keys of the T keys.
 
-
-def _active_splits(length: Tensor, chunk: Tensor, block_n: int, fold: bool) -> Tensor:
-    """Splits that read keys for a valid length (tensors): ceil(length / chunk), one fewer when
-    FOLD_TAIL folds a last split of fewer than block_n keys into the one before it."""
-    c = chunk.clamp_min(1)
-    n = (length + c - 1) // c
-    if fold:
-        n = n - ((n > 1) & (length - (n - 1) * chunk < block_n)).to(n.dtype)
-    return n
-
-
-def default_num_splits(T: int, batch_heads: int, device: torch.device, block_n: int = BLOCK_N) -> int:
-    """Static split count: enough programs to fill the GPU a few times over at full length.
-
-    Depends only on the allocation T, batch*KV heads and the SM count, never on the
-    runtime length, so the grid of a captured call is fixed.
+    Depends only on the allocation T, batch*KV heads, the SM count and the options, never on
+    the runtime length, so the grid of a captured call is fixed. Why these defaults:
+    docs/kernels/decode_attention.md#split-count and #min-split-keys.
     """
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        target = PROGRAMS_PER_SM * _sm_count(index)
-        splits = -(-target // batch_heads)
-    else:
-        splits = CPU_SPLITS
-    return max(1, min(splits, -(-T // max(block_n, MIN_SPLIT_KEYS or 0)), MAX_SPLITS))
+    return _num_splits(T, batch_heads, _device_sms(device), block_n, options.programs_per_sm,
+                       options.min_split_keys or 0)
+
+
+def _num_splits(T: int, batch_heads: int, sms: int | None, block_n: int, programs_per_sm: int,
+                min_split_keys: int) -> int:
+    """`default_num_splits` on plain ints (what the custom ops receive; min_split_keys 0: none)."""
+    splits = CPU_SPLITS if sms is None else -(-programs_per_sm * sms // batch_heads)
+    return max(1, min(splits, -(-T // max(block_n, min_split_keys)), MAX_SPLITS))
+
+
+def _device_sms(device: torch.device) -> int | None:
+    """The SM count of a CUDA device; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -186,46 +164,21 @@ def _bound(x, B: int, device: torch.device, name: str, dtype: torch.dtype | None
     return torch.tensor([int(x)], device=device, dtype=dtype or torch.int64)
 
 
-def _merge(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge normalised partials o (..., S, D) with their LSEs (..., S) along S.
-
-    Returns (..., D) float32 and (...,) float32; all -inf gives 0 and -inf, never NaN.
-    """
-    m = lse.amax(-1, keepdim=True)  # (..., 1)
-    m = m.masked_fill(torch.isinf(m), 0.0)
-    w = torch.exp(lse - m)  # (..., S), 0 for empty splits
-    total = w.sum(-1, keepdim=True)  # (..., 1), >= 1 unless every split is empty
-    out = torch.matmul(w.unsqueeze(-2), o).squeeze(-2) / total.clamp_min(1.0)  # (..., D)
-    return out, (m + torch.log(total)).squeeze(-1)  # log(0) = -inf for an empty range
-
-
-def merge_lse(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Combine attention over disjoint ranges into attention over their union (App. A).
-
-    outs: list of (B, Hq, D) outputs, lses: list of (B, Hq) float32 natural-log LSEs of
-    the scaled scores. Returns ((B, Hq, D) in the dtype of outs[0], (B, Hq) float32).
-    A range that was empty (lse -inf) contributes nothing.
-    """
-    if len(outs) != len(lses) or not outs:
-        raise InputError("merge_lse needs one lse per output and at least one output")
-    o = torch.stack([x.float() for x in outs], dim=-2)  # (B, Hq, n, D)
-    lse = torch.stack([x.float() for x in lses], dim=-1)  # (B, Hq, n)
-    out, lse_out = _merge(o, lse)
-    return out.to(outs[0].dtype), lse_out
-
-
 def split_k_ref(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, end, start=0, scale: float | None = None,
     num_splits: int | None = None, block_n: int = BLOCK_N, *, end_offset: int = 0,
+    options: AttentionOptions = DEFAULT.attention,
 ) -> tuple[Tensor, Tensor]:
     """Split-K attention in plain PyTorch: the kernel's chunking and LSE merge, in float32.
 
     q (B, Hq, D); caches (B, Hkv, T, D); reads [start, end + end_offset) per row, bounds
     being ints or 0-d/(B,) integer tensors (clamped to [0, T]; no host sync). Returns
     (out (B, Hq, D) in q's dtype, lse (B, Hq) float32, natural log of the scaled scores).
+    The split count is num_splits, or `default_num_splits` under `options`.
     """
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
-    S = num_splits or default_num_splits(T, B * Hkv, q.device, block_n)
+    _check_options(options)
+    S = num_splits or default_num_splits(T, B * Hkv, q.device, block_n, options)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
     lo = _bound(start, B, dev, "start").clamp(0, T).view(-1, 1, 1)  # (B|1, 1, 1)
@@ -236,7 +189,7 @@ def split_k_ref(
     else:
         length = (hi - lo).clamp_min(0)
         chunk = _chunk_len(length, S, block_n)  # (B|1, 1, 1), as the kernel derives it
-        n_active = _active_splits(length, chunk, block_n, FOLD_TAIL)  # (B|1, 1, 1)
+        n_active = _active_splits(length, chunk, block_n)  # (B|1, 1, 1)
         split = torch.arange(S, device=dev).view(1, S, 1)
         first = lo + split * chunk  # (B|1, S, 1)
         last = torch.where(split == n_active - 1, hi, torch.minimum(first + chunk, hi))  # the last reads to hi
@@ -293,81 +246,6 @@ def _cached_counters(n: int, device: torch.device) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int, T,
-                     START_T: tl.constexpr, END_T: tl.constexpr):
-        """[lo, hi) of row b clamped to [0, T]: from the bound tensors or the ints (with a
-        tensor end, end_int is added to it)."""
-        if START_T:
-            lo = tl.load(Start + b * stride_start).to(tl.int32)
-        else:
-            lo = start_int
-        if END_T:  # end_int is then an offset added to the loaded bound (a position + 1)
-            hi = tl.load(End + b * stride_end).to(tl.int32) + end_int
-        else:
-            hi = end_int
-        return tl.maximum(lo, 0), tl.minimum(hi, T)
-
-    @triton.jit
-    def _store_out(Out, Lse, b64, heads, offs_d, out, lse, mask_g, mask_d, stride_ob, stride_oh,
-                   HQ: tl.constexpr):
-        """Final output rows (BLOCK, BLOCK_D) and LSEs (BLOCK,) of query heads `heads` of row b."""
-        ptrs = Out + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-        tl.store(Lse + b64 * HQ + heads, lse, mask=mask_g)
-
-    @triton.jit
-    def _splits_of(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr):
-        """(chunk, n_active) of a valid length, as `_chunk_len` and `_active_splits` derive them:
-        split s < n_active reads [s * chunk, (s + 1) * chunk), the last one to the end."""
-        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        n_active = tl.cdiv(length, tl.maximum(chunk, 1))
-        if FOLD:
-            n_active = tl.where((n_active > 1) & (length - (n_active - 1) * chunk < BLOCK_N), n_active - 1, n_active)
-        return chunk, n_active
-
-    @triton.jit
-    def _merge_group(
-        O_part, L_part, Out, Lse, b64, h, n_active, stride_ob, stride_oh,
-        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        BLOCK_GM: tl.constexpr, TILE_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
-        """LSE merge of the n_active partials of the G query heads of KV head h of row b.
-
-        Online over tiles of TILE_S partials: a tile's LSEs and outputs are loaded together and
-        the running sums rescaled to the running max, so the merge makes one trip to L2 per tile
-        where a first pass over the LSEs for their max cost one more on the critical path."""
-        offs_g = tl.arange(0, BLOCK_GM)
-        mask_g = offs_g < G
-        heads = h * G + offs_g  # (BLOCK_GM,)
-        rows = (b64 * HKV * G + heads) * NUM_SPLITS  # (BLOCK_GM,) first partial of each head
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        m = tl.full([BLOCK_GM], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_GM], tl.float32)
-        acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
-        for s0 in range(0, n_active, TILE_S):
-            offs_t = s0 + tl.arange(0, TILE_S)
-            mask_t = mask_g[:, None] & (offs_t < n_active)[None, :]  # (BLOCK_GM, TILE_S)
-            idx = rows[:, None] + offs_t[None, :]
-            # Partials of other programs are read at L2 (.cg): they were written on other SMs.
-            lse_t = tl.load(L_part + idx, mask=mask_t, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(O_part + idx[:, :, None] * D + offs_d[None, None, :],
-                        mask=mask_t[:, :, None] & mask_d[None, None, :], other=0.0,
-                        cache_modifier=".cg")  # (BLOCK_GM, TILE_S, BLOCK_D)
-            m_new = tl.maximum(m, tl.max(lse_t, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
-            scale = tl.exp(m - m_ref)  # 0 on the first tile
-            w = tl.exp(lse_t - m_ref[:, None])  # (BLOCK_GM, TILE_S), 0 off the active splits
-            total = total * scale + tl.sum(w, 1)
-            acc = acc * scale[:, None] + tl.sum(w[:, :, None] * o, 1)
-            m = m_new
-        m = tl.where(m == float("-inf"), 0.0, m)
-        safe = tl.where(total > 0, total, 1.0)
-        lse = tl.where(total > 0, m + tl.log(safe), float("-inf"))
-        _store_out(Out, Lse, b64, heads, offs_d, acc / safe[:, None], lse, mask_g, mask_d,
-                   stride_ob, stride_oh, HKV * G)
-
-    @triton.jit
     def _rope(x, x_p, c, sn, sign, one):
         """RoPE of the rows x (their rotate_half partners x_p) by the table tiles c, sn (sign: -1 on
         the first half), each times `one` (1.0): float32, rounded once to x's dtype, as `rope_cache`
@@ -381,22 +259,18 @@ if triton is not None:
         start_int, end_int, T, qk_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_ob, stride_oh, stride_start, stride_end,
-        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, FOLD: tl.constexpr,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, TILE_S: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         Knew, Vnew, Cos, Sin, stride_knb, stride_vnb, zero, ROPE: tl.constexpr, HALF: tl.constexpr,
-        PDL: tl.constexpr = False,
     ):
         # Scores use tl.dot with the G query heads padded to BLOCK_G >= 16 rows. The
         # alternative, a broadcast multiply + sum, materialises G*BLOCK_N*D products in
         # registers and forces tiny tiles or spills; the tensor-core dot wastes only
         # arithmetic on the padding rows, and the tensor cores idle in memory-bound
-        # decode anyway, so the loads (16-byte vectors along D) set the pace.
-        if PDL:  # a programmatic dependent: every memory access waits for the kernel before; the
-            # next kernel may launch now (its programs wait likewise for this one to finish)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        # decode anyway, so the loads (16-byte vectors along D) set the pace. Launched plainly,
+        # never as a programmatic dependent (docs/kernels/decode_attention.md#pdl).
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
         b = pid_bh // HKV
@@ -404,7 +278,7 @@ if triton is not None:
         lo_all, hi_all = _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int,
                                       T, START_T, END_T)
         length = tl.maximum(hi_all - lo_all, 0)
-        chunk, n_active = _splits_of(length, NUM_SPLITS, BLOCK_N, FOLD)  # split s is active iff s < n_active
+        chunk, n_active = _splits_of(length, NUM_SPLITS, BLOCK_N)  # split s is active iff s < n_active
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         heads = h * G + offs_g  # (BLOCK_G,)
@@ -532,45 +406,6 @@ if triton is not None:
                            tl.full([BLOCK_G], float("-inf"), tl.float32), mask_g, mask_d,
                            stride_ob, stride_oh, HKV * G)
 
-    @triton.jit(do_not_specialize=["start_int", "end_int"])
-    def _merge_kernel(
-        O_part, L_part, Out, Lse, Start, End,
-        start_int, end_int, T, stride_ob, stride_oh,
-        stride_start, stride_end,
-        HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, FOLD: tl.constexpr, BLOCK_S: tl.constexpr,
-        TILE_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        START_T: tl.constexpr, END_T: tl.constexpr,
-    ):
-        # The second launch of the two-kernel path (fused_merge=False): one program per query head.
-        pid = tl.program_id(0)  # b * HQ + query head
-        b = pid // HQ
-        hq = pid % HQ
-        lo_all, hi_all = _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int,
-                                      T, START_T, END_T)
-        length = tl.maximum(hi_all - lo_all, 0)
-        chunk, n_active = _splits_of(length, NUM_SPLITS, BLOCK_N, FOLD)  # splits past n_active never wrote
-        base = pid.to(tl.int64) * NUM_SPLITS
-        offs_s = tl.arange(0, BLOCK_S)
-        lse_s = tl.load(L_part + base + offs_s, mask=offs_s < n_active, other=float("-inf"))
-        m = tl.max(lse_s, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.sum(tl.exp(lse_s - m), 0)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, n_active, TILE_S):
-            offs = s0 + tl.arange(0, TILE_S)
-            mask_t = offs < n_active
-            w = tl.exp(tl.load(L_part + base + offs, mask=mask_t, other=float("-inf")) - m)  # (TILE_S,)
-            o = tl.load(O_part + (base + offs)[:, None] * D + offs_d[None, :],
-                        mask=mask_t[:, None] & mask_d[None, :], other=0.0)  # (TILE_S, BLOCK_D)
-            acc += tl.sum(w[:, None] * o, 0)
-        out = acc / tl.where(total > 0, total, 1.0)
-        lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-        out_ptrs = Out + b.to(tl.int64) * stride_ob + hq * stride_oh + offs_d
-        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask_d)
-        tl.store(Lse + pid, lse)
-
 
 def _kernel_config(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel.
@@ -585,29 +420,25 @@ def _kernel_config(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return BLOCK_N, 4, 3
 
 
-def _merge_blocks(G: int, D: int, num_splits: int) -> tuple[int, int, int]:
-    """(BLOCK_GM, BLOCK_S, TILE_S) of the fused merge: a tile of partials is <= MERGE_TILE floats."""
-    block_gm = triton.next_power_of_2(G)
-    block_s = max(16, triton.next_power_of_2(num_splits))
-    tile_s = max(1, min(block_s, MERGE_TILE // (block_gm * max(16, triton.next_power_of_2(D)))))
-    return block_gm, block_s, tile_s
-
 
 def _launch(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, start_t: Tensor | None, end_t: Tensor | None,
     counters: Tensor | None, start_int: int, end_int: int, scale: float, num_splits: int,
-    block_n: int, num_warps: int, num_stages: int, fused_merge: bool, rope: tuple | None = None,
+    block_n: int, num_warps: int, num_stages: int, fused_merge: bool, programs_per_sm: int,
+    min_split_keys: int, rope: tuple | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The split kernel (and the merge kernel unless fused_merge); rope = (k_new, v_new, cos, sin)
     for `rope_attention` (q then holds the unrotated (B, Hq * D) queries)."""
-    # The host-side choices below (split count from the SM count, tile config; 0 = default)
-    # run eagerly at trace and capture time and are static for a given shape.
+    # The host-side choices below (split count from the SM count and the unpacked
+    # AttentionOptions, tile config; 0 = default) run eagerly at trace and capture time and are
+    # static for a given shape.
     B, Hkv, T, D = k_cache.shape
     Hq = q.shape[1] if rope is None else q.shape[1] // D
     G = Hq // Hkv
     if not block_n:
         block_n, num_warps, num_stages = _kernel_config(D, q.dtype)
-    num_splits = num_splits or default_num_splits(T, B * Hkv, q.device, block_n)
+    num_splits = num_splits or _num_splits(T, B * Hkv, _device_sms(q.device), block_n, programs_per_sm,
+                                           min_split_keys)
     o_part = torch.empty((B, Hq, num_splits, D), device=q.device, dtype=torch.float32)
     l_part = torch.empty((B, Hq, num_splits), device=q.device, dtype=torch.float32)
     out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
@@ -627,25 +458,23 @@ def _launch(
     flags = dict(START_T=start_t is not None, END_T=end_t is not None)
     block_gm, block_s, tile_s = _merge_blocks(G, D, num_splits)
     k_new, v_new, cos, sin = rope if rope is not None else (q, q, q, q)
-    pdl = PDL and q.is_cuda and not _interpreting()
     _split_kernel[(B * Hkv, num_splits)](
         q, k_cache, v_cache, o_part, l_part, out, lse, counters if fused_merge else l_part,
         *bounds, scale * LOG2E,
         q.stride(0), D if rope is not None else q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), *strides,
-        HKV=Hkv, G=G, D=D, NUM_SPLITS=num_splits, FOLD=FOLD_TAIL, BLOCK_G=max(16, triton.next_power_of_2(G)),
+        HKV=Hkv, G=G, D=D, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_N=block_n, BLOCK_D=block_d,
         FUSED=fused_merge, BLOCK_GM=block_gm, TILE_S=tile_s,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
         Knew=k_new, Vnew=v_new, Cos=cos, Sin=sin, stride_knb=k_new.stride(0), stride_vnb=v_new.stride(0), zero=0,
-        ROPE=rope is not None, HALF=D // 2, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **flags, **({"launch_pdl": True} if pdl else {}),
+        ROPE=rope is not None, HALF=D // 2, num_warps=num_warps, num_stages=num_stages, **flags,
     )
     if not fused_merge:
         _merge_kernel[(B * Hq,)](
             o_part, l_part, out, lse, *bounds, out.stride(0), out.stride(1), *strides,
-            HQ=Hq, D=D, NUM_SPLITS=num_splits, FOLD=FOLD_TAIL, BLOCK_S=block_s,
+            HQ=Hq, D=D, NUM_SPLITS=num_splits, BLOCK_S=block_s,
             TILE_S=16, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, **flags,
         )
     return out, lse
@@ -655,13 +484,14 @@ def _launch(
 def _split_k_op(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, start_t: Tensor | None, end_t: Tensor | None,
     counters: Tensor | None, start_int: int, end_int: int, scale: float, num_splits: int,
-    block_n: int, num_warps: int, num_stages: int, fused_merge: bool,
+    block_n: int, num_warps: int, num_stages: int, fused_merge: bool, programs_per_sm: int,
+    min_split_keys: int,
 ) -> tuple[Tensor, Tensor]:
     # Opaque to torch.compile (as the paper wraps flash_attn_with_kvcache, App. A). Declared
     # pure although the fused path writes the counters: it leaves them at zero before it
     # exits, so no caller can observe the writes (as in sparse_gemv).
     return _launch(q, k_cache, v_cache, start_t, end_t, counters, start_int, end_int, scale, num_splits,
-                   block_n, num_warps, num_stages, fused_merge)
+                   block_n, num_warps, num_stages, fused_merge, programs_per_sm, min_split_keys)
 
 
 @_split_k_op.register_fake
@@ -669,24 +499,15 @@ def _(q, k_cache, v_cache, start_t, end_t, counters, start_int, end_int, scale, 
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-@torch.library.custom_op("sparsedecode::rope_split_k_decode", mutates_args=("k_cache", "v_cache"))
-def _rope_split_k_op(
-    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-    scale: float, num_splits: int, block_n: int, num_warps: int, num_stages: int,
-) -> tuple[Tensor, Tensor]:
-    # `rope_attention`: writes the new entry at pos into the caches (declared), reads [0, pos + 1).
-    return _launch(q, k_cache, v_cache, None, pos, None, 0, 1, scale, num_splits, block_n, num_warps,
-                   num_stages, True, rope=(k, v, cos, sin))
+def _check_options(options) -> None:
+    if not isinstance(options, AttentionOptions):
+        raise InputError(f"options must be a kernels.options.AttentionOptions; got {type(options).__name__}")
 
 
-@_rope_split_k_op.register_fake
-def _(q, k, v, cos, sin, pos, k_cache, v_cache, *rest):
-    B, D = q.shape[0], k_cache.shape[-1]
-    return q.new_empty(B, q.shape[1] // D, D), q.new_empty(B, q.shape[1] // D, dtype=torch.float32)
-
-
-def _check_kernel_args(D: int, num_splits: int | None) -> None:
-    """The head dims and split counts the split kernel takes (`split_k_attention`, `rope_attention`)."""
+def _check_kernel_args(D: int, num_splits: int | None, options) -> None:
+    """The head dims, split counts and options the split kernel takes (`split_k_attention`,
+    `rope_attention`)."""
+    _check_options(options)
     if D > MAX_HEAD_DIM or D < 8:
         raise InputError(f"head dim {D} is not supported by the split_k kernel (8..{MAX_HEAD_DIM})")
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
@@ -697,6 +518,7 @@ def split_k_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, end, start=0, scale: float | None = None,
     num_splits: int | None = None, config: tuple[int, int, int] | None = None, *,
     fused_merge: bool = True, counters: Tensor | None = None, end_offset: int = 0,
+    options: AttentionOptions = DEFAULT.attention,
 ) -> tuple[Tensor, Tensor]:
     """Split-K decode attention with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -714,12 +536,13 @@ def split_k_attention(
     `end_offset` moves the end to end + end_offset, added in the kernel as it loads a tensor
     end: a decode step passes its position with offset 1 rather than a tensor pos + 1, which
     torch.compile forms by a kernel of its own before every opaque attention call (one launch
-    per layer; records h200/sparse_gemv_20261130T1938Z_fused_gemv/step).
+    per layer; records h200/sparse_gemv_20261130T1938Z_fused_gemv/step). `options` sets the
+    default split count (`default_num_splits`); the op receives it as plain ints.
     """
     if triton is None:
         raise InputError("the split_k kernel needs Triton: pip install triton (or use split_k_ref on CPU)")
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
-    _check_kernel_args(D, num_splits)
+    _check_kernel_args(D, num_splits, options)
     if counters is not None and (
         counters.dtype != torch.int32 or counters.device != q.device
         or counters.dim() != 1 or counters.numel() < B * Hkv or counters.stride(0) != 1
@@ -751,47 +574,8 @@ def split_k_attention(
     end_int += int(end_offset)  # the kernel adds it to a tensor end
     return _split_k_op(q, k_cache, v_cache, start_t, end_t, counters if fused_merge else None,
                        start_int, end_int, float(scale), num_splits or 0, block_n, num_warps,
-                       num_stages, bool(fused_merge))
+                       num_stages, bool(fused_merge), options.programs_per_sm, options.min_split_keys or 0)
 
 
-# True: the decoder's one-token step on the plain cache with the split_k backend runs `rope_attention`
-# (RoPE, the cache write and the attention in one launch) where it ran `rope_cache` and then split_k.
-ROPE_IN_ATTENTION = True
 
-
-def rope_attention_ref(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,
-                       v_cache: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
-    """`rope_attention` in plain PyTorch: `rope_cache_ref`, then `split_k_ref` over [0, pos + 1)."""
-    q_rot = rope_cache_ref(q, k, v, cos, sin, pos, k_cache, v_cache)  # (B, Hq, D); the caches hold the entry
-    return split_k_ref(q_rot, k_cache, v_cache, pos, scale=scale, end_offset=1)
-
-
-def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,
-                   v_cache: Tensor, scale: float | None = None, num_splits: int | None = None,
-                   config: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor]:
-    """One decode token per sequence, RoPE to attention output in one launch (ByteCross §4.1: the
-    step's fixed costs): q (B, Hq * D) and k (B, Hkv * D) as the projection left them are rotated
-    by the angles of position pos (a 1-element integer tensor, read on the device) in the tables
-    cos, sin (T, D) of `models.rope.rope_tables`; the rotated k and v (B, Hkv * D) go to position
-    pos of k_cache, v_cache (B, Hkv, T, D), and the rotated queries attend over [0, pos + 1).
-
-    Where `rope_cache` and then `split_k_attention` take two launches and a trip of the rotated
-    queries through memory, here each split program rotates its query heads itself, and the one
-    program whose chunk holds pos leaves that cache row (the last step's) out of its loop, adds
-    the new entry to its softmax after the loop and stores the entry (no program of the launch
-    reads pos from memory). The rotation is
-    `rope_cache`'s: float32, rounded once to the cache dtype. Returns (out (B, Hq, D), lse (B, Hq)
-    float32) as `split_k_attention` does. CUDA, or CPU under TRITON_INTERPRET=1;
-    `rope_attention_ref` elsewhere.
-    """
-    B, Hq, Hkv, D = check_rope(q, k, v, cos, sin, pos, k_cache, v_cache)
-    if Hq % Hkv:
-        raise InputError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
-    _check_kernel_args(D, num_splits)
-    if triton is None or not (q.is_cuda or _interpreting()):
-        raise InputError("the rope_attention kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1) with Triton; "
-                         "use rope_attention_ref")
-    block_n, num_warps, num_stages = config or (0, 0, 0)
-    scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    return _rope_split_k_op(q, k, v, cos, sin, pos.reshape(1), k_cache, v_cache, float(scale), num_splits or 0,
-                            block_n, num_warps, num_stages)
+__all__ = ["arrival_counters", "check_inputs", "default_num_splits", "merge_lse", "split_k_attention", "split_k_ref"]

@@ -32,13 +32,12 @@ try:
 except ImportError:
     triton = None
 
-ENABLED = True  # the decoder's one-token step uses `rope_cache` where it can (see `usable`)
-
 
 def usable(x: Tensor) -> bool:
-    """Whether a decode step on x's device runs the kernel: ENABLED, Triton installed, and CUDA
-    (or TRITON_INTERPRET=1)."""
-    return ENABLED and triton is not None and (x.is_cuda or _interpreting())
+    """Whether a decode step on x's device runs the one-launch kernels (`rope_cache`,
+    `kernels.rope_attention`): Triton installed, and CUDA (or TRITON_INTERPRET=1). The decoder
+    uses them wherever this holds (docs/kernels/decode_attention.md#rope-cache)."""
+    return triton is not None and (x.is_cuda or _interpreting())
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,

@@ -15,6 +15,8 @@ Backends:
 - split_k: flash-decoding, the KV range split across programs and merged by
   log-sum-exp (kernels/decode_attention.py: our Triton kernel on CUDA, the same
   math in PyTorch on CPU). Capturable with tensor bounds; reads only [start, end).
+  Launched with the `AttentionOptions` passed as `options` (the attention layer's
+  `kernel_options`); the SDPA backends take none.
   An eager CPU step (never captured) reads its bounds on the host and attends over
   the valid entries only, through PyTorch's fused SDPA where no LSE is needed.
 - sdpa_masked: attention over the whole allocated cache with a length mask
@@ -39,6 +41,7 @@ from sparsedecode.kernels.decode_attention import (
     split_k_attention,
     split_k_ref,
 )
+from sparsedecode.kernels.options import DEFAULT, AttentionOptions
 
 __all__ = ["BACKENDS", "decode_attention", "get_backend", "merge_lse", "split_k_lse"]
 
@@ -114,20 +117,22 @@ def _sdpa_slice(q, k_cache, v_cache, s: int, e: int, scale=None) -> Tensor:
     return out.reshape(B, Hq, D)  # from (B, Hkv, G, D)
 
 
-def split_k_lse(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0):
+def split_k_lse(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0, *,
+                options: AttentionOptions = DEFAULT.attention):
     """Split-K attention over [start, end + end_offset) and its log-sum-exp.
 
     Returns (out (B, Hq, D) in q's dtype, lse (B, Hq) float32, natural log of the
     scaled scores; an empty range gives 0 and -inf). The Triton kernel on CUDA,
-    `split_k_ref` elsewhere. Merge calls over disjoint ranges with `merge_lse`.
+    `split_k_ref` elsewhere, launched with `options`. Merge calls over disjoint ranges
+    with `merge_lse`.
     """
     if q.is_cuda:
-        return split_k_attention(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)
+        return split_k_attention(q, k_cache, v_cache, end, start, scale, end_offset=end_offset, options=options)
     valid = _valid_slice(k_cache.shape[2], start, end, end_offset)
     if valid is not None:  # eager CPU: read the valid entries only, not the allocated cache
         lo, hi = valid
-        return split_k_ref(q, k_cache[:, :, lo:hi], v_cache[:, :, lo:hi], hi - lo, 0, scale)
-    return split_k_ref(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)
+        return split_k_ref(q, k_cache[:, :, lo:hi], v_cache[:, :, lo:hi], hi - lo, 0, scale, options=options)
+    return split_k_ref(q, k_cache, v_cache, end, start, scale, end_offset=end_offset, options=options)
 
 
 def _valid_slice(T: int, start, end, end_offset: int) -> tuple[int, int] | None:
@@ -147,12 +152,13 @@ def _valid_slice(T: int, start, end, end_offset: int) -> tuple[int, int] | None:
     return (lo, hi) if hi > lo else None
 
 
-def _split_k(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0):
+def _split_k(q, k_cache, v_cache, end, start=0, scale=None, end_offset: int = 0, *,
+             options: AttentionOptions = DEFAULT.attention):
     if q.is_cuda:
-        return split_k_attention(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)[0]
+        return split_k_attention(q, k_cache, v_cache, end, start, scale, end_offset=end_offset, options=options)[0]
     valid = _valid_slice(k_cache.shape[2], start, end, end_offset)
     if valid is None:
-        return split_k_ref(q, k_cache, v_cache, end, start, scale, end_offset=end_offset)[0]
+        return split_k_ref(q, k_cache, v_cache, end, start, scale, end_offset=end_offset, options=options)[0]
     return _sdpa_slice(q, k_cache, v_cache, *valid, scale)  # eager CPU, output only: no LSE to keep
 
 
@@ -169,15 +175,17 @@ def get_backend(name: str):
         ) from None
 
 
-def decode_attention(q, k_cache, v_cache, end, *, start=0, backend="split_k", scale=None, end_offset: int = 0):
+def decode_attention(q, k_cache, v_cache, end, *, start=0, backend="split_k", scale=None, end_offset: int = 0,
+                     options: AttentionOptions = DEFAULT.attention):
     """Attention of one query per sequence over cache entries [start, end + end_offset).
 
     q: (B, Hq, D); k_cache, v_cache: (B, Hkv, T, D). Returns (B, Hq, D) in q's dtype.
     `scale` defaults to 1/sqrt(D). A decode step passes its position tensor as `end` with
     `end_offset=1`: split_k adds the offset in its kernel, so no kernel forms pos + 1 before
-    each layer's call (the other backends add it here).
+    each layer's call (the other backends add it here). `options` (the attention layer's
+    `kernel_options`) reaches the split_k kernel; the SDPA backends ignore it.
     """
     fn = get_backend(backend)
     if fn is _split_k:
-        return fn(q, k_cache, v_cache, end, start, scale, end_offset)
+        return fn(q, k_cache, v_cache, end, start, scale, end_offset, options=options)
     return fn(q, k_cache, v_cache, end + end_offset if end_offset else end, start, scale)

@@ -14,6 +14,10 @@ tensor, and two paths through each attention layer:
   slices on the host (sdpa_fused) gets the valid length as `host_len`, a Python
   int that torch.compile traces as a dynamic size.
 
+Each attention layer holds the split-K kernel's `AttentionOptions` as `kernel_options`
+(set on every layer by `set_attention_options_`) and passes them down to each call, so a
+compiled or captured step bakes in the options its layers held when it was traced.
+
 Module and parameter names follow Hugging Face's (`layers.N.self_attn.q_proj`
 ...), so a HF state dict loads after dropping its leading 'model.'. The seven
 projections of a layer (q, k, v, o, gate, up, down) stay separate `nn.Linear`
@@ -27,7 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsedecode.kernels import decode_attention as split_k_kernels
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.options import AttentionOptions
+from sparsedecode.kernels.rope_attention import rope_attention
 from sparsedecode.kernels.rope_cache import rope_cache
 from sparsedecode.kernels.rope_cache import usable as rope_cache_usable
 from sparsedecode.kernels.sparse_gemv import sumsq
@@ -116,6 +122,7 @@ class Attention(nn.Module):
         self.observe: list | None = None  # set to a list to collect post-RoPE queries (B, Hq, L, D)
         self.cache: KVCache | None = None
         self.backend = "split_k"
+        self.kernel_options = AttentionOptions()  # the split-K kernel's launch options (set_attention_options_)
 
     def forward(self, x, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None):
         """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start, host_len: see module doc;
@@ -138,11 +145,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if start is None and L == 1 and self.cache.compact is None and tables is not None and rope_cache_usable(q):
-            if (split_k_kernels.ROPE_IN_ATTENTION and self.backend == "split_k" and self.cache.window is None
-                    and host_len is None and self.observe is None):
-                # one launch: RoPE, the cache write and the attention (kernels.decode_attention.rope_attention)
-                y, _ = split_k_kernels.rope_attention(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables,
-                                                      pos, self.cache.k, self.cache.v)
+            if self.backend == "split_k" and self.cache.window is None and host_len is None and self.observe is None:
+                # one launch: RoPE, the cache write and the attention (docs/kernels/decode_attention.md#rope-in-attention)
+                y, _ = rope_attention(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables, pos, self.cache.k,
+                                      self.cache.v, options=self.kernel_options)
                 return y.reshape(B, 1, self.n_heads * self.head_dim)
             # one launch: RoPE of q and k, k and v into the cache (kernels.rope_cache)
             q1 = rope_cache(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables, pos, self.cache.k,
@@ -172,21 +178,21 @@ class Attention(nn.Module):
         The valid length is pos + 1 on the device, or `host_len` where it is given. The
         position goes to the attention with `end_offset=1` rather than as a tensor pos + 1:
         compiled, that tensor is formed by a launch of its own before every layer's call."""
-        cache = self.cache
+        cache, opts = self.cache, self.kernel_options
         if cache.compact is not None:
             ck, cv, offset = cache.compact
             slot = pos - offset  # (1,)
             ck.index_copy_(2, slot, k)
             cv.index_copy_(2, slot, v)
             if host_len is not None:
-                return decode_attention(q, ck, cv, host_len - cache.host_offset, backend=self.backend)
-            return decode_attention(q, ck, cv, slot, backend=self.backend, end_offset=1)
+                return decode_attention(q, ck, cv, host_len - cache.host_offset, backend=self.backend, options=opts)
+            return decode_attention(q, ck, cv, slot, backend=self.backend, end_offset=1, options=opts)
         if cache.window is not None:
             end = pos + 1 if host_len is None else host_len
-            return window_attention(q, cache.k, cache.v, end, *cache.window, backend=self.backend)
+            return window_attention(q, cache.k, cache.v, end, *cache.window, backend=self.backend, options=opts)
         if host_len is not None:
-            return decode_attention(q, cache.k, cache.v, host_len, backend=self.backend)
-        return decode_attention(q, cache.k, cache.v, pos, backend=self.backend, end_offset=1)
+            return decode_attention(q, cache.k, cache.v, host_len, backend=self.backend, options=opts)
+        return decode_attention(q, cache.k, cache.v, pos, backend=self.backend, end_offset=1, options=opts)
 
     def _prefill_attention(self, q, start: int, L: int):
         """SDPA of a chunk's queries (B, Hq, L, D) over cache entries [0, start+L)."""
@@ -333,6 +339,18 @@ class Transformer(nn.Module):
                 yield i, site, layer.mlp
 
 
+def set_attention_options_(model: nn.Module, opts: AttentionOptions) -> int:
+    """Set the split-K kernel's launch options on every attention layer of `model`; returns how
+    many layers were set. A step compiled or captured before keeps the options it was traced
+    with: whoever holds it (the engine's `set_kernels`) drops it."""
+    if not isinstance(opts, AttentionOptions):
+        raise InputError(f"set_attention_options_ takes a kernels.options.AttentionOptions; got {type(opts).__name__}")
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.kernel_options = opts
+    return len(layers)
+
+
 def init_random_(model: Transformer, std: float = 0.02, seed: int | None = 0) -> None:
     """Fill weights in place, on their device: N(0, std) matrices, unit norms, zero biases."""
     gen = None
@@ -348,4 +366,4 @@ def init_random_(model: Transformer, std: float = 0.02, seed: int | None = 0) ->
                 p.normal_(0.0, std, generator=gen)
 
 
-__all__ = ["SITES", "KVCache", "ModelArgs", "Transformer", "init_random_"]
+__all__ = ["SITES", "KVCache", "ModelArgs", "Transformer", "init_random_", "set_attention_options_"]

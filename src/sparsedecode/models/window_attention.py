@@ -60,6 +60,7 @@ from sparsedecode.kernels.decode_attention import (
     split_k_attention,
     split_k_ref,
 )
+from sparsedecode.kernels.options import DEFAULT, AttentionOptions
 from sparsedecode.models.attention import UNMASKED_BACKENDS, _host_bounds, _in_range, split_k_lse
 
 __all__ = ["WINDOW_BACKENDS", "window_attention", "window_bounds"]
@@ -87,20 +88,20 @@ def window_bounds(end, sinks: int, recent: int):
     return min(sinks, end), max(sinks, end - recent)
 
 
-def _in_place(attend, q, k_cache, v_cache, end, sinks, recent, scale):
-    """Two calls of an LSE backend, fn(q, k, v, end, start, scale) -> (out, lse), merged."""
+def _in_place(attend, q, k_cache, v_cache, end, sinks, recent, scale, options):
+    """Two calls of an LSE backend, fn(q, k, v, end, start, scale, options=) -> (out, lse), merged."""
     sink_end, recent_start = window_bounds(end, sinks, recent)
     parts = []  # [(out (B, Hq, D), lse (B, Hq))]
     if sinks:
-        parts.append(attend(q, k_cache, v_cache, sink_end, 0, scale))
+        parts.append(attend(q, k_cache, v_cache, sink_end, 0, scale, options=options))
     if recent:
-        parts.append(attend(q, k_cache, v_cache, end, recent_start, scale))
+        parts.append(attend(q, k_cache, v_cache, end, recent_start, scale, options=options))
     if len(parts) == 1:
         return parts[0]
     return merge_lse([p[0] for p in parts], [p[1] for p in parts])
 
 
-def _masked(q, k_cache, v_cache, end, sinks, recent, scale):
+def _masked(q, k_cache, v_cache, end, sinks, recent, scale, options=None):
     """SDPA over all T entries, masked to the window; a row needs end >= 1."""
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
     sink_end, recent_start = window_bounds(end, sinks, recent)
@@ -110,7 +111,7 @@ def _masked(q, k_cache, v_cache, end, sinks, recent, scale):
     return out.reshape(B, Hq, D), None  # (B, Hq, D)
 
 
-def _gathered(q, k_cache, v_cache, end, sinks, recent, scale):
+def _gathered(q, k_cache, v_cache, end, sinks, recent, scale, options=None):
     """Unmasked SDPA over a copy of each row's window (host bounds); a row needs end >= 1."""
     B, Hq, Hkv, G, T, D = check_inputs(q, k_cache, v_cache)
     qg = q.view(B, Hkv, G, D)  # (B, Hkv, G, D)
@@ -124,8 +125,9 @@ def _gathered(q, k_cache, v_cache, end, sinks, recent, scale):
     return torch.cat(rows).reshape(B, Hq, D), None
 
 
-# name -> fn(q, k_cache, v_cache, end, sinks, recent, scale) -> (out, lse or None); every
-# name of models.attention.BACKENDS is here, so any engine path can run the window.
+# name -> fn(q, k_cache, v_cache, end, sinks, recent, scale, options) -> (out, lse or None), options
+# the split-K kernel's AttentionOptions (the SDPA paths ignore them); every name of
+# models.attention.BACKENDS is here, so any engine path can run the window.
 WINDOW_BACKENDS = {
     "split_k": functools.partial(_in_place, split_k_lse),  # kernel on CUDA, split_k_ref elsewhere
     "split_k_kernel": functools.partial(_in_place, split_k_attention),
@@ -138,6 +140,7 @@ WINDOW_BACKENDS = {
 def window_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, end, sinks: int, recent: int,
     backend: str = "split_k", *, scale: float | None = None, return_lse: bool = False,
+    options: AttentionOptions = DEFAULT.attention,
 ):
     """Attention of one query per sequence over the sink+recent window.
 
@@ -148,7 +151,8 @@ def window_attention(
     (ByteCross App. A); see the module docstring for the SDPA baselines. `scale`
     defaults to 1/sqrt(D). Returns out (B, Hq, D) in q's dtype, or (out, lse) with lse
     (B, Hq) float32 (natural log of the scaled scores) if `return_lse` (split-K only).
-    On the split-K paths a row with end <= 0 gives output 0 and LSE -inf.
+    On the split-K paths a row with end <= 0 gives output 0 and LSE -inf. `options` (the
+    attention layer's `kernel_options`) reaches the split-K kernel.
     """
     try:
         fn = WINDOW_BACKENDS[backend]
@@ -157,7 +161,7 @@ def window_attention(
             f"unknown window backend '{backend}': choose one of {', '.join(WINDOW_BACKENDS)}"
         ) from None
     _check_sizes(sinks, recent)
-    out, lse = fn(q, k_cache, v_cache, end, sinks, recent, scale)
+    out, lse = fn(q, k_cache, v_cache, end, sinks, recent, scale, options)
     if return_lse and lse is None:
         raise InputError(f"backend '{backend}' returns no LSE: use a split_k backend for return_lse")
     return (out, lse) if return_lse else out
