@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from sparse_gemv_bench import BYTE_RATE, time_graph, timing_fields  # the same timing and fields
 
+from sparsedecode.kernels import common
 from sparsedecode.kernels import gather_gemv as gg
 from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.records import stamp, write_record
@@ -54,7 +55,7 @@ def sweep_config(N: int, K: int, block_r: int, block_j: int, row_bytes: int, per
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     block_k = row_bytes // elem
     want = max(1, round(per_sm * sms / -(-N // block_r))) if per_sm else 1
-    return block_r, block_j, block_k, sg._splits(K, block_k, want), warps
+    return block_r, block_j, block_k, common.splits(K, block_k, want), warps
 
 
 def check(x, w, g, thr, ws, config, what: str) -> float:

@@ -5,9 +5,10 @@ down (K=14336, N=4096), at keeps 1.0, 0.5 and 0.3. x is random normal and the
 threshold is the |x| quantile, so the kept channel count is exact. Each cell
 captures `--copies` distinct weight copies x `--rounds` calls in one CUDA graph
 (a copy is revisited only after the others have flushed the 50 MB L2), times
-`--reps` replays with CUDA events and takes the median per call. Calls launch as the library
-launches them (`sparse_gemv.PDL`: since 1ec702f as programmatic dependents, each call's launch
-overlapping the tail of the call before; `--pdl off` times them one after another), recorded per cell.
+`--reps` replays with CUDA events and takes the median per call. Calls launch with the kernel
+options of `--kernels` (default `GemvOptions()`: as programmatic dependents, each call's launch
+overlapping the tail of the call before; `--kernels gemv.pdl=false` times them one after
+another), recorded per cell under 'kernels'.
 
 Bytes read are what the kernel must read: kept rows * N * 2 + the K * 2 bytes of
 x. The byte time is bytes / 4.15 TB/s (the H200's measured streaming rate, as
@@ -15,10 +16,12 @@ in the attention benchmark); the target is time <= 1.15x byte time at keeps 0.5
 and 0.3. Dense F.linear (x @ W^T with W (N, K), cuBLAS's GEMV) at the same shape
 is timed the same way for comparison.
 
-  PYTHONPATH=src python3 benchmarks/sparse_gemv_bench.py --out DIR [--sweep]
+  PYTHONPATH=src python3 benchmarks/sparse_gemv_bench.py --out DIR [--sweep] [--choose FILE]
 
 Writes one record per cell of kind 'sparse_gemv_bench' into DIR (sweep cells into
-DIR/sweep) and all of them as one JSON list in DIR/sparse_gemv_records.json.
+DIR/sweep) and all of them as one JSON list in DIR/sparse_gemv_records.json. `--choose`
+writes the fastest config per shape as a tuned file (src/sparsedecode/kernels/tuned/<device>.json).
+Decisions and their records: docs/kernels/sparse_gemv.md.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsedecode.kernels import knobs, override
+from sparsedecode.kernels import common
 from sparsedecode.kernels import sparse_gemv as sg
+from sparsedecode.kernels.options import KernelOptions, option_names
 from sparsedecode.models.decoder import rms_norm
 from sparsedecode.records import stamp, write_record
 
@@ -48,20 +52,15 @@ TARGET = 1.15
 # Tile configs tried by --sweep beside the default: (BLOCK_N, BLOCK_K, split size, num_warps,
 # num_stages), the split size either 'pN' (splits for about N programs per SM) or 'rN' (N rows
 # per split; r == BLOCK_K is one tile per program, more rows loop, pipelined when stages > 1).
-# Sweeps so far (records h200/sparse_gemv_2026*): one-tile-per-program grids and 2-8 warps per
-# program lost to 16-row one-warp tiles at 24-32 programs per SM; the loops that lost (stages 2,
-# 3, 5, 6, 7 and 9 to 12) are removed from the kernel, and their entries from here (run 512e6bb
-# to repeat them). The neighbourhood of the default stays here.
+# The loops that lost are removed from the kernel and their entries from here
+# (docs/kernels/sparse_gemv.md#stages); the neighbourhood of the default stays.
 SWEEP = [(256, 16, "p16", 1, 1), (256, 16, "p32", 1, 1), (256, 32, "p12", 1, 1), (512, 16, "p16", 2, 1),
          (256, 8, "p32", 1, 1), (256, 8, "p48", 1, 1), (256, 8, "p64", 1, 1), (512, 8, "p24", 1, 1),
          # stages 4: two tiles' weight loads in flight per warp
          (256, 16, "p24", 1, 4), (256, 16, "p16", 1, 4), (256, 16, "p32", 1, 4), (256, 8, "p24", 1, 4),
          (256, 8, "p32", 1, 4), (256, 8, "p48", 1, 4), (256, 32, "p12", 1, 4), (512, 16, "p24", 2, 4),
-         (256, 16, "p12", 1, 4), (256, 16, "p8", 1, 4), (256, 16, "p24", 1, 1),
-         # stages 8: a kept-row list with stages 4's two tiles in flight, so the loop's
-         # instructions scale with the keep (sm_90 compile: 16-row tiles spill at 16 per SM)
-         (256, 8, "p16", 1, 8), (256, 8, "p12", 1, 8), (256, 8, "p24", 1, 8), (512, 4, "p16", 1, 8),
-         (256, 4, "p24", 1, 8), (256, 4, "p32", 1, 8), (256, 16, "p8", 1, 8)]
+         (256, 16, "p12", 1, 4), (256, 16, "p8", 1, 4), (256, 16, "p24", 1, 1), (256, 16, "p64", 1, 4),
+         (256, 4, "p24", 1, 4), (256, 4, "p32", 1, 4)]
 COMBINED = "sparse_gemv_records.json"
 
 
@@ -85,38 +84,6 @@ def cell_input(K: int, dev: torch.device) -> tuple[torch.Tensor, torch.Generator
 def quantile_threshold(v: torch.Tensor, keep: float) -> float:
     """The |v| quantile that keeps `keep` of its channels (0.0 at keep 1: every channel)."""
     return 0.0 if keep >= 1.0 else float(v.float().abs().quantile(1.0 - keep))
-
-
-def knob_flag(ap: argparse.ArgumentParser, flag: str, knob: str, what: str) -> None:
-    """A --flag/--no-flag for an on/off module knob; None (left out) keeps the module's value."""
-    ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                    help=f"{what} ({knob}; default: the module's)")
-
-
-def add_knob_args(ap: argparse.ArgumentParser) -> None:
-    """The sparse GEMV's module knobs as flags (this benchmark's and proj_decode_h200.py's); each
-    left out keeps the module's default (`apply_knobs`)."""
-    ap.add_argument("--max-registers", type=int, help="cap the sparse GEMV's registers per thread below the "
-                    "one-wave budget (sparse_gemv.REGISTER_CAP)")
-    knob_flag(ap, "--evict-first", "sparse_gemv.WEIGHTS_EVICT_FIRST",
-              "sparse GEMV weight loads with the evict-first cache hint")
-    knob_flag(ap, "--bf16-pairs", "sparse_gemv.BF16_PAIRS", "sparse GEMV stages 4 and 8 read bf16 weights as int32 pairs")
-    knob_flag(ap, "--stride-const", "sparse_gemv.ROW_STRIDE_CONST",
-              "sparse GEMV stages 4 compiles the weight's row stride in")
-    knob_flag(ap, "--finish-load", "sparse_gemv.FINISH_LOAD",
-              "the split-K finish reads the tile's sum with loads and zeroes it with stores, not an atomic exchange")
-    knob_flag(ap, "--reset-store", "sparse_gemv.RESET_STORE",
-              "the split-K finish zeroes the arrival count with a store, not an atomic exchange")
-    ap.add_argument("--gemv-warps", type=int, choices=(1, 2, 4, 8, 16),
-                    help="warps per sparse GEMV program in the default configs, the warps per SM kept "
-                    "(sparse_gemv.NUM_WARPS; default: the module's)")
-
-
-def apply_knobs(args) -> dict:
-    """Set the knobs of `add_knob_args` that were given; their effective values, for the record."""
-    return override(sg, REGISTER_CAP=args.max_registers, WEIGHTS_EVICT_FIRST=args.evict_first,
-                    BF16_PAIRS=args.bf16_pairs, ROW_STRIDE_CONST=args.stride_const, NUM_WARPS=args.gemv_warps,
-                    FINISH_LOAD=args.finish_load, RESET_STORE=args.reset_store)
 
 
 def time_graph(fn, args_list, reps: int) -> list[float]:
@@ -162,7 +129,7 @@ def sweep_config(K: int, N: int, block_n: int, block_k: int, size: str, warps: i
         want = max(1, round(int(size[1:]) * sms / -(-N // block_n)))
     else:
         want = -(-K // int(size[1:]))
-    return block_n, block_k, sg._splits(K, block_k, want), warps, stages
+    return block_n, block_k, common.splits(K, block_k, want), warps, stages
 
 
 def sweep_label(block_n: int, block_k: int, size: str, warps: int, stages: int) -> str:
@@ -182,11 +149,11 @@ def parse_label(label: str) -> tuple:
 
 def choose(records: list[dict], keeps=(0.5, 0.3), fused: str | None = None) -> list[dict]:
     """Per shape, the config with the least summed time over `keeps` (the decode regime), among
-    the calls of one kind (`fused`: None for the plain call, else a `fused_fn` kind)."""
+    the calls of one kind (`fused`: None for the plain call, else a `fused_fn` kind): the rows
+    of a tuned file (`sparse_gemv.read_tuned` reads K, N, dtype, sm_count and config)."""
     by_shape: dict[str, dict[str, float]] = {}
     first: dict[tuple[str, str], dict] = {}
-    records = [r for r in records if r["kind"] == "sparse_gemv_bench" and r.get("fused") == fused
-               and not r.get("ablate")]  # an ablated call computes something else
+    records = [r for r in records if r["kind"] == "sparse_gemv_bench" and r.get("fused") == fused]
     for r in records:
         if any(abs(r["keep_target"] - k) < 1e-9 for k in keeps):
             cell = by_shape.setdefault(r["shape"], {})
@@ -200,35 +167,34 @@ def choose(records: list[dict], keeps=(0.5, 0.3), fused: str | None = None) -> l
         best = min(full, key=times.get)
         r = first[(shape, best)]
         c = r["config"]
-        out.append({"shape": shape, "K": r["K"], "N": r["N"], "dtype": r["dtype"], "sm_count": r["sm_count"],
-                    "label": best, "summed_time_s": times[best], "keeps": list(keeps),
-                    "config": [c["block_n"], c["block_k"], c["splits"], c["num_warps"], c["num_stages"]]})
+        out.append({"K": r["K"], "N": r["N"], "dtype": r["dtype"], "sm_count": r["sm_count"],
+                    "config": [c["block_n"], c["block_k"], c["splits"], c["num_warps"], c["num_stages"]],
+                    "shape": shape, "label": best, "summed_time_s": times[best], "keeps": list(keeps)})
     return out
 
 
-def _finish_bits(flipped: dict, num_warps: int) -> int:
-    """sparse_gemv.finish_mode with the knobs `flipped` sets (--compare)."""
-    with knobs(sg, **flipped):
-        return sg.finish_mode(num_warps)
+def tuned_file_json(rows: list[dict], device: str, source: str) -> dict:
+    """A tuned file (kernels/tuned/<device>.json) of `choose`'s rows, naming the records they came from."""
+    return {"device": device, "source": f"{source}: sparse_gemv_bench.py --choose, the fastest config per shape "
+                                        "summed over keeps 0.5 and 0.3", "rows": rows}
 
 
-# --compare: sparse_gemv knobs of the split-K finish, and the short names of their labels
-COMPARE = {"FINISH_LOAD": "finload", "RESET_STORE": "rstore"}
-
-# How the fused decoder layer calls each shape (sparse_linear.FUSE_NORMS; down: also FUSE_SWIGLU).
+# How the fused decoder layer calls each shape (docs/kernels/sparse_gemv.md#fuse-norms, #fuse-swiglu).
 FUSED_KINDS = ("residual", "norm", "glu+residual")
 
 
-def fused_fn(kind: str | None, residual, norm, up=None):
-    """sparse_gemv as the bench calls it: plain, with residual= (its new stream only), norm=, or
-    up= and residual= (down forming silu(gate) * up in its load as it adds the residual)."""
+def fused_fn(kind: str | None, residual, norm, up=None, options=KernelOptions().gemv):
+    """sparse_gemv as the bench calls it, with `options`: plain, with residual= (its new stream
+    only), norm=, or up= and residual= (down forming silu(gate) * up in its load as it adds the
+    residual)."""
+    kw = dict(options=options)
     if kind == "residual":
-        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, residual=residual)[0]
+        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, residual=residual, **kw)[0]
     if kind == "norm":
-        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, norm=norm)
+        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, norm=norm, **kw)
     if kind == "glu+residual":
-        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, up=up, residual=residual)[0]
-    return sg.sparse_gemv
+        return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, up=up, residual=residual, **kw)[0]
+    return lambda x, w, t, b, ws, cfg: sg.sparse_gemv(x, w, t, b, ws, cfg, **kw)
 
 
 def kernel_input(kind: str | None, x, norm, up):
@@ -241,10 +207,10 @@ def kernel_input(kind: str | None, x, norm, up):
 
 
 def check(x, w_t, thr, ws, config, what: str, fused: str | None = None, residual=None, norm=None,
-          up=None) -> float:
+          up=None, options=KernelOptions().gemv) -> float:
     """Max error of the kernel against the masked reference; raises when any element is off.
     fused: a `fused_fn` kind, checked against the reference of its math."""
-    got = fused_fn(fused, residual, norm, up)(x, w_t, thr, None, ws, config).float()
+    got = fused_fn(fused, residual, norm, up, options)(x, w_t, thr, None, ws, config).float()
     want = sg.sparse_gemv_ref(kernel_input(fused, x, norm, up), w_t, thr)
     want = (want + residual if fused in ("residual", "glu+residual") else want).float()
     err = (got - want).abs()
@@ -284,12 +250,13 @@ def launch_probe(name: str, args, dev: torch.device, run: str, cfg: tuple | None
             tl.store(Y, 1.0)
 
     K, N = SHAPES[name]
-    block_n, block_k, splits, warps, stages = cfg or sg.default_config(K, N, torch.bfloat16, dev)
+    block_n, block_k, splits, warps, stages = cfg or sg.default_config(K, N, torch.bfloat16, dev,
+                                                                       args.gemv.programs_per_sm)
     grid = (-(-N // block_n), splits)
     y = torch.zeros(1, device=dev)
 
     def call(y):
-        _noop[grid](y, -1, num_warps=warps, **({"launch_pdl": True} if sg.PDL else {}))
+        _noop[grid](y, -1, num_warps=warps, **({"launch_pdl": True} if args.gemv.pdl else {}))
 
     t = statistics.median(timer(call, [(y,)] * (args.copies * args.rounds), args.reps))
     rec = stamp({"kind": "launch_probe", "shape": name, "K": K, "N": N, "config_label": label,
@@ -299,15 +266,6 @@ def launch_probe(name: str, args, dev: torch.device, run: str, cfg: tuple | None
     print(f"{name:8s} {label:14s} empty kernel on grid {grid[0]}x{grid[1]} ({warps} warp{'s' * (warps > 1)}"
           f", PDL {args.pdl}): {t * 1e6:.2f} us per call", flush=True)
     return rec
-
-
-ABLATIONS = {"finish": 1, "x": 2, "both": 3, "reds": 4, "x+reds": 6}  # --ablate names: sparse_gemv.ABLATE bits
-
-
-def _with_ablation(bits: int, timer, fn, calls, reps: int) -> list[float]:
-    """timer(fn, calls, reps) with sparse_gemv.ABLATE = bits (captured in the graph), then reset."""
-    with knobs(sg, ABLATE=bits):
-        return timer(fn, calls, reps)
 
 
 def dense_equivalent(kept: int, N: int, args, dev: torch.device, timer=time_graph) -> float:
@@ -335,19 +293,16 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
     t_dense = statistics.median(timer(F.linear, [(x, w) for w in dense_ws] * args.rounds, args.reps))
     del dense_ws
     dense_bytes = K * N * 2 + K * 2
-    default = sg.default_config(K, N, dtype, dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    default = args.tuned.get((K, N, "bfloat16", sms)) or sg.default_config(K, N, dtype, dev, args.gemv.programs_per_sm)
     variants = [("default", default, None)]
     if args.sweep:
         variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in SWEEP
                      if args.sweep_stages is None or c[4] in args.sweep_stages]
     variants += [(sweep_label(*c), sweep_config(K, N, *c), None) for c in args.configs]
-    variants += [(f"default+ablate-{a}", default, None) for a in args.ablate]
-    for knob in args.compare:  # the default config with a finish knob flipped, in the same process
-        variants.append((f"default+{COMPARE[knob]}{'off' if getattr(sg, knob) else 'on'}", default, None))
     if args.probe:  # an empty kernel on each config's grid: what launching that grid costs
-        records += [launch_probe(name, args, dev, run, cfg, label) for label, cfg, fused in variants
-                    if fused is None and "+ablate-" not in label]
-    if args.fused:  # the default config as the fused decoder layer calls it (sparse_linear.FUSE_NORMS)
+        records += [launch_probe(name, args, dev, run, cfg, label) for label, cfg, fused in variants if fused is None]
+    if args.fused:  # the default config as the fused decoder layer calls it
         variants += [("default+residual", default, "residual"), ("default+norm", default, "norm")]
     if args.fused_sweep:  # every swept config (and the default) called as the fused layer calls it
         kind = args.fused_sweep
@@ -366,9 +321,6 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
         t_kind = {kind: quantile_threshold(v, keep) for kind, v in inputs.items()}
         equiv = None
         for label, cfg, fused in variants:
-            ablate = ABLATIONS.get(label.partition("+ablate-")[2], 0)
-            if ablate & 2 and (keep != 0.5 or args.pattern != "random"):
-                continue  # rows kept by parity: half of them, the bytes of keep 0.5 only
             t_cell = t_kind.get(fused, t_val)
             thr = torch.tensor(t_cell, device=dev)
             kept = int((inputs.get(fused, x).float().abs() > thr).sum())
@@ -376,22 +328,11 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
             byte_time = nbytes / BYTE_RATE
             if label == "default":
                 equiv = dense_equivalent(kept, N, args, dev, timer) if 0 < kept < K else None
-            flipped = {knob: label.endswith("on") for knob, short in COMPARE.items()
-                       if label in (f"default+{short}on", f"default+{short}off")}
             try:
                 calls = [(x, w, thr, None, ws, cfg) for w in w_ts] * args.rounds
-                if flipped:  # --compare: checked and timed with the knob flipped
-                    with knobs(sg, **flipped):
-                        err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", None, residual, norm, up)
-                        t = statistics.median(timer(sg.sparse_gemv, calls, args.reps))
-                elif ablate:  # computes something else: timed, never checked
-                    err = None
-                    t = statistics.median(_with_ablation(ablate, timer, fused_fn(None, None, None, None), calls,
-                                                         args.reps))
-                    ws[0].zero_()  # the atomic adds alone (bit 4) leave their sums there
-                else:
-                    err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", fused, residual, norm, up)
-                    t = statistics.median(timer(fused_fn(fused, residual, norm, up), calls, args.reps))
+                err = check(x, w_ts[0], thr, ws, cfg, f"{name} keep={keep} {label}", fused, residual, norm, up,
+                            args.gemv)
+                t = statistics.median(timer(fused_fn(fused, residual, norm, up, args.gemv), calls, args.reps))
             except Exception as e:  # a sweep config can fail to compile or fit; report and go on
                 if label == "default":
                     raise
@@ -402,21 +343,17 @@ def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) 
                 "kind": "sparse_gemv_bench", "shape": name, "K": K, "N": N, "dtype": "bfloat16",
                 "keep_target": keep, "threshold": t_cell, "kept_rows": kept, "keep": kept / K,
                 "pattern": args.pattern if keep < 1.0 else "all",
-                "config_label": label, "fused": fused, "pdl": args.pdl, "register_cap": sg.REGISTER_CAP,
-                "ablate": ablate, "finish_load": flipped.get("FINISH_LOAD", sg.FINISH_LOAD),
-                "reset_store": flipped.get("RESET_STORE", sg.RESET_STORE), "evict_first": sg.WEIGHTS_EVICT_FIRST,
-                "finish_mode": _finish_bits(flipped, cfg[3]),  # the FIN bits the kernel ran (one-warp programs only)
-                "bf16_pairs": sg.BF16_PAIRS, "stride_const": sg.ROW_STRIDE_CONST,
+                "config_label": label, "fused": fused, "pdl": args.pdl, "kernels": args.kernels.to_dict(),
+                "finish": common.finish_mode(warps),
                 "config": {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps,
                            "num_stages": stages, "programs": -(-N // block_n) * splits},
-                "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count,
+                "sm_count": sms,
                 "copies": args.copies, "rounds": args.rounds, "reps": args.reps, "graph": True,
                 **timing_fields(t, nbytes, t_dense, dense_bytes, err),
                 **({} if equiv is None or fused else {"dense_equiv_time_s": equiv, "dense_equiv_shape": [kept, N],
                                                       "ratio_to_dense_equiv": t / equiv}),
             })
-            sub = args.out if label == "default" else args.out / ("sweep" if label[:1] == "b" else "ablate" if ablate
-                                                                  else "finish" if flipped else "fused")
+            sub = args.out if label == "default" else args.out / ("sweep" if label[:1] == "b" else "fused")
             write_record(sub / f"sparse_gemv_bench-{name}-keep{keep:g}-{label}-{run}.json", rec)
             records.append(rec)
             rows.append((name, keep, label, t * 1e6, rec["tb_per_s"], t / byte_time, t_dense / t))
@@ -439,33 +376,24 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the tile configs of SWEEP")
     ap.add_argument("--fused", action="store_true",
                     help="also time the default config with residual= and with norm= (the fused decoder "
-                         "layer's calls, sparse_linear.FUSE_NORMS), records under OUT/fused")
+                         "layer's calls), records under OUT/fused")
     ap.add_argument("--fused-sweep", choices=FUSED_KINDS,
                     help="time the default and every --sweep config as the fused decoder layer calls the shape "
-                    "(residual: o and down; norm: q|k|v and gate|up; glu+residual: down with FUSE_SWIGLU); "
+                    "(residual: o and down; norm: q|k|v and gate|up; glu+residual: down forming silu(gate) * up); "
                     "--choose then picks among those calls")
-    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=(1, 4, 8),
-                    help="sweep only the SWEEP configs of these loop variants (1: plain, 4: two tiles in "
-                    "flight, 8: a kept-row list with two tiles in flight)")
+    ap.add_argument("--sweep-stages", type=int, nargs="+", choices=sg.STAGES,
+                    help="sweep only the SWEEP configs of these loop variants (1: plain, 4: two tiles in flight)")
     ap.add_argument("--configs", nargs="+", type=parse_label, default=[], metavar="LABEL",
                     help="also time these tile configs, labelled as the sweep labels them (b2048k16p2w8s4: "
                     "BLOCK_N 2048, BLOCK_K 16, about 2 programs per SM, 8 warps, stages 4)")
-    ap.add_argument("--ablate", nargs="+", choices=list(ABLATIONS), default=[],
-                    help="also time the default config with parts of its work removed (sparse_gemv.ABLATE; the "
-                    "results are wrong by design and not checked): 'finish' no split-K finish, 'x' no x or "
-                    "threshold loads (even rows kept: keep 0.5 only), 'both', 'reds' the finish's atomic adds "
-                    "alone (no arrival count, exchange or output), 'x+reds'")
-    ap.add_argument("--compare", nargs="+", choices=list(COMPARE), default=[],
-                    help="also time the default config with each of these split-K finish knobs of sparse_gemv "
-                    "flipped (labels default+finloadon|off, default+rstoreon|off), records under OUT/finish")
-    ap.add_argument("--choose", type=Path, help="write the fastest config per shape (keeps 0.5, 0.3) here, "
-                    "for sparse_gemv.load_tuned")
-    ap.add_argument("--tuned", type=Path, help="a --choose file: its configs become the defaults")
-    ap.add_argument("--pdl", choices=("off", "exit", "early"),
-                    help="programmatic dependent launch (sparse_gemv.PDL): each call's launch overlaps the tail "
-                    "of the call before; 'early' signals the next call at the start, 'exit' as programs exit "
-                    "(default: the module's, as the library launches; recorded)")
-    add_knob_args(ap)
+    ap.add_argument("--choose", type=Path,
+                    help="write the fastest config per shape (keeps 0.5, 0.3) here as a tuned file; it goes to "
+                    "src/sparsedecode/kernels/tuned/<device>.json (the device name with non-alphanumerics as "
+                    "'_', e.g. NVIDIA_H200.json), where default_config reads it")
+    ap.add_argument("--tuned", type=Path, help="a tuned file (--choose): its configs are timed as the defaults")
+    ap.add_argument("--kernels", default="",
+                    help="kernel options as KEY=VALUE,... (the GEMV's: gemv.pdl, gemv.programs_per_sm; "
+                    f"all: {', '.join(option_names())}); recorded per cell")
     ap.add_argument("--probe", action="store_true",
                     help="also time an empty kernel on the grid of each shape's default and other configs "
                     "(the fixed cost of a launch)")
@@ -474,12 +402,12 @@ def main() -> None:
     if (args.out / COMBINED).exists():
         raise SystemExit(f"{args.out / COMBINED} exists; records are never overwritten: pick a new --out")
     dev = torch.device("cuda")
+    args.kernels = KernelOptions.parse(args.kernels)
+    args.gemv = args.kernels.gemv
+    args.pdl = "early" if args.gemv.pdl else "off"  # the launch mode as records name it (trigger at the start)
+    args.tuned = sg.read_tuned(args.tuned) if args.tuned else {}
     if args.tuned:
-        print(f"{sg.load_tuned(args.tuned)} tuned configs from {args.tuned}")
-    if args.pdl is None:  # the library's launch mode, named for the records
-        args.pdl = "off" if not sg.PDL else "early" if sg.PDL_TRIGGER else "exit"
-    sg.PDL, sg.PDL_TRIGGER = args.pdl != "off", args.pdl == "early"
-    apply_knobs(args)
+        print(f"{len(args.tuned)} tuned configs timed as the defaults")
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     records, rows = [], []
     for name in args.shapes:
@@ -489,7 +417,7 @@ def main() -> None:
     write_record(args.out / COMBINED, records)
     if args.choose:
         chosen = choose(records, fused=args.fused_sweep)
-        write_record(args.choose, chosen)
+        write_record(args.choose, tuned_file_json(chosen, torch.cuda.get_device_name(dev), str(args.out)))
         for c in chosen:
             print(f"chosen {c['shape']}: {c['label']} {c['config']}")
     print(f"\n{'shape':8s} {'keep':>5s} {'config':14s} {'us':>8s} {'TB/s':>6s} {'x byte':>7s} {'x dense':>8s}")

@@ -134,16 +134,23 @@ def test_default_config_fills_an_h200(monkeypatch):
     """At the Llama-3.1-8B up shape: one-warp programs over 512-byte row segments, close to
     PROGRAMS_PER_SM per SM of 132 and never more (all resident at once), no empty split."""
     import sparsedecode.kernels.gather_gemv as gg
-    import sparsedecode.kernels.sparse_gemv as sg
+    from sparsedecode.kernels import common
 
-    monkeypatch.setattr(gg, "_sm_count", lambda index: 132)
-    block_r, block_j, block_k, splits, warps = default_config(14336, 4096, torch.bfloat16,
-                                                              torch.device("cuda", 0))
+    monkeypatch.setattr(common, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    block_r, block_j, block_k, splits, warps = default_config(14336, 4096, torch.bfloat16, dev)
     programs = -(-14336 // block_r) * splits
     assert block_k * 2 == gg.ROW_BYTES and warps == 1 and block_j <= block_r, (block_r, block_j, block_k)
     assert 0.75 * gg.PROGRAMS_PER_SM * 132 <= programs <= gg.PROGRAMS_PER_SM * 132, (block_r, splits, programs)
-    assert (splits - 1) * sg._rows_per_split(4096, block_k, splits) < 4096
+    assert (splits - 1) * common.rows_per_split(4096, block_k, splits) < 4096
     assert default_config(37, 129, torch.float16, torch.device("cpu"))[:3] == (32, 8, 256)
+    # programs_per_sm (cats_up's argument, a plain value of its op) sets the split count
+    fewer = default_config(14336, 4096, torch.bfloat16, dev, programs_per_sm=4)
+    assert fewer[:3] == (block_r, block_j, block_k) and fewer[3] < splits, (fewer, splits)
+    x, w, g, _ = make(37, 129, torch.float32)
+    for bad in (0, 2.5, True):
+        with pytest.raises(InputError, match="programs_per_sm"):
+            cats_up(x, w, g, 0.1, programs_per_sm=bad)
 
 
 # ---- the Triton kernel under TRITON_INTERPRET=1 (subprocess) ----------------------------------
@@ -268,7 +275,8 @@ def _compile_for_hopper(dtype, config, even_k=True, split=True):
     fn = gg._cats_up_kernel
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_R=block_r, BLOCK_J=block_j, BLOCK_K=block_k, THR_T=True, HAS_BIAS=True,
-                  EVEN_K=even_k, SPLIT=split, VEC=16 // torch.empty((), dtype=dtype).element_size())
+                  EVEN_K=even_k, SPLIT=split, VEC=16 // torch.empty((), dtype=dtype).element_size(),
+                  FIN_LOAD=gg.finish_mode(warps) == "load")  # the split-K finish as launched
     types = dict(X=ty, W=ty, G=ty, Bias=ty, Y=ty, Thr="*fp32", Acc="*fp32", Count="*i32", thr_f="fp32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
@@ -317,6 +325,8 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     assert "atom.global.gpu.acq_rel.add" in ptx, "the arrival count must be an acq_rel atomic"
     # the fp32 partial adds: red.global (Triton 3.9) or a relaxed atom (Triton 3.6)
     assert re.search(r"red\.global|atom\.global\.gpu\.relaxed\.add(\.v\d)?\.f32", ptx), "no fp32 atomic partial add"
+    # one warp: the split-K finish of kernels.common reads the sums by loads, no atomic exchange left
+    assert warps == 1 and re.search(r"ld\.global\.cg", ptx) and ".exch." not in ptx, "finish: loads and stores"
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------

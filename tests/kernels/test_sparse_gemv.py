@@ -22,6 +22,8 @@ from _compare import mismatch
 
 from interpreted import run_interpreted
 from sparsedecode.errors import InputError
+from sparsedecode.kernels import common
+from sparsedecode.kernels.options import GemvOptions
 from sparsedecode.kernels.sparse_gemv import (
     default_config,
     keep_mask,
@@ -125,39 +127,86 @@ def test_bad_input_raises_clear_errors():
             sparse_gemv(x, w_t, 0.1)
 
 
-@pytest.mark.parametrize("num_warps", [1, 8])
-def test_default_config_fills_an_h200_in_one_wave(num_warps, monkeypatch):
-    """At Llama-3.1-8B MLP shapes: programs of NUM_WARPS warps over 512-byte row segments a warp,
-    close to PROGRAMS_PER_SM warps per SM of 132 and never more (all resident at once), no empty
-    split."""
+def _h200(monkeypatch, name="NVIDIA H200"):
+    """A mocked 132-SM GPU named `name` for default_config (no GPU needed)."""
+    monkeypatch.setattr(common, "sm_count", lambda index: 132)
+    monkeypatch.setattr(common, "device_name", lambda index: name)
+    return torch.device("cuda", 0)
+
+
+def test_default_config_fills_an_h200_in_one_wave(monkeypatch):
+    """At Llama-3.1-8B MLP shapes: one-warp programs over 512-byte row segments, close to
+    programs_per_sm per SM of 132 and never more (all resident at once), no empty split."""
     import sparsedecode.kernels.sparse_gemv as sg
 
-    monkeypatch.setattr(sg, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(sg, "NUM_WARPS", num_warps)
+    dev = _h200(monkeypatch)
+    per_sm = GemvOptions().programs_per_sm
     for K, N in ((4096, 14336), (14336, 4096)):
-        block_n, block_k, splits, warps, stages = default_config(K, N, torch.bfloat16, torch.device("cuda", 0))
+        block_n, block_k, splits, warps, stages = default_config(K, N, torch.bfloat16, dev)
         programs = -(-N // block_n) * splits
-        assert warps == num_warps and block_n * 2 == 512 * warps, (K, N, block_n)
-        assert 0.75 * sg.PROGRAMS_PER_SM * 132 <= programs * warps <= sg.PROGRAMS_PER_SM * 132, (K, N, splits)
-        assert (splits - 1) * sg._rows_per_split(K, block_k, splits) < K
-        regs = sg.max_registers(programs, warps, torch.device("cuda", 0))
+        assert warps == 1 and block_n * 2 == 512 and stages == 4, (K, N, block_n)
+        assert 0.75 * per_sm * 132 <= programs <= per_sm * 132, (K, N, splits)
+        assert (splits - 1) * common.rows_per_split(K, block_k, splits) < K
+        regs = sg.max_registers(programs, warps, dev)
         assert regs == 128 and (65536 // (regs * 32 * warps)) * 132 >= programs, (K, N, regs)
-    if num_warps > 1:
-        return
+        # programs_per_sm (GemvOptions) sets the split count of the rule
+        one = default_config(K, N, torch.bfloat16, dev, programs_per_sm=1)
+        assert one[2] < splits and one[:2] == (block_n, block_k), (one, splits)
     assert default_config(13, 7, torch.float16, torch.device("cpu"))[:2] == (16, 16)
-    # the built-in H200 picks for o and the fused q|k|v: stages 4 at 64 splits (bf16 only; fp16 by the rule)
+
+
+def test_tuned_table_is_data_per_device(monkeypatch):
+    """kernels/tuned/NVIDIA_H200.json loads; a shape in it returns its config on an H200 (whatever
+    programs_per_sm), the rule on another GPU, for another dtype, or another SM count."""
+    import sparsedecode.kernels.sparse_gemv as sg
+
+    path = sg.tuned_file("NVIDIA H200")
+    assert path.name == "NVIDIA_H200.json" and path.exists(), path
+    assert sg.tuned_file("NVIDIA A100-SXM4-80GB").name == "NVIDIA_A100_SXM4_80GB.json"
+    text = json.loads(path.read_text())
+    assert text["source"] and "benchmarks/records/h200/" in text["source"]
+    table = sg.read_tuned(path)
+    assert table == sg.tuned_configs("NVIDIA H200") and len(table) == len(text["rows"]) >= 2
+    assert all(len(cfg) == 5 and cfg[4] in sg.STAGES for cfg in table.values()), table
+    h200 = _h200(monkeypatch)
+    for (K, N, dtype, sms), cfg in table.items():
+        assert sms == 132
+        dt = getattr(torch, dtype)
+        assert default_config(K, N, dt, h200) == cfg
+        assert default_config(K, N, dt, h200, programs_per_sm=1) == cfg
+    # the built-in H200 picks for o and the fused q|k|v: stages 4 at 64 splits (bf16 only)
     for N in (4096, 6144):
-        assert default_config(4096, N, torch.bfloat16, torch.device("cuda", 0)) == (256, 16, 64, 1, 4)
-        rule = default_config(4096, N, torch.float16, torch.device("cuda", 0))
-        assert rule[4] == sg.NUM_STAGES and rule[2] != 64, rule
+        assert default_config(4096, N, torch.bfloat16, h200) == (256, 16, 64, 1, 4)
+        rule = default_config(4096, N, torch.float16, h200)
+        assert rule[4] == 4 and rule[2] != 64, rule
+    other = _h200(monkeypatch, "NVIDIA A100-SXM4-80GB")
+    assert sg.tuned_configs("NVIDIA A100-SXM4-80GB") == {}
+    rule = default_config(4096, 4096, torch.bfloat16, other)
+    assert rule != (256, 16, 64, 1, 4) and rule[3:] == (1, 4), rule
+    h200 = _h200(monkeypatch)
+    monkeypatch.setattr(common, "sm_count", lambda index: 114)  # an H200 of fewer SMs: not the table's
+    assert default_config(4096, 4096, torch.bfloat16, h200) != (256, 16, 64, 1, 4)
+
+
+def test_decision_log_links_resolve():
+    """Every `docs/kernels/sparse_gemv.md#row` the kernels and projections cite is a row of the log."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    log = (root / "docs/kernels/sparse_gemv.md").read_text()
+    rows = set(re.findall(r'<a id="([\w-]+)"></a>', log))
+    cited = set()
+    for path in [*(root / "src/sparsedecode/kernels").glob("*.py"), *(root / "src/sparsedecode/projection").glob("*.py")]:
+        for m in re.finditer(r"docs/kernels/sparse_gemv\.md((?:#[\w-]+)(?:, #[\w-]+)*)", path.read_text()):
+            cited |= {(path.name, a) for a in re.findall(r"#([\w-]+)", m.group(1))}
+    assert cited and not {a for _, a in cited} - rows, sorted(c for c in cited if c[1] not in rows)
 
 
 def test_register_cap_keeps_the_default_grid_in_one_wave(monkeypatch):
     """The cap lets every program of the default grid be resident at once on a 132-SM GPU."""
     from sparsedecode.kernels import sparse_gemv as sg
 
-    monkeypatch.setattr(sg, "_sm_count", lambda index: 132)
-    dev = torch.device("cuda", 0)
+    dev = _h200(monkeypatch)
     for K, N in ((4096, 14336), (14336, 4096), (4096, 28672), (4096, 6144), (4096, 4096)):
         block_n, block_k, splits, warps, stages = default_config(K, N, torch.bfloat16, dev)
         programs = -(-N // block_n) * splits
@@ -204,23 +253,29 @@ def _interpreter_worker() -> None:
                 fails.append(f"{dtype} {K}x{N}: the workspace is not back at zero after the calls")
     x, w_t, b = make(577, 139, torch.bfloat16, seed=3)  # 3 tiles of BLOCK_N=64, the last of 11 columns
     for splits in (1, 2, 19):  # a single split, two, and more splits than rows of BLOCK_K
-        # 4: two tiles in flight; 8: a kept-row list, two tiles in flight (19 splits: splits whose
-        # rows are all dropped, an empty list)
-        for stages, block_k in ((1, 16), (1, 8), (4, 16), (4, 8), (8, 16), (8, 8)):
-            y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, block_k, splits, 4, stages))
+        # 4: two tiles in flight; 4 warps: the exchange finish (19 splits: splits whose rows are all dropped)
+        for stages, block_k, warps in ((1, 16, 4), (1, 8, 1), (4, 16, 4), (4, 8, 1), (4, 4, 1)):
+            y = sparse_gemv(x, w_t, threshold_for(x, 0.3), b, config=(64, block_k, splits, warps, stages))
             fails += check(y, x, w_t, threshold_for(x, 0.3), b,
-                           f"kernel splits={splits} stages={stages} BLOCK_K={block_k}", 2.0**-7)
+                           f"kernel splits={splits} stages={stages} BLOCK_K={block_k} warps={warps}", 2.0**-7)
             n += 1
-    fails += _pairs_cases()
-    n += 6
-    fails += _stride_const_cases()
+    fails += _loop_cases()
     n += 3
     fails += _segment_cases()
-    n += 15
+    n += 12
     fails += _swiglu_cases()
     n += 16
-    fails += _finish_load_cases()
+    fails += _finish_cases()
     n += 12
+    # PDL is a launch attribute of CUDA launches only: off and on give the same numbers here
+    outs = []
+    for pdl in (False, True):
+        opts = GemvOptions(pdl=pdl)
+        y = sparse_gemv(x, w_t, threshold_for(x, 0.5), b, options=opts)
+        outs.append((y, *sparse_gemv(x, w_t, threshold_for(x, 0.5), None, residual=y, options=opts)))
+    if not all(torch.equal(off, on) for off, on in zip(*outs, strict=True)):
+        fails.append("pdl=False and pdl=True differ under the interpreter")
+    n += 1
     dense = F.linear(x, w_t.t(), b)
     fails += [m for m in [mismatch(sparse_gemv(x, w_t, 0.0, b), dense, 0.05, "threshold 0 vs F.linear")] if m]
     y = sparse_gemv(x, w_t, math.inf, b)
@@ -237,83 +292,7 @@ def test_triton_kernel_under_interpreter():
     assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
 
 
-def _ablate_worker() -> None:
-    """The timing ablations (sparse_gemv.ABLATE) compute what they say, under TRITON_INTERPRET=1:
-    without x, the sum of the even rows whatever x and the threshold; without the finish, one
-    split's partial (the whole sum when there is one split); with its atomic adds alone, the sum in
-    the workspace; fused calls with the x ablation only; bias and stages 8 refused."""
-    fails, n = [], 0
-    for dtype in (torch.float32, torch.bfloat16):
-        x, w_t, _ = make(203, 70, dtype, seed=21)
-        t = torch.tensor(threshold_for(x, 0.3))
-        even = w_t[::2].float().sum(0, keepdim=True).to(dtype)
-        masked = sparse_gemv_ref(x, w_t, t)
-        slack = 2.0**-7 if dtype == torch.bfloat16 else 0.0
-        for ablate, splits, want, what in ((2, 3, even, "no x"), (1, 1, masked, "no finish, one split"),
-                                           (3, 1, even, "neither")):
-            for stride in (False, True):
-                y = _with_knobs(dict(ABLATE=ablate, ROW_STRIDE_CONST=stride), sparse_gemv, x, w_t, t,
-                                config=(32, 16, splits, 1, 4))
-                tol = 2 * 2.0**-7 * want.float().abs().max().item() + FLOOR[dtype] + slack
-                fails += [m for m in [mismatch(y, want, tol, f"ABLATE={ablate} ({what}) {dtype} stride={stride}")]
-                          if m]
-                n += 1
-    # The decode step's fused calls take the x ablation (their kept rows then follow no ablated input):
-    # norm, up and segments on the tile grid ignored, and with the finish gone too a residual call
-    # stores its partial and sums of squares of 1.0.
-    x, w_t, b = make(64, 64, torch.float32, seed=22)
-    t1 = torch.tensor(0.1)
-    even = w_t[::2].sum(0, keepdim=True)
-    res = make(64, 1, torch.float32, seed=23)[0].reshape(1, 64)
-    norm = (1.0 + 0.1 * make(64, 1, torch.float32, seed=24)[0].reshape(64), sumsq(x), 1e-5)
-    for ablate, kwargs, thr in ((2, dict(norm=norm), t1), (2, dict(up=x.flip(-1)), t1),
-                                (2, dict(segments=[32, 32]), [t1, t1]), (3, dict(residual=res), t1)):
-        got = _with_knobs(dict(ABLATE=ablate), sparse_gemv, x, w_t, thr, config=(32, 16, 1, 1, 4), **kwargs)
-        y, ss = got if "residual" in kwargs else (got, None)
-        what = f"ABLATE={ablate} with {list(kwargs)}"
-        fails += [m for m in [mismatch(y, even, 1e-5, what)] if m]
-        if ss is not None and not torch.equal(ss, torch.ones(2)):
-            fails.append(f"{what}: sums of squares {ss.tolist()}, want [1.0, 1.0]")
-        n += 1
-    for ablate, kwargs, config in ((1, dict(bias=b), (32, 16, 2, 1, 4)), (1, {}, (32, 8, 2, 1, 8)),
-                                   (1, dict(residual=res), (32, 16, 2, 1, 4)), (2, dict(bias=b), (32, 16, 2, 1, 4)),
-                                   (1, dict(norm=norm), (32, 16, 2, 1, 4)), (1, dict(up=x), (32, 16, 2, 1, 4))):
-        try:
-            _with_knobs(dict(ABLATE=ablate), sparse_gemv, x, w_t, 0.1, config=config, **kwargs)
-            fails.append(f"ABLATE={ablate} with {list(kwargs) or config} must be refused")
-        except InputError as e:
-            fails += [] if "timing ablation" in str(e) else [f"ABLATE refusal unclear: {e}"]
-        n += 1
-    # The finish's atomic adds alone: the sum (of every split) is left in the workspace, fp32
-    for ablate, kwargs, want in ((4, {}, sparse_gemv_ref(x, w_t, t1)), (6, dict(residual=res), even)):
-        ws = workspace(64, x.device)
-        got = _with_knobs(dict(ABLATE=ablate), sparse_gemv, x, w_t, t1, ws=ws, config=(32, 16, 3, 1, 4), **kwargs)
-        fails += [m for m in [mismatch(ws[0][None], want, 1e-5, f"ABLATE={ablate} workspace")] if m]
-        if "residual" in kwargs and not torch.equal(got[1], torch.ones(2)):
-            fails.append(f"ABLATE={ablate}: sums of squares {got[1].tolist()}, want [1.0, 1.0]")
-        n += 1
-    for ablate in (5, 7):
-        try:
-            _with_knobs(dict(ABLATE=ablate), sparse_gemv, x, w_t, t1, config=(32, 16, 3, 1, 4))
-            fails.append(f"ABLATE={ablate} (bits 1 and 4) must be refused")
-        except InputError as e:
-            fails += [] if "not together" in str(e) else [f"ABLATE={ablate} refusal unclear: {e}"]
-        n += 1
-    try:  # segments off the tile grid take another loop, which has no ablation
-        _with_knobs(dict(ABLATE=2), sparse_gemv, x, w_t, [t1, t1], config=(32, 16, 1, 1, 4), segments=[20, 44])
-        fails.append("ABLATE with segments off the tile grid must be refused")
-    except InputError as e:
-        fails += [] if "timing ablation" in str(e) else [f"ABLATE refusal unclear: {e}"]
-    print(json.dumps({"cases": n + 1, "fails": fails}))
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_timing_ablations_under_interpreter():
-    report = run_interpreted(__file__, "_ablate_worker")
-    assert report["cases"] == 27 and not report["fails"], "\n".join(report["fails"])
-
-
-def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, evict="", bits=False,
+def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, bits=False,
                         stride=0):
     try:
         import triton
@@ -326,23 +305,21 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
     fn = sg._sparse_gemv_kernel
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
-                  EVEN_N=even_n, COMPACT=False, RPS=16, DBUF=dbuf, GLU=glu,
-                  EVICT=evict, PDL=pdl, PDL_TRIGGER=True, BITS=bits, COLS=block_n // 2 if bits else block_n,
-                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride, ABLATE=0,
-                  FIN=sg.finish_mode(sg.NUM_WARPS))  # the split-K finish as launched
+                  EVEN_N=even_n, DBUF=dbuf, GLU=glu, PDL=pdl, BITS=bits, COLS=block_n // 2 if bits else block_n,
+                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride,
+                  FIN_LOAD=sg.finish_mode(1) == "load")  # the split-K finish as launched
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
-                 Count="*i32", thr_f="fp32", Scratch="*i32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
+                 Count="*i32", thr_f="fp32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})
     # what the launcher specialises (torch's allocations are 16-byte aligned; 4096-row splits are whole tiles)
-    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "stride_w32", "Scratch",
-                                           "rows_per_split", "K")]
+    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "rows_per_split", "K")]
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=sg.NUM_WARPS, num_stages=1))
+                              options=dict(num_warps=1, num_stages=1))
     except (RuntimeError, FileNotFoundError) as e:
         if "ptxas" in str(e).lower():
             pytest.skip(f"no ptxas for sm_90: {e}")
@@ -351,7 +328,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
 
 def _weight_loads(ptx: str) -> list[tuple[str, str]]:
     """(predicate, qualifiers) of each 16-byte vector global load in `ptx` but the split-K
-    finish's reads of the L2 workspace (FINISH_LOAD, `.cg`): the weight loads."""
+    finish's reads of the L2 workspace (`.cg`): the weight loads."""
     loads = re.findall(r"^\s*(@%p\d+ )?ld\.global((?:\.\w+)*)\.v4\.b32", ptx, re.M)
     return [m for m in loads if ".cg" not in m[1]]
 
@@ -365,23 +342,22 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     segment of one warp is 512 bytes, so a dropped channel skips
     whole 128-byte lines rather than a few bytes of each.
     """
-    from sparsedecode.kernels.sparse_gemv import NUM_WARPS, ROW_BYTES
+    from sparsedecode.kernels.sparse_gemv import ROW_BYTES
 
     elem = torch.empty((), dtype=dtype).element_size()
-    block_n, block_k = ROW_BYTES * NUM_WARPS // elem, 32
+    block_n, block_k = ROW_BYTES // elem, 32
     ptx = _compile_for_hopper(dtype, block_n, block_k, even_n=True).asm["ptx"]
     vec = _weight_loads(ptx)
     assert vec and all(p for p, *_ in vec), "weight loads must be predicated ld.global.v4"
-    per_thread = block_k * block_n * elem // 16 // (NUM_WARPS * 32)  # 16-byte vectors per thread and tile
+    per_thread = block_k * block_n * elem // 16 // 32  # 16-byte vectors per thread and tile
     assert len(vec) == per_thread, f"{len(vec)} vector loads per iteration, expected {per_thread}"
     assert "atom.global.gpu.acq_rel.add" in ptx, "the arrival count must be an acq_rel atomic"
-    from sparsedecode.kernels import sparse_gemv as sg
-
-    if sg.FINISH_LOAD and sg.RESET_STORE:  # the defaults: the sum read by loads, no atomic exchange left
-        assert re.search(r"ld\.global\.cg(\.\w+)*\.v4", ptx) and ".exch." not in ptx, "finish: loads and stores"
-    # stages 4: the prologue's tile and the loop's, each as predicated vectors, and in the loop
-    # the next tile's loads come before the sum of the current one
-    ptx4 = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True).asm["ptx"]
+    # one warp: the sum read by loads, no atomic exchange left
+    assert re.search(r"ld\.global\.cg(\.\w+)*\.v4", ptx) and ".exch." not in ptx, "finish: loads and stores"
+    # stages 4 (the weight's row stride compiled in): the prologue's tile and the loop's, each as
+    # predicated vectors, and in the loop the next tile's loads come before the sum of the current one
+    n_cols = 14336
+    ptx4 = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, stride=n_cols).asm["ptx"]
     vec4 = _weight_loads(ptx4)
     assert len(vec4) == 2 * per_thread and all(p for p, *_ in vec4)
     loop = ptx4[ptx4.index("$L__BB0_2:"):]
@@ -390,31 +366,23 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
     # the fp32 partial adds: red.global (Triton 3.9) or a relaxed vector atom (Triton 3.6)
     assert re.search(r"red\.global|atom\.global\.gpu\.relaxed\.add(\.v\d)?\.f32", ptx), "no fp32 atomic partial add"
     # PDL: the grid-dependency wait comes before the first global load
-    pdl = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, pdl=True).asm["ptx"]
+    pdl = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, pdl=True, stride=n_cols).asm["ptx"]
     assert "griddepcontrol.wait" in pdl and pdl.index("griddepcontrol.wait") < pdl.index("ld.global")
     assert "griddepcontrol" not in ptx4, "without PDL the kernel must not wait on a grid dependency"
-    # the evict-first hint reaches every weight load, and only with WEIGHTS_EVICT_FIRST
-    ev = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, evict="evict_first").asm["ptx"]
-    hinted = re.findall(r"ld\.global[.\w:]*L1::evict_first[.\w:]*\.v4\.b32", ev)
-    assert len(hinted) == 2 * per_thread, f"{len(hinted)} evict-first weight loads, expected {2 * per_thread}"
-    assert "evict_first" not in ptx4
-    if dtype == torch.bfloat16:  # BF16_PAIRS: the same predicated vectors, widened by shift and mask
-        pairs = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, bits=True).asm["ptx"]
+    assert "griddepcontrol.launch_dependents" in pdl, "PDL lets the next kernel launch at the start"
+    if dtype == torch.bfloat16:  # bf16 pairs: the same predicated vectors, widened by shift and mask
+        pairs = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, bits=True,
+                                    stride=n_cols).asm["ptx"]
         vecp = _weight_loads(pairs)
         assert len(vecp) == 2 * per_thread and all(p for p, *_ in vecp)
         # only x is converted (8 weights per lane and row in ptx4, one x)
         assert pairs.count("cvt.f32.bf16") * 4 < ptx4.count("cvt.f32.bf16"), "pairs must not convert bf16 weights"
         assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 16", pairs) and "and.b32" in pairs
-    # ROW_STRIDE_CONST: the same predicated vectors, a tile's rows at constant offsets from one
-    # address (immediate offsets in sm_90 SASS); without it, no such offsets
-    n_cols = 14336
+    # the row stride compiled in: a tile's rows at constant offsets from one address (immediate
+    # offsets in sm_90 SASS)
     rows_at = [r * n_cols * elem for r in range(1, block_k)]
-    const = _compile_for_hopper(dtype, block_n, block_k, even_n=True, dbuf=True, stride=n_cols).asm["ptx"]
-    vecc = _weight_loads(const)
-    assert len(vecc) == 2 * per_thread and all(p for p, *_ in vecc), "one predicated vector per row segment"
-    offsets = {int(c) for c in re.findall(r"add\.s64\s+%rd\d+, %rd\d+, (\d+);", const)}
+    offsets = {int(c) for c in re.findall(r"add\.s64\s+%rd\d+, %rd\d+, (\d+);", ptx4)}
     assert set(rows_at) <= offsets, "rows must be constant offsets of one address"
-    assert not set(rows_at) <= {int(c) for c in re.findall(r"add\.s64\s+%rd\d+, %rd\d+, (\d+);", ptx4)}
 
 
 
@@ -430,14 +398,14 @@ def _swiglu_cases(device="cpu", dtypes=(torch.float32, torch.float16)) -> list[s
             t = threshold_for(h, 0.4)
             want = sparse_gemv_ref(h, w_t, t, b)
             ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
-            for config in (None, (64, 16, 3, 1, 4), (64, 8, 2, 1, 1), (64, 16, 3, 1, 8)):
+            for config in (None, (64, 16, 3, 1, 4), (64, 8, 2, 1, 1), (64, 4, 3, 1, 4)):
                 got = sparse_gemv(gate, w_t, torch.tensor(t, device=device), b, config=config, up=up)
                 fails += [m for m in [mismatch(got, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
                                                f"swiglu {dtype} {K}x{N} config={config}")] if m]
             # down in the fused layer: silu(gate) * up formed in the load and the residual added
             res = make(N, 1, dtype, device=device, seed=N)[0]
             want_r = want + res  # eager rounds the projection, then the sum
-            for config in ((64, 16, 3, 1, 4), (64, 8, 2, 1, 8)):
+            for config in ((64, 16, 3, 1, 4), (64, 8, 2, 1, 4)):
                 got, ss = sparse_gemv(gate, w_t, torch.tensor(t, device=device), b, config=config, up=up,
                                       residual=res)
                 what = f"swiglu+residual {dtype} {K}x{N} config={config}"
@@ -453,8 +421,8 @@ def _norm_cases(device="cpu", dtypes=(torch.float32, torch.float16), warps=1) ->
     """The fused RMSNorm of a decoder layer: a producer call with residual= returns residual +
     its output (rounded as eager rounds proj, then the sum) and per-tile sums of squares that
     add up to the new stream's; a consumer call with norm= equals the masked reference on
-    rms_norm of that stream, single and segmented (on and off the BLOCK_N grid), on stages 1, 4
-    and 8; the embedding's stream through `sumsq`. bfloat16 runs on CUDA (the interpreter
+    rms_norm of that stream, single and segmented (on and off the BLOCK_N grid), on stages 1
+    and 4; the embedding's stream through `sumsq`. bfloat16 runs on CUDA (the interpreter
     truncates where PyTorch rounds). warps: every config's num_warps times this."""
     from sparsedecode.kernels.sparse_gemv import sparse_gemv as _sparse_gemv
     from sparsedecode.kernels.sparse_gemv import sparse_gemv_segments_ref, sumsq
@@ -471,7 +439,7 @@ def _norm_cases(device="cpu", dtypes=(torch.float32, torch.float16), warps=1) ->
         res = make(200, 1, dtype, device=device, seed=6)[0]
         t = threshold_for(x, 0.4)
         want = sparse_gemv_ref(x, w_t, t, b) + res  # eager: the projection rounded, then the sum
-        for config in ((64, 16, 3, 1, 4), (64, 8, 5, 1, 8), (64, 16, 2, 1, 1)):
+        for config in ((64, 16, 3, 1, 4), (64, 8, 5, 1, 4), (64, 16, 2, 1, 1)):
             y, ss = sparse_gemv(x, w_t, torch.tensor(t, device=device), b, config=config, residual=res)
             what = f"residual {dtype} config={config}"
             fails += [m for m in [mismatch(y, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype], what)] if m]
@@ -485,7 +453,7 @@ def _norm_cases(device="cpu", dtypes=(torch.float32, torch.float16), warps=1) ->
             t2 = threshold_for(h, keep)
             want2 = sparse_gemv_ref(h, w2, t2, b2)
             tol = 2 * ulp * want2.abs().max().item() + FLOOR[dtype]
-            for config in ((32, 16, 3, 1, 4), (32, 8, 4, 1, 8), (16, 16, 2, 1, 8), (32, 16, 3, 1, 1), None):
+            for config in ((32, 16, 3, 1, 4), (32, 8, 4, 1, 4), (16, 16, 2, 1, 4), (32, 16, 3, 1, 1), None):
                 for partials in ("tiles", "sumsq"):
                     got = sparse_gemv(y, w2, torch.tensor(t2, device=device), b2, config=config,
                                       norm=(nw, ss if partials == "tiles" else sumsq(y), 1e-5))
@@ -512,10 +480,10 @@ def _norm_cases(device="cpu", dtypes=(torch.float32, torch.float16), warps=1) ->
         except InputError as e:
             fails += [] if needle in str(e) else [f"bad norm= ({needle}): unclear error {e}"]
     try:
-        sparse_gemv(y, w2, 0.1, config=(32, 16, 3, 1, 11), norm=(nw, ss, 1e-5))
-        fails.append("stages 11 (removed) must be refused")
+        sparse_gemv(y, w2, 0.1, config=(32, 16, 3, 1, 8), norm=(nw, ss, 1e-5))
+        fails.append("stages 8 (removed) must be refused")
     except InputError as e:
-        fails += [] if "removed" in str(e) else [f"stages 11: unclear error {e}"]
+        fails += [] if "removed" in str(e) else [f"stages 8: unclear error {e}"]
     return fails
 
 
@@ -530,28 +498,24 @@ def test_fused_norm_and_residual_under_interpreter():
     assert not report["fails"], "\n".join(report["fails"])
 
 
-def _finish_load_cases(device="cpu") -> list[str]:
-    """FINISH_LOAD (the last split reads the tile's sum with loads and zeroes it with stores) and
-    RESET_STORE (it zeroes the arrival count with a store), each alone and together, give what the
-    atomic exchanges give and leave the workspace and counts at zero: the three loops, one split and
-    several, with a bias, and with a residual (the fused layer's o and down)."""
+def _finish_cases(device="cpu") -> list[str]:
+    """The split-K finish of one-warp programs (the sum read by loads, the count reset by a store)
+    gives what the atomic exchanges of multi-warp programs give (bit for bit under the interpreter,
+    where the warps change nothing else) and both leave the workspace at zero: the two loops, one
+    split and several, with a bias, and with a residual (the fused layer's o and down)."""
     fails = []
     x, w_t, b = make(577, 139, torch.bfloat16, device=device, seed=31)
     res = torch.randn(1, 139, generator=torch.Generator().manual_seed(32)).to(device, torch.bfloat16)
     t = threshold_for(x, 0.3)
-    for stages, splits in ((1, 1), (1, 5), (4, 3), (4, 19), (8, 1), (8, 4)):
+    for stages, splits in ((1, 1), (1, 5), (4, 3), (4, 19), (4, 1), (1, 4)):
         for resid in (False, True):
             kwargs = {"residual": res} if resid else {}
             bias = None if resid else b
             ws = workspace(139, x.device)
-            cfg = (64, 16, splits, 1, stages)
-            want = _with_knobs(dict(FINISH_LOAD=False, RESET_STORE=False), sparse_gemv, x, w_t, t, bias, ws=ws,
-                               config=cfg, **kwargs)
-            load, reset = (True, stages != 4) if splits % 2 else (stages == 4, True)  # each alone and both
-            got = _with_knobs(dict(FINISH_LOAD=load, RESET_STORE=reset), sparse_gemv, x, w_t, t, bias, ws=ws,
-                              config=cfg, **kwargs)
+            want = sparse_gemv(x, w_t, t, bias, ws=ws, config=(64, 16, splits, 2, stages), **kwargs)
+            got = sparse_gemv(x, w_t, t, bias, ws=ws, config=(64, 16, splits, 1, stages), **kwargs)
             want, got = (want[0], got[0]) if resid else (want, got)
-            what = f"FINISH_LOAD={load} RESET_STORE={reset} stages={stages} splits={splits} residual={resid}"
+            what = f"finish stages={stages} splits={splits} residual={resid}"
             tol = 0.0 if device == "cpu" else 2 * 2.0**-7 * want.float().abs().max().item()  # CUDA: add order
             fails += [m for m in [mismatch(got, want, tol, what)] if m]
             if ws[0].abs().sum().item() or ws[1].abs().sum().item():
@@ -559,25 +523,12 @@ def _finish_load_cases(device="cpu") -> list[str]:
     return fails
 
 
-def _with_pairs(pairs: bool, fn, *args, **kwargs):
-    """fn(*args, **kwargs) with sparse_gemv.BF16_PAIRS set to `pairs`, restored after."""
-    return _with_knobs(dict(BF16_PAIRS=pairs), fn, *args, **kwargs)
-
-
-def _with_knobs(values: dict, fn, *args, **kwargs):
-    """fn(*args, **kwargs) with the sparse_gemv module knobs set as `values` says, restored after."""
-    with _knob_context(**values):
-        return fn(*args, **kwargs)
-
-
-def _stride_const_cases(device="cpu") -> list[str]:
-    """ROW_STRIDE_CONST (stages 4 with the weight's row stride compiled in) gives what stages 4
-    gives without it (bit for bit under the interpreter; on CUDA, where the order of the splits'
-    atomic adds varies, within rounding): plain, SwiGLU and normed inputs, a residual output,
-    aligned segments, a strided column slice, partial last splits and tiles, every row dropped,
-    and the dtypes."""
-    from sparsedecode.kernels.sparse_gemv import sumsq
-
+def _loop_cases(device="cpu") -> list[str]:
+    """Stages 4 (two tiles in flight, the row stride compiled in, bf16 read as int32 pairs where
+    N and the stride are even) gives what the plain loop gives (bit for bit under the interpreter;
+    on CUDA, where the order of the splits' atomic adds varies, within rounding): plain, SwiGLU and
+    normed inputs, a residual output, aligned segments, a strided column slice, partial last
+    splits and tiles, every row dropped, and the dtypes."""
     fails = []
     shapes = ((301, 130, (64, 16, 5, 1, 4)), (100, 40, (32, 8, 7, 1, 4))) if device == "cpu" else (
         (301, 130, (64, 16, 5, 1, 4)), (577, 203, (64, 8, 19, 1, 4)), (4096, 14336, None), (14336, 4096, None))
@@ -600,33 +551,19 @@ def _stride_const_cases(device="cpu") -> list[str]:
                            dict(segments=[half, N - half])),
                           ("strided slice", (x, w_t[:, 8:8 + N // 2], t, None), {})]
             for what, args, kwargs in calls:
-                cfg = config if what != "strided slice" or config is None else (16, *config[1:])
-                want = _with_knobs(dict(ROW_STRIDE_CONST=False), sparse_gemv, *args, config=cfg, **kwargs)
-                got = _with_knobs(dict(ROW_STRIDE_CONST=True), sparse_gemv, *args, config=cfg, **kwargs)
+                cfg = config or default_config(K, args[1].shape[1], dtype, x.device)
+                cfg = (16, *cfg[1:]) if what == "strided slice" and config else cfg
+                want = sparse_gemv(*args, config=(*cfg[:4], 1), **kwargs)
+                got = sparse_gemv(*args, config=cfg, **kwargs)
                 pairs = list(zip(got, want, strict=True)) if isinstance(got, tuple) else [(got, want)]
                 if device == "cpu":  # the interpreter runs the splits in order: the same sums, bit for bit
                     if not all(torch.equal(g, w) for g, w in pairs):
-                        fails.append(f"ROW_STRIDE_CONST {dtype} {K}x{N} {cfg} {what}: differs from stages 4 without it")
+                        fails.append(f"stages 4 {dtype} {K}x{N} {cfg} {what}: differs from the plain loop")
                 else:  # the splits' fp32 atomic adds land in any order
                     ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
                     for g, w in pairs:
                         tol = 2 * ulp * w.float().abs().max().item() + FLOOR[dtype]
-                        fails += [m for m in [mismatch(g, w, tol, f"ROW_STRIDE_CONST {dtype} {K}x{N} {what}")] if m]
-    return fails
-
-
-def _pairs_cases() -> list[str]:
-    """BF16_PAIRS (stages 4 and 8 widen bf16 read as int32 pairs) gives bit for bit what Triton's
-    conversion gives, on even N (pairs) and odd N (no pairs)."""
-    fails = []
-    for K, N in ((301, 130), (301, 203)):
-        x, w_t, b = make(K, N, torch.bfloat16, seed=K + N)
-        t = threshold_for(x, 0.4)
-        for config in ((64, 16, 5, 1, 4), (16, 4, 7, 1, 8), (128, 8, 2, 1, 8)):
-            want = _with_pairs(False, sparse_gemv, x, w_t, t, b, config=config)
-            got = _with_pairs(True, sparse_gemv, x, w_t, t, b, config=config)
-            if not torch.equal(got, want):
-                fails.append(f"BF16_PAIRS {K}x{N} {config}: differs from the bf16 conversion")
+                        fails += [m for m in [mismatch(g, w, tol, f"stages 4 {dtype} {K}x{N} {what}")] if m]
     return fails
 
 
@@ -643,7 +580,7 @@ def _segment_cases(device="cpu") -> list[str]:
         want = sparse_gemv_segments_ref(x, w_t, thr, widths, b)
         ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 20)
         what = f"segments {widths} {dtype} BLOCK_N={block_n}"
-        for stages in (1, 4, 8):  # stages 4 and 8 fall back to the plain loop off the tile grid
+        for stages in (1, 4):  # stages 4 falls back to the plain loop off the tile grid
             y = sparse_gemv(x, w_t, thr, b, segments=widths, config=(block_n, 16, 5, 1, stages))
             fails += [m for m in [mismatch(y, want, 2 * ulp * want.abs().max().item() + FLOOR[dtype],
                                            f"{what} stages={stages}")] if m]
@@ -675,18 +612,11 @@ def test_kernel_on_cuda(keep, K, N, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("pairs", [False, True], ids=["bf16", "pairs"])
-@pytest.mark.parametrize("config", [(256, 8, 37, 1, 8), (512, 4, 20, 1, 8), (256, 4, 50, 1, 8), (256, 16, 37, 1, 4),
+@pytest.mark.parametrize("config", [(256, 8, 37, 1, 4), (512, 4, 20, 1, 4), (256, 16, 37, 1, 4),
                                     (256, 16, 37, 1, 1), (2048, 16, 37, 8, 4), (1024, 16, 37, 4, 4)], ids=str)
-def test_loop_configs_on_cuda(config, pairs, monkeypatch):
-    """Stages 8 (each program lists its split's kept rows, then streams them two tiles at a
-    time) and 4, with and without BF16_PAIRS, and the plain loop, against float64 on the
-    issue's shapes, and in a graph whose threshold moves."""
-    from sparsedecode.kernels import sparse_gemv as sg
-
-    if pairs and config[4] not in (4, 8):
-        pytest.skip("BF16_PAIRS applies to stages 4 and 8")
-    monkeypatch.setattr(sg, "BF16_PAIRS", pairs)
+def test_loop_configs_on_cuda(config):
+    """Stages 4 (bf16 read as int32 pairs where it applies) and the plain loop, one warp and
+    several, against float64 on the issue's shapes, and in a graph whose threshold moves."""
     fails = []
     for dtype in (torch.bfloat16, torch.float16):
         for K, N in ((577, 1537), (4096, 14336), (14336, 4096)):
@@ -713,60 +643,42 @@ def test_loop_configs_on_cuda(config, pairs, monkeypatch):
 
 
 @gpu
-def test_finish_load_on_cuda():
-    fails = _finish_load_cases(device="cuda")
+def test_finish_on_cuda():
+    fails = _finish_cases(device="cuda")
     # the issue's shapes at the default config, replayed in a graph: the workspace is zero after each
     for K, N in ((4096, 14336), (14336, 4096)):
         x, w_t, b = make(K, N, torch.bfloat16, device="cuda", seed=K + 5)
         ws, t = workspace(N, "cuda"), torch.tensor(threshold_for(x, 0.3), device="cuda")
-        with _knob_context(FINISH_LOAD=True, RESET_STORE=True):
-            sparse_gemv(x, w_t, t, b, ws=ws)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = sparse_gemv(x, w_t, t, b, ws=ws)
+        sparse_gemv(x, w_t, t, b, ws=ws)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = sparse_gemv(x, w_t, t, b, ws=ws)
         for _ in range(3):
             graph.replay()
-            fails += check(out, x, w_t, t.item(), b, f"FINISH_LOAD {K}x{N} graph replay")
+            fails += check(out, x, w_t, t.item(), b, f"finish {K}x{N} graph replay")
             if ws[0].abs().sum().item() or ws[1].abs().sum().item():
-                fails.append(f"FINISH_LOAD {K}x{N}: the workspace is not back at zero after a replay")
+                fails.append(f"finish {K}x{N}: the workspace is not back at zero after a replay")
     assert not fails, "\n".join(fails)
 
 
 def test_finish_mode_is_one_warp_only():
-    """FINISH_LOAD and RESET_STORE reach the kernel for one-warp programs only; programs of
-    several warps keep the atomic exchanges (a two-warp config returned wrong sums with them)."""
-    from sparsedecode.kernels import sparse_gemv as sg
-
-    with _knob_context(FINISH_LOAD=True, RESET_STORE=True):
-        assert sg.finish_mode(1) == 3 and sg.finish_mode(2) == 0 and sg.finish_mode(8) == 0
-    with _knob_context(FINISH_LOAD=False, RESET_STORE=True):
-        assert sg.finish_mode(1) == 2
-    with _knob_context(FINISH_LOAD=True, RESET_STORE=False):
-        assert sg.finish_mode(1) == 1
-
-
-def _knob_context(**values):
-    """The sparse_gemv module knobs set as `values` says for a with block (`kernels.knobs`)."""
-    from sparsedecode.kernels import knobs
-    from sparsedecode.kernels import sparse_gemv as sg
-
-    return knobs(sg, **values)
+    """The cheaper split-K finish reaches the kernel for one-warp programs only; programs of
+    several warps keep the atomic exchanges (a two-warp config returned wrong sums with it)."""
+    assert common.finish_mode(1) == "load"
+    assert common.finish_mode(2) == common.finish_mode(8) == "xchg"
 
 
 @gpu
-def test_constant_stride_on_cuda():
-    fails = _stride_const_cases(device="cuda")
+def test_stages_4_matches_the_plain_loop_on_cuda():
+    fails = _loop_cases(device="cuda")
     assert not fails, "\n".join(fails)
 
 
 @gpu
 @pytest.mark.parametrize("num_warps", [1, 8])
-def test_fused_norm_and_residual_on_cuda(num_warps, monkeypatch):
+def test_fused_norm_and_residual_on_cuda(num_warps):
     """The fused norm and residual on CUDA, also with programs of 8 warps (the residual's sum of
     squares then reduces across warps)."""
-    from sparsedecode.kernels import sparse_gemv as sg
-
-    monkeypatch.setattr(sg, "NUM_WARPS", num_warps)
     fails = _norm_cases(device="cuda", dtypes=(torch.bfloat16, torch.float16, torch.float32), warps=num_warps)
     assert not fails, "\n".join(fails)
 
@@ -814,11 +726,9 @@ def test_compiled_kernel_fits_its_register_cap():
 
 
 @gpu
-def test_swiglu_input_and_pdl_chain_on_cuda(monkeypatch):
+def test_swiglu_input_and_pdl_chain_on_cuda():
     """silu(gate) * up formed in the load, in every dtype; then a chain of dependent calls
     launched with PDL and captured in a graph gives what the same chain gives without PDL."""
-    from sparsedecode.kernels import sparse_gemv as sg
-
     fails = _swiglu_cases("cuda", DTYPES)
     assert not fails, "\n".join(fails)
     x, w1, _ = make(4096, 14336, torch.bfloat16, device="cuda", seed=5, bias=False)
@@ -826,15 +736,13 @@ def test_swiglu_input_and_pdl_chain_on_cuda(monkeypatch):
     t1, t2 = torch.tensor(0.5, device="cuda"), torch.tensor(0.02, device="cuda")
     ws1, ws2 = workspace(14336, "cuda"), workspace(4096, "cuda")
 
-    def chain(x):
+    def chain(x, options=GemvOptions()):
         for _ in range(3):  # each call reads what the one before wrote
-            h = sparse_gemv(x, w1, t1, ws=ws1)
-            x = sparse_gemv(h, w2, t2, ws=ws2) * 0.05
+            h = sparse_gemv(x, w1, t1, ws=ws1, options=options)
+            x = sparse_gemv(h, w2, t2, ws=ws2, options=options) * 0.05
         return x
 
-    monkeypatch.setattr(sg, "PDL", False)  # the reference chain: plain launches (PDL is the default)
-    want = chain(x)
-    monkeypatch.setattr(sg, "PDL", True)
+    want = chain(x, GemvOptions(pdl=False))  # the reference chain: plain launches (PDL is the default)
     chain(x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

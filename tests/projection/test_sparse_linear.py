@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import sparsedecode
 from interpreted import run_interpreted
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.options import GemvOptions
 from sparsedecode.projection.sparse_linear import (
     SITE_KEYS,
     SparseConcat,
@@ -26,6 +27,7 @@ from sparsedecode.projection.sparse_linear import (
     densify_,
     projection_call_bytes,
     realized_projection_keep,
+    set_gemv_options_,
     site_key,
     sparse_modules,
     sparsify_,
@@ -189,6 +191,72 @@ def test_dtype_cast_keeps_threshold_counts_and_workspace():
     assert fused.w_t.dtype == torch.bfloat16 and fused.ws_acc.dtype == torch.float32
 
 
+def test_gemv_options_are_held_by_every_sparse_module(engine):
+    """sparsify_(gemv=) and set_gemv_options_ set the GemvOptions on every SparseLinear and
+    SparseConcat; without gemv= new modules take the defaults and existing ones keep theirs."""
+    n_layers = engine.model.args.n_layers
+    mods = sparsify_(engine.model, all_keys(n_layers, 0.1), fuse=True)
+    assert all(m.options == GemvOptions() for m in mods)
+    opts = GemvOptions(pdl=False, programs_per_sm=4)
+    fused = [layer.self_attn.qkv for layer in engine.model.layers] + [layer.mlp.gate_up for layer in engine.model.layers]
+    assert set_gemv_options_(engine.model, opts) == 7 * n_layers + len(fused)
+    assert all(m.options is opts for m in mods + fused)
+    sparsify_(engine.model, all_keys(n_layers, 0.2))  # no gemv=: the modules keep theirs
+    assert all(m.options is opts for m in sparse_modules(engine.model))
+    again = GemvOptions(programs_per_sm=2)
+    sparsify_(engine.model, all_keys(n_layers, 0.2), gemv=again)
+    assert all(m.options is again for m in sparse_modules(engine.model) + fused)
+    with pytest.raises(InputError, match="GemvOptions"):
+        set_gemv_options_(engine.model, {"pdl": False})
+    with pytest.raises(InputError, match="GemvOptions"):
+        SparseLinear.from_linear(nn.Linear(8, 4), 0.1, options="pdl=false")
+
+
+def _options_worker() -> None:
+    """Under TRITON_INTERPRET=1: a SparseLinear's GemvOptions reach the custom op as plain values
+    (programs_per_sm into default_config, whose split count it sets on a CUDA device), and the
+    numbers equal the masked reference whatever the options."""
+    import json
+
+    from sparsedecode.kernels import common
+    from sparsedecode.kernels import sparse_gemv as sg
+    from sparsedecode.kernels.sparse_gemv import sparse_gemv_ref
+
+    seen, rule = [], sg.default_config
+
+    def spy(K, N, dtype, device, programs_per_sm=16):
+        seen.append(programs_per_sm)
+        return rule(K, N, dtype, device, programs_per_sm)
+
+    sg.default_config = spy
+    torch.manual_seed(0)
+    lin = nn.Linear(301, 203)
+    x = torch.randn(1, 301)
+    outs = {}
+    for opts in (GemvOptions(), GemvOptions(programs_per_sm=1), GemvOptions(pdl=False, programs_per_sm=3)):
+        sp = SparseLinear.from_linear(lin, 0.4, options=opts)
+        outs[str(opts)] = (sp(x), sp(x, residual=torch.ones(1, 203))[0])
+    want = sparse_gemv_ref(x, sp.w_t, sp.threshold, sp.bias)
+    sg.default_config = rule
+    common.sm_count = lambda index: 132
+    cuda = torch.device("cuda", 0)
+    first, *rest = outs.values()
+    print(json.dumps({
+        "seen": sorted(set(seen)),
+        "err": max((y - want).abs().max().item() for y, _ in outs.values()),
+        "equal": all(torch.equal(a, b) for other in rest for a, b in zip(first, other, strict=True)),
+        "splits": [rule(4096, 14336, torch.bfloat16, cuda, p)[2] for p in (16, 1)],
+    }))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_gemv_options_reach_the_kernel_under_interpreter():
+    r = run_interpreted(__file__, "_options_worker")
+    assert r["seen"] == [1, 3, 16], r  # every module's programs_per_sm reached default_config
+    assert r["err"] <= 1e-5 and r["equal"], r
+    assert r["splits"][1] < r["splits"][0], r  # programs_per_sm=1: fewer splits on an H200-sized GPU
+
+
 # ---- CUDA: the Triton kernel at the sites, compiled and captured by the engine -------------------
 
 
@@ -209,16 +277,15 @@ def test_sparse_engine_on_cuda_matches_masked_reference():
     assert realized_projection_keep(gpu.model) == pytest.approx(realized_projection_keep(cpu.model), abs=0.02)
 
 
-def _fused_worker(swiglu: bool = False) -> None:
+def _fused_worker() -> None:
     """Under TRITON_INTERPRET=1: q|k|v and gate|up as one segmented kernel launch each
-    (SparseConcat), with the layers' RMSNorms and residual adds in the launches (FUSE_NORMS),
-    against the unfused masked reference, site by site thresholds. With `swiglu`, down also
-    forms silu(gate) * up in its load (FUSE_SWIGLU) as it adds the residual."""
+    (SparseConcat), with the layers' RMSNorms and residual adds in the launches, down forming
+    silu(gate) * up in its load as it adds the residual, against the unfused masked reference,
+    site by site thresholds."""
     import json
 
     from sparsedecode.projection import sparse_linear
 
-    sparse_linear.FUSE_SWIGLU = swiglu
     glu_residual = []
     kernel = sparse_linear.sparse_gemv
 
@@ -267,26 +334,12 @@ def _fused_worker(swiglu: bool = False) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_fused_qkv_and_gate_up_match_unfused_under_interpreter():
+def test_fused_layer_matches_unfused_under_interpreter():
     r = run_interpreted(__file__, "_fused_worker")
     assert r["attached"] == ["SparseConcat"] * 4 and r["shares"], r
     assert r["fused_calls"] == 2 * 2 * len(DECODE), "each decode step must run both fused launches per layer"
-    # FUSE_NORMS: every decode launch of q|k|v and gate|up norms its input, o and down add the residual
-    assert r["normed_calls"] == r["residual_calls"] == 2 * 2 * len(DECODE), r
-    assert r["decode_err"] <= 1e-5 * r["scale"], r
-    assert r["keeps"][0] == pytest.approx(r["keeps"][1], rel=1e-12) and 0.3 < r["keeps"][0] < 0.7, r
-    assert r["prefill_equal"] and r["unfused"] and r["dense_after_densify"], r
-    assert r["glu_residual_calls"] == 0, r
-
-
-def _fused_swiglu_worker() -> None:
-    _fused_worker(swiglu=True)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_fused_layer_with_swiglu_in_down_matches_unfused_under_interpreter():
-    r = run_interpreted(__file__, "_fused_swiglu_worker")
-    # o adds the residual through its forward; down forms silu(gate) * up and adds the residual in one launch
+    # every decode launch of q|k|v and gate|up norms its input; o adds the residual through its
+    # forward, down forms silu(gate) * up and adds the residual in one launch
     assert r["normed_calls"] == 2 * 2 * len(DECODE) and r["residual_calls"] == 2 * len(DECODE), r
     assert r["glu_residual_calls"] == 2 * len(DECODE), r
     assert r["decode_err"] <= 1e-5 * r["scale"], r

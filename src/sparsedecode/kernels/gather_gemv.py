@@ -23,15 +23,14 @@ K elements and a dropped one is a row never loaded:
   BLOCK_J registers per lane, not 8 x BLOCK_J: registers are what bound the
   loads in flight), and the lanes are reduced with shuffles once per group.
   With one warp nothing in the loop goes through shared memory or a barrier.
-- Batch-1 decode has too few row blocks to fill 132 SMs (14336 rows are 224
-  blocks of 64), so the grid is (row blocks, K splits) sized from the SM count,
-  and the splits are reduced in the same kernel as in `sparse_gemv`: partial
-  sums go to an fp32 workspace with atomics (it stays in L2), a per-block
-  arrival counter elects the last program, which takes the sums with an atomic
-  exchange (leaving the workspace at zero), applies bias and gate_act, writes
-  all BLOCK_R outputs (exact zeros for dropped rows) and resets the counter.
-  One launch, no host sync, threshold read on the device: capturable in a CUDA
-  graph and replayable. With one split there are no atomics and no workspace.
+- Batch-1 decode has too few row blocks to fill 132 SMs (14336 rows are 448
+  blocks of 32), so the grid is (row blocks, K splits) sized from the SM count,
+  and the splits are reduced in the same kernel by `kernels.common`'s split-K
+  finish (as in `sparse_gemv`); the last program of a block applies bias and
+  gate_act and writes all BLOCK_R outputs (exact zeros for dropped rows, which
+  were never added to). One launch, no host sync, threshold read on the device:
+  capturable in a CUDA graph and replayable. With one split there are no atomics
+  and no workspace.
 
 `cats_up_ref` is the same math as a masked PyTorch reference: it reads every row
 and zeroes the dropped channels, so it saves no bytes ('masked'). It is the
@@ -44,15 +43,16 @@ import torch
 from torch import Tensor
 
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.sparse_gemv import (
+from sparsedecode.kernels import common
+from sparsedecode.kernels.common import (
     DTYPES,
-    _interpreting,
-    _pow2,
-    _rows_per_split,
-    _sm_count,
-    _splits,
+    MIN_BLOCK,
     check_threshold,
+    finish_mode,
+    interpreting,
     keep_mask,
+    pow2,
+    rows_per_split,
     workspace,
 )
 
@@ -66,15 +66,8 @@ ROW_BYTES = 512  # bytes of one row segment per tile: one 16-byte vector per lan
 BLOCK_R = 32  # candidate rows per program; the kept ones are compacted into groups of BLOCK_J
 BLOCK_J = 8  # kept rows per tile: 8 x 512 B = 4 KB of weight per iteration, 8 vectors per lane
 NUM_WARPS = 1
-# Programs per SM at the default split. Every tile but the last of a block is full of kept
-# rows, so the bytes in flight per SM are about (resident programs) x tile bytes at any keep.
-# Measured on the H200 (`benchmarks/cats_gemv_bench.py --sweep`, records in
-# benchmarks/records/h200/cats_gemv_20261129T203130Z): 32 candidate rows packed into tiles of
-# 8, 24 one-warp programs per SM, beat 10 other configs at keeps 1, 0.5 and 0.3 (the first
-# guess, 64 rows in tiles of 16 at 16 per SM, was 1.4-1.6x slower).
-PROGRAMS_PER_SM = 24
+PROGRAMS_PER_SM = 24  # at the default split (docs/kernels/sparse_gemv.md#cats-up)
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
-MIN_BLOCK = 16  # smallest BLOCK_R / BLOCK_K: workspace() sizes its counters for BLOCK_R >= 16
 
 
 def check_inputs(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None
@@ -125,28 +118,29 @@ def cats_up_ref(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tens
 def default_config(N: int, K: int, dtype: torch.dtype, device: torch.device,
                    programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int, int, int, int]:
     """(BLOCK_R, BLOCK_J, BLOCK_K, splits, num_warps) for an (N, K) weight: static per shape
-    and device. The K splits bring the grid to about `programs_per_sm` programs per SM."""
+    and device. The K splits bring the grid to about `programs_per_sm` one-warp programs per
+    SM (MIN_BLOCK: the smallest BLOCK_R and BLOCK_K; workspace() sizes its counters for it)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    block_r = max(MIN_BLOCK, min(BLOCK_R, _pow2(N)))
+    block_r = max(MIN_BLOCK, min(BLOCK_R, pow2(N)))
     block_j = min(BLOCK_J, block_r)
-    block_k = max(MIN_BLOCK, min(ROW_BYTES // elem, _pow2(K)))
+    block_k = max(MIN_BLOCK, min(ROW_BYTES // elem, pow2(K)))
     blocks = -(-N // block_r)
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        want = max(1, round(programs_per_sm * _sm_count(index) / blocks))
+        want = max(1, round(programs_per_sm * common.sm_count(common.device_index(device)) / blocks))
     else:
         want = CPU_SPLITS
-    return block_r, block_j, block_k, _splits(K, block_k, want), NUM_WARPS
+    return block_r, block_j, block_k, common.splits(K, block_k, want), NUM_WARPS
 
 
 if triton is not None:
+    from sparsedecode.kernels.common import split_arrive, split_reset, split_take
 
     @triton.jit
     def _cats_up_kernel(
         X, W, G, Bias, Thr, Y, Acc, Count, thr_f, K, N, cols_per_split, num_splits,
         BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
         THR_T: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-        VEC: tl.constexpr,
+        VEC: tl.constexpr, FIN_LOAD: tl.constexpr,
     ):
         # Program (row block, k split): BLOCK_R candidate rows, columns
         # [pid_k * cols_per_split, + cols_per_split) of each kept one.
@@ -197,21 +191,14 @@ if triton is not None:
                 a_j = tl.load(G + rows, mask=valid, other=0.0).to(tl.float32)
                 tl.store(Y + rows, (a_j * part).to(Y.dtype.element_ty), mask=valid)
         if SPLIT:
-            # All lanes' partial adds precede the release of the arrival count (bar.sync, then a
-            # release atomic, which is cumulative); the last arrival acquires it and so sees them.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(Count + pid_r, 1, sem="acq_rel")
-            if arrived == num_splits - 1:
-                # The sums, and the workspace back at zero, in one atomic (on the float's bits);
-                # dropped rows were never added to and are left alone.
-                acc_bits = Acc.to(tl.pointer_type(tl.int32)) + offs_r
-                total = tl.atomic_xchg(acc_bits, tl.zeros([BLOCK_R], dtype=tl.int32), mask=keep,
-                                       sem="relaxed").to(tl.float32, bitcast=True)
+            if split_arrive(Count, pid_r, num_splits):
+                # the sums of the kept rows (dropped rows were never added to and are left alone)
+                total = split_take(Acc, offs_r, keep, FIN_LOAD)
                 if HAS_BIAS:
                     total += tl.load(Bias + offs_r, mask=keep, other=0.0).to(tl.float32)
                 h = tl.where(keep, a * total, 0.0)
                 tl.store(Y + offs_r, h.to(Y.dtype.element_ty), mask=in_n)
-                tl.atomic_xchg(Count + pid_r, 0, sem="relaxed")
+                split_reset(Count, pid_r, FIN_LOAD)
         else:
             tl.store(Y + offs_r, tl.zeros([BLOCK_R], dtype=Y.dtype.element_ty), mask=in_n & ~keep)
 
@@ -220,25 +207,25 @@ if triton is not None:
 def _cats_up_op(
     x: Tensor, w_up: Tensor, gate_act: Tensor, thr_t: Tensor | None, thr_f: float, bias: Tensor | None,
     ws_acc: Tensor | None, ws_count: Tensor | None,
-    block_r: int, block_j: int, block_k: int, splits: int, num_warps: int,
+    block_r: int, block_j: int, block_k: int, splits: int, num_warps: int, programs_per_sm: int,
 ) -> Tensor:
     # Declared pure although it writes the workspace: the kernel returns it to all-zero
     # before it exits (see sparse_gemv). Host-side choices run at trace and capture time.
     N, K = w_up.shape
     if not block_r:
-        block_r, block_j, block_k, splits, num_warps = default_config(N, K, x.dtype, x.device)
+        block_r, block_j, block_k, splits, num_warps = default_config(N, K, x.dtype, x.device, programs_per_sm)
     else:
-        splits = _splits(K, block_k, splits)
+        splits = common.splits(K, block_k, splits)
     if splits > 1 and (ws_acc is None or ws_count is None):
         ws_acc, ws_count = workspace(N, x.device)  # a memset: capturable, but a node more
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     _cats_up_kernel[(triton.cdiv(N, block_r), splits)](
         x, w_up, gate_act, bias if bias is not None else x, thr_t if thr_t is not None else gate_act, y,
         ws_acc if splits > 1 else y, ws_count if splits > 1 else y, thr_f, K, N,
-        _rows_per_split(K, block_k, splits), splits,
+        rows_per_split(K, block_k, splits), splits,
         BLOCK_R=block_r, BLOCK_J=block_j, BLOCK_K=block_k, THR_T=thr_t is not None,
         HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0, SPLIT=splits > 1, VEC=16 // x.element_size(),
-        num_warps=num_warps, num_stages=1,
+        FIN_LOAD=finish_mode(num_warps) == "load", num_warps=num_warps, num_stages=1,
     )
     return y
 
@@ -251,6 +238,7 @@ def _(x, w_up, gate_act, thr_t, thr_f, bias, ws_acc, ws_count, *config):
 def cats_up(
     x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None = None,
     ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
+    *, programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> Tensor:
     """CATS-gated up projection of one token with the Triton kernel (CUDA, or CPU under
     TRITON_INTERPRET=1): reads only the rows of w_up whose channel is kept.
@@ -262,12 +250,15 @@ def cats_up(
     |gate_act_j| > threshold (float32 compare), exactly 0 elsewhere; fp32 accumulation.
     `ws` is a persistent `sparse_gemv.workspace(N, device)` (without it each split call
     zeroes a fresh one); `config` (BLOCK_R, BLOCK_J, BLOCK_K, splits, num_warps) overrides
-    `default_config`, for tuning.
+    `default_config`, for tuning; without it the splits aim at `programs_per_sm` programs per
+    SM (a plain value of the custom op, so a captured graph bakes it in).
     """
     if triton is None:
         raise InputError("the CATS up kernel needs Triton: pip install triton (or use cats_up_ref)")
+    if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) or programs_per_sm < 1:
+        raise InputError(f"programs_per_sm must be an integer >= 1, got {programs_per_sm!r}")
     N, K = check_inputs(x, w_up, gate_act, threshold, bias)
-    if not (x.is_cuda or _interpreting()):
+    if not (x.is_cuda or interpreting()):
         raise InputError(
             "the CATS up Triton kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1); "
             "use cats_up_ref, the masked reference"
@@ -293,7 +284,7 @@ def cats_up(
     bias = None if bias is None else bias.contiguous()
     h = _cats_up_op(x.reshape(K).contiguous(), w_up, gate_act.reshape(N).contiguous(), thr_t, thr_f, bias,
                     *(ws or (None, None)),
-                    *(config or (0, 0, 0, 0, 0)))
+                    *(config or (0, 0, 0, 0, 0)), programs_per_sm)
     return h.reshape(*gate_act.shape[:-1], N)
 
 

@@ -35,8 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparsedecode.kernels.common import interpreting as _interpreting
+from sparsedecode.kernels.common import keep_mask, workspace
 from sparsedecode.kernels.gather_gemv import cats_up
-from sparsedecode.kernels.sparse_gemv import _interpreting, keep_mask, workspace
 from sparsedecode.projection.sparse_linear import FixedDtypeBuffers, SparseLinear
 
 KEEP_ALL = -1.0  # an effective threshold below every |SiLU(gate)|: the dense path

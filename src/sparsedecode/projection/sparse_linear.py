@@ -11,6 +11,10 @@ input channel's outputs are contiguous and a dropped channel is a skipped row
 `sparse_gemv_ref`, the masked reference, which computes the same outputs but
 reads every weight ('masked': it saves no bytes and no time).
 
+Each sparse module holds the `GemvOptions` it launches with (`options`; `sparsify_(...,
+gemv=)`, `set_gemv_options_`), passed to the kernel as plain values: a decode step captured
+or compiled before the options change keeps the old ones, so capture again.
+
 The realized keep, the fraction of projection weight bytes actually read, is
 counted on the device when `track` is on: each sparse call adds [kept channels,
 channels] to a float64 buffer in place (no host sync, capturable), and
@@ -26,33 +30,29 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.sparse_gemv import (
-    _interpreting,
-    keep_mask,
-    sparse_gemv,
-    sparse_gemv_ref,
-    workspace,
-)
+from sparsedecode.kernels.common import interpreting, keep_mask, workspace
+from sparsedecode.kernels.options import GemvOptions
+from sparsedecode.kernels.sparse_gemv import sparse_gemv, sparse_gemv_ref
 from sparsedecode.projection.thresholds import MODULE_OF
 from sparsedecode.projection.thresholds import site_key as threshold_key
 
 SITE_KEYS = {module: short for short, module in MODULE_OF.items()}  # 'gate_proj' -> 'gate'
 FF_SITES = ("gate_proj", "up_proj", "down_proj")
-# True: the sparse down projection forms silu(gate) * up in its kernel's input load (one launch
-# fewer per layer), with or without FUSE_NORMS. On: with the sparse GEMVs launched as programmatic
-# dependents (`sparse_gemv.PDL`) down then follows gate|up directly, and the llama-3.1-8b step at
-# keep 0.5 read 93.8% and 93.9% of its byte bound against 93.4% and 93.5% without it (records
-# h200/sparse_gemv_20261201T0625Z_pdl). Without PDL, before the register cap of max_registers, it
-# lost: 3.402 ms against 3.247 (every down program recomputes silu for its rows; records
-# h200/sparse_gemv_20261130T1305Z/step).
-FUSE_SWIGLU = True
-# True: where q|k|v and gate|up run as one sparse launch each (CUDA, or TRITON_INTERPRET=1) and o
-# and down are sparse, a decode step's RMSNorms and residual adds run inside the sparse GEMVs
-# (`kernels.sparse_gemv` residual= and norm=): o and down add the residual and leave per-tile
-# sums of squares, and q|k|v and gate|up norm their input as they load it. Two launches fewer
-# per layer; `models.decoder.Block.forward_fused`.
-FUSE_NORMS = True
 
+
+def kernel_runs(t: Tensor) -> bool:
+    """Whether the sparse GEMV kernel runs for operands on t's device (CUDA, or TRITON_INTERPRET=1):
+    where it does, SwiGLU's product and the layers' norms and residual adds run inside the launches
+    (docs/kernels/sparse_gemv.md#fuse-swiglu, #fuse-norms); elsewhere (CPU eager) they run apart."""
+    return t.is_cuda or interpreting()
+
+
+def _check_options(options) -> GemvOptions:
+    if options is None:
+        return GemvOptions()
+    if not isinstance(options, GemvOptions):
+        raise InputError(f"gemv options must be a GemvOptions; got {type(options).__name__}")
+    return options
 
 class FixedDtypeBuffers(nn.Module):
     """A module whose buffers named in FIXED_DTYPE follow .to(device) but never .to(dtype):
@@ -80,14 +80,15 @@ def site_key(layer: int, site: str) -> str:
 class SparseLinear(FixedDtypeBuffers):
     """A projection whose one-token calls read only the weight rows of kept input channels.
 
-    Holds w_t (in, out), the weight transposed (the only copy), the bias as given, and
-    `threshold`, a 0-d float32 buffer (update it in place and a captured graph follows).
+    Holds w_t (in, out), the weight transposed (the only copy), the bias as given,
+    `threshold`, a 0-d float32 buffer (update it in place and a captured graph follows), and
+    `options`, the GemvOptions its kernel launches with.
     """
 
     FIXED_DTYPE = ("threshold", "kept", "ws_acc")
 
     def __init__(self, w_t: Tensor, bias: Tensor | None, threshold: float, site: str = "",
-                 track: bool = False, column_major: bool = False):
+                 track: bool = False, column_major: bool = False, options: GemvOptions | None = None):
         super().__init__()
         if w_t.dim() != 2 or w_t.stride(1) != 1 or w_t.stride(0) < w_t.shape[1]:
             raise InputError(
@@ -99,6 +100,7 @@ class SparseLinear(FixedDtypeBuffers):
             raise InputError(f"threshold of {site or 'a site'} must be >= 0; got {threshold}")
         self.site = site
         self.track = track
+        self.options = _check_options(options)
         self.column_major = column_major  # the source nn.Linear's layout, restored by to_linear
         self.w_t = nn.Parameter(w_t, requires_grad=False)  # (in, out)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # (out,)
@@ -110,13 +112,14 @@ class SparseLinear(FixedDtypeBuffers):
         self.register_buffer("ws_count", count, persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, threshold: float, site: str = "", track: bool = False):
+    def from_linear(cls, linear: nn.Linear, threshold: float, site: str = "", track: bool = False,
+                    options: GemvOptions | None = None):
         """Build from an nn.Linear; its (out, in) weight is transposed once (no copy if it is
         already stored column-major) and the linear can be dropped."""
         w = linear.weight.detach()  # (out, in)
         column_major = w.t().is_contiguous()
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(w.t().contiguous(), bias, threshold, site, track, column_major)
+        return cls(w.t().contiguous(), bias, threshold, site, track, column_major, options)
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear with the same values (and the source's memory layout)."""
@@ -149,7 +152,7 @@ class SparseLinear(FixedDtypeBuffers):
     def forward(self, x: Tensor, residual: Tensor | None = None):
         """x (..., in) -> (..., out). One token: input-sparse; several tokens: dense.
 
-        With `residual` (one token, on the kernel's path only: see FUSE_NORMS) it returns
+        With `residual` (one token, where the kernel runs: `kernel_runs`) it returns
         (residual + out, per-tile sums of squares of that sum) from one launch."""
         if residual is None and x.shape[:-1].numel() != 1:
             return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
@@ -157,20 +160,20 @@ class SparseLinear(FixedDtypeBuffers):
             self.count_kept(x)
         if residual is None and not x.is_cuda:
             return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)  # masked: reads every row
-        return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), residual=residual)
+        return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), residual=residual,
+                           options=self.options)
 
     def forward_swiglu(self, gate: Tensor, up: Tensor, residual: Tensor | None = None):
-        """This projection of silu(gate) * up (SwiGLU's down input). For one token on CUDA (or
-        under TRITON_INTERPRET=1) with FUSE_SWIGLU the product is formed in the kernel's input
-        load, which saves the decode step one silu-and-multiply launch per layer; otherwise it is
+        """This projection of silu(gate) * up (SwiGLU's down input). For one token where the
+        kernel runs (`kernel_runs`) the product is formed in the kernel's input load, which saves
+        the decode step one silu-and-multiply launch per layer; otherwise it is
         `self(F.silu(gate) * up, residual)`. With `residual`, as `forward`."""
-        one = gate.shape[:-1].numel() == 1
-        if not (FUSE_SWIGLU and one and (gate.is_cuda or _interpreting())):
+        if not (gate.shape[:-1].numel() == 1 and kernel_runs(gate)):
             return self(F.silu(gate) * up, residual=residual)
         if self.track:
             self.count_kept(F.silu(gate) * up)
         return sparse_gemv(gate, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), up=up,
-                           residual=residual)
+                           residual=residual, options=self.options)
 
     def realized_keep(self) -> float:
         """Kept channels over channels seen by tracked one-token calls (nan before any)."""
@@ -195,12 +198,13 @@ class SparseConcat(FixedDtypeBuffers):
     it (no second copy), so the sites stay addressable (thresholds, keep tracking, prefill).
     The segmented kernel tests column block j against site j's threshold (§3.2: one
     threshold per (layer, projection)). The sites are held in a plain list: they remain
-    registered where they were. Build it after the model is on its device.
+    registered where they were. Build it after the model is on its device. `options`: the
+    GemvOptions of the launch (default: the first site's).
     """
 
     FIXED_DTYPE = ("ws_acc",)
 
-    def __init__(self, sites: list[SparseLinear]):
+    def __init__(self, sites: list[SparseLinear], options: GemvOptions | None = None):
         super().__init__()
         if not 2 <= len(sites) <= 3 or len({m.in_features for m in sites}) != 1:
             raise InputError("SparseConcat fuses 2 or 3 SparseLinear sites that share one input width")
@@ -218,14 +222,16 @@ class SparseConcat(FixedDtypeBuffers):
                 m.bias = nn.Parameter(self.bias[lo:lo + m.out_features], requires_grad=False)
             lo += m.out_features
         self.sites = list(sites)
+        self.options = _check_options(options or sites[0].options)
         acc, count = workspace(w_t.shape[1], w_t.device)
         self.register_buffer("ws_acc", acc, persistent=False)
         self.register_buffer("ws_count", count, persistent=False)
 
     @property
     def fuse_norms(self) -> bool:
-        """Whether the decoder runs this launch's input norm inside it (FUSE_NORMS)."""
-        return FUSE_NORMS
+        """Whether the decoder runs this launch's input norm inside it: where the kernel runs
+        (`kernel_runs`; docs/kernels/sparse_gemv.md#fuse-norms)."""
+        return kernel_runs(self.w_t)
 
     def forward(self, x: Tensor, norm: tuple | None = None) -> list[Tensor]:
         """x (..., in) holding one token -> the sites' outputs [(..., out_j)], one launch.
@@ -240,7 +246,7 @@ class SparseConcat(FixedDtypeBuffers):
                 m.count_kept(counted)
         y = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], self.bias,
                         ws=(self.ws_acc, self.ws_count), segments=self.widths,
-                        norm=None if rms is None else (rms.weight, ss, rms.eps))
+                        norm=None if rms is None else (rms.weight, ss, rms.eps), options=self.options)
         return list(y.split(self.widths, dim=-1))
 
     def extra_repr(self) -> str:
@@ -275,16 +281,18 @@ def unfuse_(model) -> None:
 
 
 def sparsify_(model, thresholds: dict[str, float], ff_only: bool = False, track: bool = False,
-              fuse: bool | None = None) -> list[SparseLinear]:
+              fuse: bool | None = None, gemv: GemvOptions | None = None) -> list[SparseLinear]:
     """Replace the projections of `model` (a `Transformer`) by SparseLinear modules, in place.
 
     thresholds maps 'layers.{i}.{q|k|v|o|gate|up|down}' to a float (values may be 0-d
     tensors); ff_only touches gate/up/down only. A site that is already sparse gets the
     new threshold. `fuse` (default: where the kernel runs, CUDA or TRITON_INTERPRET=1)
-    also runs q|k|v and gate|up as one segmented launch each (`SparseConcat`). Returns the
-    sparse modules in site order. A decode step captured or compiled before this call
-    keeps running the old modules: capture again.
+    also runs q|k|v and gate|up as one segmented launch each (`SparseConcat`). `gemv`: the
+    GemvOptions every sparse module of the model launches with (None: new modules take the
+    defaults, existing ones keep theirs). Returns the sparse modules in site order. A decode
+    step captured or compiled before this call keeps running the old modules: capture again.
     """
+    gemv = None if gemv is None else _check_options(gemv)
     plan = []
     for layer, site, parent in model.projection_sites():
         if ff_only and site not in FF_SITES:
@@ -303,14 +311,29 @@ def sparsify_(model, thresholds: dict[str, float], ff_only: bool = False, track:
             mod.threshold.fill_(t)
             mod.track = track
         else:
-            mod = SparseLinear.from_linear(mod, t, site=key, track=track)
+            mod = SparseLinear.from_linear(mod, t, site=key, track=track, options=gemv)
             setattr(parent, site, mod)
         out.append(mod)
     if fuse is None:
-        fuse = bool(out) and (out[0].w_t.is_cuda or _interpreting())
+        fuse = bool(out) and kernel_runs(out[0].w_t)
     if fuse:
         _fuse_(model)
+    if gemv is not None:
+        set_gemv_options_(model, gemv)
     return out
+
+
+def set_gemv_options_(model, options: GemvOptions) -> int:
+    """Set `options` on every sparse module of `model` (each SparseLinear and SparseConcat);
+    returns how many. A captured or compiled decode step keeps the options it was built with:
+    capture again."""
+    options = _check_options(options)
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, (SparseLinear, SparseConcat)):
+            mod.options = options
+            n += 1
+    return n
 
 
 def densify_(model) -> int:
@@ -375,5 +398,6 @@ def projection_call_bytes(model) -> dict[str, dict[str, float]]:
 
 __all__ = [
     "CALL_OF_SITE", "FUSED", "FixedDtypeBuffers", "SITE_KEYS", "SparseConcat", "SparseLinear", "densify_", "unfuse_",
-    "projection_call_bytes", "realized_projection_keep", "site_key", "sparse_modules", "sparsify_",
+    "kernel_runs", "projection_call_bytes", "realized_projection_keep", "set_gemv_options_", "site_key",
+    "sparse_modules", "sparsify_",
 ]

@@ -1,0 +1,139 @@
+"""What the sparse GEMVs share (`kernels.sparse_gemv`, `kernels.gather_gemv`): device queries,
+the split arithmetic, the workspace, the threshold test, and the one split-K finish.
+
+The split-K finish: a grid of (tiles, K splits) reduces each tile's splits in the same
+launch. Every program adds its fp32 partial into a workspace with atomics (it stays in L2),
+then `split_arrive` bumps the tile's arrival count (a barrier, then an acq_rel atomic); the
+program that arrives last takes the sum with `split_take`, which leaves the workspace at
+zero, writes its output and puts the count back with `split_reset`. One launch, no host
+sync, a workspace all-zero again after every call: capturable in a CUDA graph and
+replayable. One-warp programs read the sum with loads and reset with stores; programs of
+several warps keep the atomic exchanges (`finish_mode`; docs/kernels/sparse_gemv.md#finish).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from sparsedecode.errors import InputError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_BLOCK = 16  # smallest tile width: workspace() sizes its counters for it
+
+
+def interpreting() -> bool:
+    """Whether Triton runs on CPU under TRITON_INTERPRET=1."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def rows_per_split(K: int, block_k: int, splits: int) -> int:
+    per = -(-K // splits)  # ceil(K / splits)
+    return -(-per // block_k) * block_k  # rounded up to whole BLOCK_K tiles
+
+
+def splits(K: int, block_k: int, want: int) -> int:
+    """The split count actually used for `want`: every split gets >= 1 row."""
+    want = max(1, min(want, -(-K // block_k)))
+    return -(-K // rows_per_split(K, block_k, want))
+
+
+def workspace(N: int, device, block_n: int = MIN_BLOCK) -> tuple[Tensor, Tensor]:
+    """Zeroed (fp32 partial sums (N,), int32 arrival counters (tiles,)) for N outputs.
+
+    The kernels leave both at zero again, so one workspace serves any number of calls
+    in sequence (and in a CUDA graph); sized for the smallest tile, it fits any config.
+    """
+    return (torch.zeros(N, device=device, dtype=torch.float32),
+            torch.zeros(-(-N // block_n), device=device, dtype=torch.int32))
+
+
+def check_threshold(threshold, device) -> None:
+    """A threshold is a float or a 1-element float tensor on the operands' device."""
+    if isinstance(threshold, Tensor):
+        if threshold.numel() != 1 or not threshold.dtype.is_floating_point:
+            raise InputError(
+                f"threshold must be a float or a 1-element float tensor; got {threshold.dtype} "
+                f"{tuple(threshold.shape)}"
+            )
+        if threshold.device != device:
+            raise InputError(f"threshold lives on {threshold.device}, x on {device}")
+    elif not isinstance(threshold, (int, float)):
+        raise InputError(f"threshold must be a float or a 1-element tensor; got {type(threshold).__name__}")
+
+
+def keep_mask(x: Tensor, threshold) -> Tensor:
+    """Kept channels |x| > t, compared in float32 as the kernels do; bool, x's shape."""
+    t = threshold.float() if isinstance(threshold, Tensor) else torch.tensor(float(threshold))
+    return x.float().abs() > t.to(x.device).reshape(())
+
+
+def finish_mode(num_warps: int) -> str:
+    """'load' (the sum read by loads, the count reset by a store) for one-warp programs, 'xchg'
+    (atomic exchanges) for programs of several warps, where the loads returned wrong sums on
+    the H200 (docs/kernels/sparse_gemv.md#finish)."""
+    return "load" if num_warps == 1 else "xchg"
+
+
+if triton is not None:
+
+    @triton.jit
+    def split_arrive(Count, tile, num_splits):
+        """Whether this program is the last of its tile's splits to arrive (call after its
+        partial adds): all lanes' adds precede the release of the arrival count (bar.sync,
+        then a release atomic, which is cumulative); the last arrival acquires it and so sees
+        every split's adds."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Count + tile, 1, sem="acq_rel")
+        return arrived == num_splits - 1
+
+    @triton.jit
+    def split_take(Acc, offs, mask, LOAD: tl.constexpr):
+        """The fp32 sums at Acc + offs (mask), the workspace left at zero: with LOAD by loads
+        from L2 (ordered after the acquire) and stores, else by one atomic exchange per element
+        on the float's bits."""
+        if LOAD:
+            total = tl.load(Acc + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(Acc + offs, tl.zeros_like(total), mask=mask)
+        else:
+            acc_bits = Acc.to(tl.pointer_type(tl.int32)) + offs
+            total = tl.atomic_xchg(acc_bits, tl.zeros_like(offs), mask=mask,
+                                   sem="relaxed").to(tl.float32, bitcast=True)
+        return total
+
+    @triton.jit
+    def split_reset(Count, tile, LOAD: tl.constexpr):
+        """The tile's arrival count back at zero: with LOAD a plain store (no program of this
+        launch reads it after the last arrival), else an atomic exchange."""
+        if LOAD:
+            tl.store(Count + tile, 0)
+        else:
+            tl.atomic_xchg(Count + tile, 0, sem="relaxed")
