@@ -604,7 +604,7 @@ def test_graph_replays_reuse_the_counters(fused):
 
 
 @gpu
-def test_pdl_chain_between_sparse_gemvs_in_a_graph(monkeypatch):
+def test_pdl_chain_between_sparse_gemvs_in_a_graph():
     """The decode step's order, attention then a projection of its output then attention of that,
     with the sparse GEMVs launched as programmatic dependents (each waits for the kernel before
     it) after the plainly launched attention, captured in a graph: what the chain gives without."""
@@ -615,19 +615,19 @@ def test_pdl_chain_between_sparse_gemvs_in_a_graph(monkeypatch):
     w = (torch.randn(4096, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(8)) / 64).to(q.dtype)
     thr, ws, end = torch.tensor(0.01, device="cuda"), sg.workspace(4096, "cuda"), torch.tensor([3001], device="cuda")
 
-    def chain(h):
+    from sparsedecode.kernels.options import GemvOptions
+
+    def chain(h, pdl):
         for _ in range(3):  # each launch reads what the one before wrote
             out, _ = da.split_k_attention(h.view(1, 32, 128), k, v, end)
-            h = sg.sparse_gemv(out.view(1, 4096), w, thr, ws=ws) * 4.0
+            h = sg.sparse_gemv(out.view(1, 4096), w, thr, ws=ws, options=GemvOptions(pdl=pdl)) * 4.0
         return h
 
-    monkeypatch.setattr(sg, "PDL", False)  # the reference chain: plain launches (sparse_gemv.PDL is the default)
-    want = chain(q.view(1, 4096))
-    monkeypatch.setattr(sg, "PDL", True)
-    chain(q.view(1, 4096))  # compile outside the capture
+    want = chain(q.view(1, 4096), False)  # the reference chain: plain launches (pdl is the default)
+    chain(q.view(1, 4096), True)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = chain(q.view(1, 4096))
+        got = chain(q.view(1, 4096), True)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -90,7 +90,7 @@ METAVARS = {
     "--sel": "KEEP:DELTA,...", "--protocol": "PROTOCOL", "--table": "FILE", "--unseen": "dense|sparse", "--variant": "VARIANT",
     "--ready-file": "FILE", "--host": "ADDRESS", "--port": "PORT", "--max-queue": "INT",
     "--url": "URL", "--clients": "INT", "--requests": "INT", "--max-tokens": "INT", "--pid": "PID",
-    "--timeout": "SECONDS", "--cells": "FOLDER", "--vocab": "INT",
+    "--timeout": "SECONDS", "--cells": "FOLDER", "--vocab": "INT", "--kernels": "KEY=VALUE,...",
 }
 
 

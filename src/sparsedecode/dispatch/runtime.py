@@ -149,7 +149,7 @@ class RuntimeGate:
                 self._sparse = _snapshot(eng.model)
             else:
                 _restore(self._sparse)
-                sparsify_(eng.model, th.values)  # the same sites: thresholds filled in place
+                sparsify_(eng.model, th.values, gemv=eng.kernels.gemv)  # the same sites: thresholds filled in place
             eng.thresholds = th
         else:
             _restore(self._dense)

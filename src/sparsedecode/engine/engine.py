@@ -91,7 +91,9 @@ class Engine:
     """A loaded model with its static cache; batch 1. Build it with `load`."""
 
     def __init__(self, model, args, *, tokenizer, source_path, device, dtype, attention,
-                 name, init, eos_ids=(), compile: bool | str | None = None):
+                 name, init, eos_ids=(), compile: bool | str | None = None, kernels=None):
+        from sparsedecode.kernels.options import KernelOptions
+
         self.model, self.args = model, args
         self.dims = args.dims()
         self.tokenizer = tokenizer
@@ -138,6 +140,9 @@ class Engine:
         self.router = None  # a cats_runtime.Router while decode steps are routed (route)
         self.routing = None  # its projection.routing.RoutingTable
         self.last_prefill: tuple[torch.Tensor | None, int] = (None, 0)  # (ids (L,), start)
+        self.kernels = KernelOptions()  # what every kernel launches with (set_kernels)
+        if kernels is not None:
+            self.set_kernels(kernels)
 
     # -- the model calls ----------------------------------------------------
     def _decode_forward(self, host_len: int | None = None) -> torch.Tensor:
@@ -335,9 +340,31 @@ class Engine:
         else:
             self.route(None)  # routing picks between dense and CATS MLPs only
             if sites:
-                sparsify_(self.model, th.values, ff_only=not sites - {"gate", "up", "down"})
+                sparsify_(self.model, th.values, ff_only=not sites - {"gate", "up", "down"}, gemv=self.kernels.gemv)
         self.thresholds = th
         self._graph = None
+
+    def set_kernels(self, kernels) -> None:
+        """Launch every kernel with `kernels` (a `kernels.options.KernelOptions`) from the next
+        step on. The options reach each sparse projection and attention layer, and the captured
+        steps of the old ones are dropped, kept graphs too: no replay runs stale options."""
+        from sparsedecode.kernels.options import KernelOptions
+
+        if not isinstance(kernels, KernelOptions):
+            raise InputError(f"set_kernels takes a KernelOptions, got {type(kernels).__name__}; build one with "
+                             "KernelOptions.parse('gemv.pdl=false')")
+        self.kernels = kernels
+        self._apply_kernels()
+        self._graph = None
+        self._graphs.clear()
+
+    def _apply_kernels(self) -> None:
+        """The engine's options onto every layer that launches a kernel (after modules change)."""
+        from sparsedecode.models.decoder import set_attention_options_
+        from sparsedecode.projection.sparse_linear import set_gemv_options_
+
+        set_gemv_options_(self.model, self.kernels.gemv)
+        set_attention_options_(self.model, self.kernels.attention)
 
     def _dense_projections(self) -> None:
         """Plain nn.Linear projections and dense MLPs everywhere (undoes `sparsify`)."""
@@ -589,14 +616,16 @@ def _dict_tag_guards_off() -> None:
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
          attention: str = "split_k", compile: bool | str | None = None, seed: int | None = 0,
-         quiet: bool = False, thresholds=None, gate=None) -> Engine:
+         quiet: bool = False, thresholds=None, gate=None, kernels=None) -> Engine:
     """Load `ref` (known name, HF folder, hub id, .gguf file, or a config dict with
     init='random') into an Engine whose static cache holds `max_len` tokens
     (default min(model window, 4096)). `compile` defaults to True on CUDA; a string
     is taken as the torch.compile mode. `thresholds` (a `Thresholds` or a file) turns on
     the projection branch in the decode step (`Engine.sparsify`). `gate` (a gate table file
     from `sparsedecode dispatch table`) decodes each request under the admissible
-    configuration of least predicted cost (`dispatch.runtime.RuntimeGate`)."""
+    configuration of least predicted cost (`dispatch.runtime.RuntimeGate`). `kernels` (a
+    `kernels.options.KernelOptions`; default: the defaults) is what every kernel launches with
+    (`Engine.set_kernels`)."""
     if gate is not None and thresholds is not None:
         raise InputError("a gate chooses each request's configuration: give gate or thresholds, not both")
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
@@ -619,7 +648,7 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
     eng = Engine(model, args, tokenizer=tokenizer, source_path=ckpt.source, device=dev, dtype=dt,
-                 attention=attention, name=ckpt.name, init=init, eos_ids=eos, compile=compile)
+                 attention=attention, name=ckpt.name, init=init, eos_ids=eos, compile=compile, kernels=kernels)
     if thresholds is not None:
         eng.sparsify(thresholds)
     if gate is not None:

@@ -243,7 +243,7 @@ class Block(nn.Module):
     def fused(self) -> bool:
         """Whether a decode step may run `forward_fused`: q|k|v and gate|up are one sparse
         launch each that can norm its input, o and down sparse projections that can add the
-        residual (`projection.sparse_linear.FUSE_NORMS`)."""
+        residual (docs/kernels/sparse_gemv.md#fuse-norms)."""
         a, m = self.self_attn, self.mlp
         return (getattr(a.qkv, "fuse_norms", False) and getattr(getattr(m, "gate_up", None), "fuse_norms", False)
                 and getattr(a.o_proj, "threshold", None) is not None
@@ -257,7 +257,7 @@ class Block(nn.Module):
         q, k, v = a.qkv(x, norm=(self.input_layernorm, ss))
         x, ss = a.o_proj(a.attend(q, k, v, cos, sin, pos, None, host_len, tables), residual=x)
         gate, up = m.gate_up(x, norm=(self.post_attention_layernorm, ss))
-        # a SparseLinear (see `fused`): silu(gate) * up in its load if FUSE_SWIGLU, else formed here
+        # a SparseLinear (see `fused`): silu(gate) * up in its load where the kernel runs, else formed here
         return m.down_proj.forward_swiglu(gate, up, residual=x)
 
 

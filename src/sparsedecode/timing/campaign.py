@@ -63,6 +63,7 @@ from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is p
     _toml,
     load_spec,
     parse_spec,
+    variant_group,
 )
 
 EXECUTORS = ("local", "ray")
@@ -83,20 +84,24 @@ def mode_orders(seed: int, group: str, context: int, modes, blocks: int) -> list
 
 
 def plan(spec: CampaignSpec) -> list[CellSpec]:
-    """Every cell of every grid in each block, in run order (see the module doc)."""
-    sweep = [(g, n) for g in spec.grids for n in sorted(g.contexts)]
-    orders = {(g.group, n): mode_orders(spec.seed, g.group, n, g.modes, spec.blocks) for g, n in sweep}
+    """Every cell of every grid in each block, in run order (see the module doc). A grid's
+    kernel variants are groups of their own (`variant_group`), interleaved with it block by block."""
+    sweep = [(g, v, n) for g in spec.grids for v in g.variants for n in sorted(g.contexts)]
+    orders = {(variant_group(g.group, v), n): mode_orders(spec.seed, variant_group(g.group, v), n, g.modes,
+                                                          spec.blocks) for g, v, n in sweep}
     cells: list[CellSpec] = []
     for block in range(spec.blocks):
-        for g, n in (sweep if block % 2 == 0 else sweep[::-1]):
-            for mode in orders[(g.group, n)][block]:
+        for g, v, n in (sweep if block % 2 == 0 else sweep[::-1]):
+            group = variant_group(g.group, v)
+            for mode in orders[(group, n)][block]:
                 cells.append(CellSpec(
                     model=spec.model, init=spec.init, dtype=spec.dtype, device=spec.device, context=n,
                     mode=mode, attention=g.attention, warmup=spec.warmup, repeats=spec.repeats,
                     steps=spec.steps, fill=spec.fill, compile_mode=spec.compile_mode,
                     text=spec.text or None, calib_tokens=spec.calib_tokens, obs=spec.obs, seed=spec.seed,
-                    campaign=spec.name, block=block, group=g.group, order=len(cells)))
+                    kernels=v, impl=g.impl, campaign=spec.name, block=block, group=group, order=len(cells)))
     return cells
+
 
 
 def check_cells(cells: list[CellSpec]) -> None:
@@ -133,6 +138,10 @@ def cell_argv(cell: CellSpec, out: Path, python: str | None = None) -> list[str]
             "--cell-id", cell.cell, "--order", str(cell.order)]
     if cell.text:
         argv += ["--text-file", cell.text]
+    if cell.kernels:
+        argv += ["--kernels", cell.kernels]
+    if cell.impl != "ours":
+        argv += ["--impl", cell.impl]
     return argv + ["--out", str(out)]
 
 

@@ -48,6 +48,7 @@ from sparsedecode.errors import InputError
 ATTENTION = ("split_k", "sdpa_masked", "sdpa_fused")
 FILLS = ("prefill", "random")
 INITS = ("pretrained", "random")
+IMPLS = ("ours", "transformers")  # whose decode step a cell times (timing.peer)
 PREFILL_CHUNK = 512
 KV_METHODS = {"sel": "snapkv", "window": "window", "both": "snapkv"}
 
@@ -129,8 +130,10 @@ class CellSpec:
     attention: the decode attention path; fill: 'prefill' or 'random'; compile_mode:
     '' for torch.compile's default (CUDA only; CPU runs eagerly); text: a folder or
     file for the token stream and the calibration text; calib_tokens: projection
-    calibration tokens; obs: the selection's observation window. campaign, block,
-    group, cell (default: the mode's cell id) and order are campaign bookkeeping."""
+    calibration tokens; obs: the selection's observation window; kernels: kernel options
+    that differ from the defaults, as `--kernels` reads them ('' = the defaults; stored in
+    canonical form); impl: 'ours', or 'transformers' for the peer (`timing.peer`). campaign,
+    block, group, cell (default: the mode's cell id) and order are campaign bookkeeping."""
 
     model: str
     init: str = "pretrained"
@@ -148,6 +151,8 @@ class CellSpec:
     calib_tokens: int = 2048
     obs: int = 64
     seed: int = 0
+    kernels: str = ""
+    impl: str = "ours"
     campaign: str = ""
     block: int = 0
     group: str = ""
@@ -157,9 +162,10 @@ class CellSpec:
     def __post_init__(self):
         mode = parse_mode(self.mode)
         object.__setattr__(self, "mode", mode.spec)
+        object.__setattr__(self, "kernels", kernels_text(self.kernels))
         if not self.cell:
             object.__setattr__(self, "cell", mode.cell)
-        for name, choices in (("init", INITS), ("fill", FILLS), ("attention", ATTENTION)):
+        for name, choices in (("init", INITS), ("fill", FILLS), ("attention", ATTENTION), ("impl", IMPLS)):
             if getattr(self, name) not in choices:
                 raise InputError(f"{name} '{getattr(self, name)}' is not one of {', '.join(choices)}")
         for name, low in (("context", 1), ("warmup", 0), ("repeats", 1), ("steps", 1),
@@ -173,9 +179,23 @@ class CellSpec:
         return parse_mode(self.mode)
 
     @property
+    def kernel_options(self):
+        from sparsedecode.kernels.options import KernelOptions
+
+        return KernelOptions.parse(self.kernels)
+
+    @property
     def generated(self) -> int:
         """Tokens the cell decodes: warm-up plus timed steps."""
         return self.warmup + self.repeats * self.steps
+
+
+def kernels_text(text: str | None) -> str:
+    """The canonical `--kernels` text of the options `text` sets ('' for the defaults)."""
+    from sparsedecode.kernels.options import KernelOptions
+
+    label = KernelOptions.parse(text or "").label()
+    return "" if label == "default" else label
 
 
 def model_window(model, init: str = "pretrained") -> tuple[str, int | None]:
@@ -207,6 +227,10 @@ def check_fits(spec: CellSpec) -> None:
     """InputError unless context + generated fits the model window and the KV budget holds
     the sinks and the observation window (the selector's own rule). Imports torch only for
     the KV modes."""
+    if spec.impl == "transformers":
+        from sparsedecode.timing.peer import check_peer
+
+        check_peer(spec)
     name, window = model_window(spec.model, spec.init)
     n, g = spec.context, spec.generated
     if window and n + g > window:
@@ -244,6 +268,11 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     from sparsedecode.engine.device import resolve_device
     from sparsedecode.records import stamp
 
+    if spec.impl == "transformers":
+        from sparsedecode.timing.peer import run_peer_cell
+
+        check_fits(spec)
+        return run_peer_cell(spec, log)
     say = log or (lambda line: None)
     mode = spec.parsed
     check_fits(spec)
@@ -257,7 +286,8 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     compile_ = (spec.compile_mode or True) if cuda else False
     t = time.perf_counter()
     eng = sparsedecode.load(spec.model, device=dev, dtype=spec.dtype, init=spec.init, max_len=n + generated,
-                            attention=spec.attention, compile=compile_, seed=spec.seed, quiet=True)
+                            attention=spec.attention, compile=compile_, seed=spec.seed, quiet=True,
+                            kernels=spec.kernel_options)
     sync()
     one_time = {"load_s": time.perf_counter() - t, "prefill_s": 0.0, "calibrate_s": 0.0,
                 "select_s": 0.0, "capture_s": 0.0}
@@ -310,6 +340,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     rec = {
         "kind": "timing_cell",
         "status": "ok",
+        "impl": "ours",
         **_bookkeeping(spec),
         "model": {"name": eng.name, "dims": eng.dims.to_dict(), "init": spec.init},
         "model_name": eng.name,
@@ -324,6 +355,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "proj_method": mode.proj_method,
         "kv_method": mode.kv_method,
         "attention": spec.attention,
+        "kernels": eng.kernels.to_dict(),
         "compile_mode": spec.compile_mode,
         "compiled": eng.compile,
         "runtime": "CUDA graph" if eng.cuda_graph else ("compiled" if eng.compile else "eager"),
@@ -426,12 +458,12 @@ def _tracked_keep(eng, thresholds, n: int, tokens) -> float:
     from sparsedecode.projection.sparse_linear import realized_projection_keep, sparsify_
 
     ff_only = not set(thresholds.sites) - {"gate", "up", "down"}
-    sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=True)
+    sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=True, gemv=eng.kernels.gemv)
     for i, token in enumerate(tokens):
         eng.seek(n + i, token)
         eng.eager_step()  # slot n + i: the timed steps rewrite it
     keep = realized_projection_keep(eng.model)
-    sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=False)
+    sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=False, gemv=eng.kernels.gemv)
     eng.invalidate_step()
     return keep
 

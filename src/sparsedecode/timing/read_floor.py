@@ -114,7 +114,7 @@ def stream_sum(x: Tensor, config: tuple, out: Tensor | None = None, *, pdl: bool
 
     `out` (float32, at least the grid's length) is reused when given, so a CUDA graph can
     capture the call. `pdl` launches it as a programmatic dependent that waits at its top for
-    the kernel before and lets the next launch at once (as `kernels.sparse_gemv.PDL` does)."""
+    the kernel before and lets the next launch at once (as the sparse GEMV does with `GemvOptions.pdl`)."""
     _check(x, config)
     if triton is None:
         raise InputError("stream_sum needs Triton: pip install triton")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sparsedecode.account.units import parse_tokens
 from sparsedecode.errors import InputError
-from sparsedecode.timing.cell import ATTENTION, FILLS, model_window, parse_mode
+from sparsedecode.timing.cell import ATTENTION, FILLS, IMPLS, kernels_text, model_window, parse_mode
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 SPEC_FILE = "spec.toml"
@@ -41,17 +41,22 @@ _GRID: dict[str, tuple[tuple[type, ...], object]] = {
     "contexts": ((list,), None),
     "modes": ((list,), None),
     "attention": ((str,), "split_k"),
+    "variants": ((list,), [""]),
+    "impl": ((str,), "ours"),
 }
 
 
 @dataclass(frozen=True)
 class Grid:
-    """One [[grid]] table: a group of contexts x modes under one attention path."""
+    """One [[grid]] table: a group of contexts x modes under one attention path, timed under
+    each of its kernel variants ('' = the default options; else `--kernels` text)."""
 
     group: str
     contexts: tuple[int, ...]
     modes: tuple[str, ...]
     attention: str = "split_k"
+    variants: tuple[str, ...] = ("",)
+    impl: str = "ours"
 
 
 @dataclass(frozen=True)
@@ -138,9 +143,11 @@ def parse_spec(text: str, where: str = "campaign spec") -> CampaignSpec:
         if not isinstance(g, dict):
             raise InputError(f"{gwhere} is not a table: write [[grid]] with group, contexts, modes")
         grid = _grid(_fields(g, _GRID, gwhere), gwhere)
-        if grid.group in groups:
-            raise InputError(f"{gwhere}: group '{grid.group}' is used twice; each grid needs its own group")
-        groups.add(grid.group)
+        for group in (variant_group(grid.group, v) for v in grid.variants):
+            if group in groups:
+                raise InputError(f"{gwhere}: group '{group}' is used twice; each grid (and kernel variant) "
+                                 "needs its own group")
+            groups.add(group)
         grids.append(grid)
     spec = CampaignSpec(**top, grids=tuple(grids))
     name, window = model_window(spec.model, spec.init)
@@ -207,7 +214,32 @@ def _grid(g: dict, where: str) -> Grid:
                          "of the same group, block and context, so add 'dense'")
     if g["attention"] not in ATTENTION:
         raise InputError(f"{where}: attention '{g['attention']}' is not one of {', '.join(ATTENTION)}")
-    return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"])
+    variants = []
+    for v in g["variants"] or [""]:
+        if not isinstance(v, str):
+            raise InputError(f"{where}: variants entry {v!r} is not kernel options such as 'gemv.pdl=false' "
+                             "('' for the defaults)")
+        try:
+            v = kernels_text("" if v == "default" else v)
+        except InputError as e:
+            raise InputError(f"{where}: variants: {e}") from None
+        if v in variants:
+            raise InputError(f"{where}: variants lists the options '{v or 'default'}' twice")
+        variants.append(v)
+    if g["impl"] not in IMPLS:
+        raise InputError(f"{where}: impl '{g['impl']}' is not one of {', '.join(IMPLS)}")
+    if g["impl"] != "ours" and (modes != ["dense"] or variants != [""]):
+        raise InputError(f"{where}: the {g['impl']} peer times the dense step under its own kernels: "
+                         "give modes = ['dense'] and no variants")
+    return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"], tuple(variants), g["impl"])
+
+
+def variant_group(group: str, kernels: str) -> str:
+    """The group of a grid's kernel variant: the grid's own for the defaults, else e.g.
+    'step.gemv.pdl-false' for 'gemv.pdl=false' (a folder name)."""
+    if not kernels:
+        return group
+    return group + "." + kernels.replace("=", "-").replace(",", "_")
 
 
 def _safe(name: str) -> bool:

@@ -1,0 +1,44 @@
+"""Kernel options as data: parsed from --kernels, refused when wrong, recorded whole."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.options import AttentionOptions, GemvOptions, KernelOptions
+
+
+def test_parse_sets_only_what_it_names_and_round_trips_through_a_record():
+    k = KernelOptions.parse("gemv.pdl=false, attention.min_split_keys=none")
+    assert k.gemv == GemvOptions(pdl=False) and k.attention == AttentionOptions(min_split_keys=None)
+    assert KernelOptions.from_dict(k.to_dict()) == k and KernelOptions.from_dict(None) == KernelOptions()
+    assert k.changed() == {"gemv.pdl": False, "attention.min_split_keys": None}
+    assert KernelOptions.parse(k.label()) == k and KernelOptions().label() == "default"
+    assert KernelOptions.parse("", base=k) == k
+
+
+@pytest.mark.parametrize("text,match", [
+    ("gemv.pdl=1", "write true or false"),
+    ("gemv.programs_per_sm=many", "write an integer"),
+    ("gemv.programs_per_sm=none", "write an integer$"),
+    ("attention.programs_per_sm=0", ">= 1"),
+    ("gemv.stages=8", "unknown kernel option 'gemv.stages'"),
+    ("pdl=false", "unknown kernel option 'pdl'"),
+    ("gemv.pdl", "write KEY=VALUE"),
+])
+def test_a_wrong_option_is_refused_with_the_fix(text, match):
+    with pytest.raises(InputError, match=match):
+        KernelOptions.parse(text)
+
+
+def test_options_are_frozen_and_checked_when_built():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        KernelOptions().gemv.pdl = False  # type: ignore[misc]
+    with pytest.raises(InputError, match="gemv.pdl must be true or false"):
+        GemvOptions(pdl="yes")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="unknown kernel option group"):
+        KernelOptions.from_dict({"gemv": {}, "norms": {}})
+    with pytest.raises(InputError, match="takes a GemvOptions"):
+        KernelOptions(gemv=AttentionOptions())  # type: ignore[arg-type]

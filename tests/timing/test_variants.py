@@ -1,0 +1,84 @@
+"""Kernel options as a campaign axis (`variants`), recorded whole in every cell, and the
+transformers peer as a cell of its own (`impl = "transformers"`): the jobs the hand-written
+device scripts did, as bench cell / campaign run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from sparsedecode.errors import InputError
+from sparsedecode.timing.campaign import cell_argv, parse_spec, plan
+from sparsedecode.timing.cell import CellSpec
+from sparsedecode.timing.cells import load_cells
+
+TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=2, vocab_size=100, max_position_embeddings=512,
+            rope_theta=10000.0, eos_token_id=None)
+TOP = ('name = "v"\nmodel = "{model}"\ninit = "random"\ndtype = "float32"\ndevice = "cpu"\nblocks = 2\n'
+       'repeats = 2\nsteps = 3\nwarmup = 1\nfill = "random"\nobs = 16\n')
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def test_a_cell_keeps_its_kernel_options_in_canonical_form():
+    assert CellSpec(model="m", context=64, kernels="attention.min_split_keys=128").kernels == ""  # the default
+    c = CellSpec(model="m", context=64, kernels="attention.min_split_keys=none, gemv.pdl=false")
+    assert c.kernels == "gemv.pdl=false,attention.min_split_keys=none"
+    assert c.kernel_options.gemv.pdl is False and c.kernel_options.attention.min_split_keys is None
+    with pytest.raises(InputError, match="unknown kernel option 'gemv.tiles'"):
+        CellSpec(model="m", context=64, kernels="gemv.tiles=4")
+
+
+def test_variants_are_groups_of_their_own_interleaved_block_by_block(tiny):
+    spec = parse_spec(TOP.format(model=tiny) + '[[grid]]\ngroup = "step"\ncontexts = [64]\n'
+                      'modes = ["dense", "proj0.5"]\nvariants = ["default", "gemv.pdl=false"]\n')
+    cells = plan(spec)
+    assert {(c.group, c.kernels) for c in cells} == {("step", ""), ("step.gemv.pdl-false", "gemv.pdl=false")}
+    assert len(cells) == 2 * 2 * 2  # variants x modes x blocks
+    assert [c.block for c in cells] == [0, 0, 0, 0, 1, 1, 1, 1]
+    argv = cell_argv(next(c for c in cells if c.kernels), "out.json")
+    assert argv[argv.index("--kernels") + 1] == "gemv.pdl=false"
+    assert "--kernels" not in cell_argv(next(c for c in cells if not c.kernels), "out.json")
+
+
+@pytest.mark.parametrize("grid,match", [
+    ('variants = ["gemv.pdl=false", "gemv.pdl=false"]', "twice"),
+    ('variants = ["gemv.pdl=maybe"]', "variants: --kernels gemv.pdl=maybe: write true or false"),
+    ('variants = [3]', "variants entry 3"),
+    ('impl = "vllm"', "impl 'vllm'"),
+    ('impl = "transformers"', "the transformers peer times the dense step"),
+])
+def test_bad_variants_and_peers_are_refused(tiny, grid, match):
+    with pytest.raises(InputError, match=match):
+        parse_spec(TOP.format(model=tiny) + f'[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense", "proj0.5"]\n{grid}\n')
+
+
+def test_the_transformers_peer_is_a_cell_the_reports_read(tmp_path, capsys):
+    out = tmp_path / "cells" / "peer" / "dense_64_b0.json"
+    r = run_cli(capsys, "bench", "cell", "--impl", "transformers", "--model", "smollm2-135m", "--init", "random",
+                "--fill", "random", "--context", "64", "--warmup", "1", "--repeats", "2", "--steps", "2",
+                "--device", "cpu", "--group", "peer", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["impl"] == "transformers" and rec["cache"] == "StaticCache" and rec["label"] == "CPU transformers"
+    (cell,) = load_cells(tmp_path).cells
+    assert cell.mode == "dense" and cell.context == 64 and cell.ms_per_token == pytest.approx(rec["ms_per_token"])
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--mode", "proj0.5", "--fill", "random"], "dense step only"),
+    (["--fill", "prefill"], "fill = 'random'"),
+    (["--fill", "random", "--kernels", "gemv.pdl=false"], "takes none"),
+])
+def test_the_peer_refuses_what_it_cannot_time(capsys, args, match):
+    r = run_cli(capsys, "bench", "cell", "--impl", "transformers", "--model", "smollm2-135m", "--init", "random",
+                "--context", "64", "--device", "cpu", *args)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
