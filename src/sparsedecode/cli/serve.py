@@ -121,6 +121,20 @@ def _write(path: str, record: dict) -> None:
     write_record(path, stamp({"kind": "serve_startup", **record}))  # atomic: a reader never sees half
 
 
+def _health(url: str) -> dict:
+    """The running server's /health answer, or an InputError saying none answers."""
+    import httpx
+
+    from sparsedecode.errors import InputError
+
+    try:
+        resp = httpx.get(url.rstrip("/") + "/health", timeout=10)
+        resp.raise_for_status()
+        return resp.json()
+    except httpx.HTTPError as e:
+        raise InputError(f"no server answers at {url}/health ({type(e).__name__}); start one with sparsedecode serve") from None
+
+
 @app.command("serve-load")
 def serve_load(
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The server's base URL."),
@@ -145,12 +159,7 @@ def serve_load(
         raise InputError(f"--timeout must be > 0 seconds, got {timeout}")
     if out is not None:
         check_new_file(out, "--out", ".json")
-    import httpx
-
-    try:
-        httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
-    except httpx.HTTPError as e:
-        raise InputError(f"no server answers at {url}/health ({type(e).__name__}); start one with sparsedecode serve") from None
+    _health(url)
     from tqdm import tqdm
 
     bar = tqdm(total=clients * requests, unit="req", disable=as_json)
@@ -210,12 +219,7 @@ def serve_probe(
         raise InputError(f"--cells {cells}: no such folder of timing cells")
     if out is not None:
         check_new_file(out, "--out", ".json")
-    import httpx
-
-    try:
-        server = httpx.get(url.rstrip("/") + "/health", timeout=10).json()
-    except httpx.HTTPError as e:
-        raise InputError(f"no server answers at {url}/health ({type(e).__name__}); start one with sparsedecode serve") from None
+    server = _health(url)
 
     def show(r):
         if as_json:

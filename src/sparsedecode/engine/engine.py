@@ -20,71 +20,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from sparsedecode.engine.device import check_dtype, resolve_device, resolve_dtype
+from sparsedecode.engine.generation import Generation, HostToken
 from sparsedecode.engine.sampling import check_sampling, sample
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.options import KernelOptions
 from sparsedecode.models.attention import get_backend
 
 DEFAULT_MAX_LEN = 4096
-
-
-class _HostToken:
-    """A sampled token's way to the host: on CUDA an asynchronous copy into pinned memory and
-    an event, so that reading token i waits for its own step and not for step i+1 queued after."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.buf = torch.empty(1, dtype=torch.long, pin_memory=True)
-            self.done = torch.cuda.Event()
-
-    def put(self, t: torch.Tensor) -> None:
-        if self.cuda:
-            self.buf.copy_(t.reshape(1), non_blocking=True)
-            self.done.record()
-        else:
-            self.t = t
-
-    def get(self) -> int:
-        if self.cuda:
-            self.done.synchronize()
-            return int(self.buf[0])
-        return int(self.t)
-
-
-@dataclass
-class Generation:
-    """Result of `Engine.generate`: ids, text and wall-clock times in seconds."""
-
-    prompt_ids: list[int]
-    ids: list[int] = field(default_factory=list)
-    text: str | None = None
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    kv_select_s: float = 0.0  # the KV branch's one-time observation, scoring and gather
-    compile_s: float = 0.0  # compiling and capturing the decode step on the way (not in decode_s)
-    stopped_at_eos: bool = False
-    choice: object = None  # the runtime gate's dispatch.runtime.Choice for this request
-
-    @property
-    def ms_per_token(self) -> float:
-        """Measured decode ms per step (1000 / decode_tok_s)."""
-        tps = self.decode_tok_s
-        return 1000.0 / tps if tps == tps and tps > 0 else float("nan")
-
-    @property
-    def prompt_tok_s(self) -> float:
-        return len(self.prompt_ids) / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Decode steps per second (the first new token comes from the prefill)."""
-        steps = max(len(self.ids) - 1, 0)
-        return steps / self.decode_s if self.decode_s > 0 and steps else float("nan")
 
 
 class Engine:
@@ -92,8 +38,6 @@ class Engine:
 
     def __init__(self, model, args, *, tokenizer, source_path, device, dtype, attention,
                  name, init, eos_ids=(), compile: bool | str | None = None, kernels=None):
-        from sparsedecode.kernels.options import KernelOptions
-
         self.model, self.args = model, args
         self.dims = args.dims()
         self.tokenizer = tokenizer
@@ -348,23 +292,17 @@ class Engine:
         """Launch every kernel with `kernels` (a `kernels.options.KernelOptions`) from the next
         step on. The options reach each sparse projection and attention layer, and the captured
         steps of the old ones are dropped, kept graphs too: no replay runs stale options."""
-        from sparsedecode.kernels.options import KernelOptions
+        from sparsedecode.models.decoder import set_attention_options_
+        from sparsedecode.projection.sparse_linear import set_gemv_options_
 
         if not isinstance(kernels, KernelOptions):
             raise InputError(f"set_kernels takes a KernelOptions, got {type(kernels).__name__}; build one with "
                              "KernelOptions.parse('gemv.pdl=false')")
         self.kernels = kernels
-        self._apply_kernels()
+        set_gemv_options_(self.model, kernels.gemv)  # sparsify passes them to projections made later
+        set_attention_options_(self.model, kernels.attention)
         self._graph = None
         self._graphs.clear()
-
-    def _apply_kernels(self) -> None:
-        """The engine's options onto every layer that launches a kernel (after modules change)."""
-        from sparsedecode.models.decoder import set_attention_options_
-        from sparsedecode.projection.sparse_linear import set_gemv_options_
-
-        set_gemv_options_(self.model, self.kernels.gemv)
-        set_attention_options_(self.model, self.kernels.attention)
 
     def _dense_projections(self) -> None:
         """Plain nn.Linear projections and dense MLPs everywhere (undoes `sparsify`)."""
@@ -529,7 +467,7 @@ class Engine:
             timing.prefill_s = t1 - t0 - timing.kv_select_s
         if lookahead is None:
             lookahead = self.device.type == "cuda"
-        host = _HostToken(self.device)
+        host = HostToken(self.device)
         host.put(nxt)
         ahead = False  # a step past the last yielded token is queued
         try:

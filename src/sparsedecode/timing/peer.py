@@ -11,6 +11,7 @@ App. A 'Timing': the baseline is the strongest dense step available).
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from dataclasses import asdict
@@ -29,28 +30,20 @@ def check_peer(spec) -> None:
         raise InputError("kernel options are ours; the transformers peer takes none (drop --kernels)")
 
 
-def _config(model: str):
-    from transformers import AutoConfig
-
-    from sparsedecode.account.known import known_model
-
-    return AutoConfig.for_model(**dict(known_model(model).config))
-
-
 def run_peer_cell(spec, log=None) -> dict:
     """Time the transformers decode step of `spec` and return its 'timing_cell' record."""
     import torch
-    from transformers import AutoModelForCausalLM, StaticCache
+    from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
     from sparsedecode.account.dims import ModelDims
     from sparsedecode.account.known import known_model
     from sparsedecode.engine.device import resolve_device, resolve_dtype
     from sparsedecode.records import stamp
-    from sparsedecode.timing.cell import _bookkeeping, _peak_memory, timed_step_bytes
+    from sparsedecode.timing.cell import _bookkeeping, _peak_memory, check_fits, timed_step_bytes
     from sparsedecode.timing.clock import time_blocks
 
     say = log or (lambda line: None)
-    check_peer(spec)
+    check_fits(spec)  # check_peer, and the model window
     dev = resolve_device(spec.device)
     dt = resolve_dtype(spec.dtype, dev)
     cuda = dev.type == "cuda"
@@ -60,11 +53,9 @@ def run_peer_cell(spec, log=None) -> dict:
     torch.manual_seed(spec.seed)
     t = time.perf_counter()
     with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(_config(km.name), dtype=dt).eval()
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**dict(km.config)), dtype=dt).eval()
     one_time = {"load_s": time.perf_counter() - t, "prefill_s": 0.0, "calibrate_s": 0.0, "select_s": 0.0}
     cache = StaticCache(config=model.config, max_cache_len=n + generated)
-    import inspect
-
     # transformers 5.24 renamed forward's past_key_values to cache (5.17, on the H200, has the old name)
     kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     tok = torch.ones(1, 1, dtype=torch.long, device=dev)  # (1, 1)
