@@ -54,6 +54,7 @@ def _check_options(options) -> GemvOptions:
         raise InputError(f"gemv options must be a GemvOptions; got {type(options).__name__}")
     return options
 
+
 class FixedDtypeBuffers(nn.Module):
     """A module whose buffers named in FIXED_DTYPE follow .to(device) but never .to(dtype):
     model.to(bf16) must not turn float32 thresholds, float64 counts or an fp32 workspace
