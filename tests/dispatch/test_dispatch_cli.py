@@ -8,7 +8,7 @@ import sys
 import pytest
 from _tables import paper
 
-from conftest import run_cli
+from conftest import require_embedded, run_cli
 
 
 def run(*args):
@@ -93,6 +93,7 @@ def test_bad_input_is_one_line_with_exit_2(tmp_path):
 
 
 def test_generate_refuses_a_gate_of_another_model(tmp_path, capsys):
+    require_embedded("smollm2-135m")  # the model is loaded before its name is checked against the gate's
     gate = tmp_path / "a100.json"
     assert run("table", str(paper("sweep_a100")), "--select-seconds", "0.24", "--out", str(gate)).returncode == 0
     r = run_cli(capsys, "generate", "--model", "smollm2-135m", "--device", "cpu", "--gate", str(gate),
