@@ -37,3 +37,29 @@ def test_a_bad_manifest_is_refused(tmp_path):
     m.write_text('[[table]]\nkind = "campaign"\n')
     with pytest.raises(InputError, match="lacks 'title'"):
         render(m)
+
+
+def test_a_step_check_says_which_cells_moved(tmp_path):
+    import json
+    import shutil
+
+    src = ROOT / "benchmarks/records/h200/campaigns/h200_step_check"
+    for side in ("before_b93fd89", "after_f7b6ec2"):
+        shutil.copytree(src / side / "cells", tmp_path / "records" / side / "cells")
+    slow = tmp_path / "records/after_f7b6ec2/cells/short/proj50_2048_b0.json"
+    rec = json.loads(slow.read_text())
+    rec["tokens_per_sec_runs"] = [v / 1.1 for v in rec["tokens_per_sec_runs"]]
+    rec["tokens_per_sec"] /= 1.1
+    rec["ms_per_token"] *= 1.1
+    slow.write_text(json.dumps(rec))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    m = docs / "results.toml"
+    m.write_text('[[table]]\ntitle = "t"\nconditions = "c"\nkind = "step_check"\n'
+                 'records = { before = "records/before_b93fd89", after = "records/after_f7b6ec2" }\n')
+    rows = {r.split("|")[2].strip(): r for r in render(m).splitlines() if r.startswith("| 2K")}
+    assert rows["proj0.5"].endswith("| no |") and "| 3.082 |" in rows["proj0.5"], rows
+    assert rows["dense"].endswith("| yes |"), rows
+    (tmp_path / "records/after_f7b6ec2/cells/short/dense_2048_b0.json").unlink()
+    with pytest.raises(InputError, match="in 'before' but not in 'after'"):
+        render(m)

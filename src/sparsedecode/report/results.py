@@ -130,8 +130,34 @@ def _serve_probe_table(root: Path, t: dict) -> tuple[str, str]:
     return table, "Measured by " + "; ".join(f"`{c}`" for c in commands) + ", against a running `sparsedecode serve`."
 
 
+def _step_check_table(root: Path, t: dict) -> tuple[str, str]:
+    """The same campaign run from two trees in one device call (`before`, `after`): each cell's
+    ms/token on both sides and their ratio against the table's `tolerance` (issue 25's 2%)."""
+    from sparsedecode.report.timing_markdown import fmt_ctx
+    from sparsedecode.report.timing_report import build_report
+    from sparsedecode.timing.cells import load_cells
+
+    tol = float(t.get("tolerance", 0.02))
+    sides = {}
+    for side in ("before", "after"):
+        if side not in t["records"]:
+            raise InputError(f"table {t.get('title')!r}: records needs '{side}' (a campaign folder)")
+        rows = [r for g in build_report(load_cells(root / t["records"][side]))["groups"] for r in g["rows"]]
+        sides[side] = {(r["context"], r["mode_spec"] or r["cell"]): r["ms_per_token"] for r in rows}
+    lines = ["| context | mode | before ms/token | after ms/token | after / before | within "
+             f"{100 * tol:g}% |", "|---|---|---|---|---|---|"]
+    for key in sorted(sides["before"], key=lambda k: (k[0], k[1] != "dense", k[1])):
+        if key not in sides["after"]:
+            raise InputError(f"table {t.get('title')!r}: cell {key} is in 'before' but not in 'after'")
+        b, a = sides["before"][key], sides["after"][key]
+        lines.append(f"| {fmt_ctx(key[0])} | {key[1]} | {b:.3f} | {a:.3f} | {100 * (a / b - 1):+.2f}% | "
+                     f"{'yes' if abs(a / b - 1) <= tol else 'no'} |")
+    cmd = t.get("command", "sparsedecode campaign run SPEC --out DIR")
+    return "\n".join(lines), f"Measured by `{cmd}` from each tree into its folder ({t['records']['before']}, {t['records']['after']})."
+
+
 KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table,
-         "serve_probe": _serve_probe_table}
+         "serve_probe": _serve_probe_table, "step_check": _step_check_table}
 
 
 def render(manifest: str | Path) -> str:
