@@ -106,18 +106,19 @@ def _serve_probe_table(root: Path, t: dict) -> tuple[str, str]:
     reported beside its timing cell and the gate's price; then the start-up records, if named."""
     from sparsedecode.records import read_record
 
-    lines = ["| prompt + answer | configuration | server ms/token | cell ms/token | server / cell | gate predicted |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| prompt + answer | configuration | server ms/token | server tok/s | cell ms/token | server / cell | "
+             "gate predicted |", "|---|---|---|---|---|---|---|"]
     commands = []
     for rel in t["records"]:
         r = read_record(root / rel)
-        if r.get("kind") != "serve_probe" or "comparison" not in r:
-            raise InputError(f"table {t.get('title')!r}: {rel} is not a serve-probe record with --cells")
+        if r.get("kind") != "serve_probe":
+            raise InputError(f"table {t.get('title')!r}: {rel} is not a serve-probe record")
         for row in r["rows"]:
             pred = row.get("predicted_ms_per_token")
+            cell = (f"{row['cell_ms_per_token']:.3f} | {100 * (row['ratio'] - 1):+.1f}%" if "comparison" in r
+                    else "— | —")  # a probe without --cells has no timing cell beside it
             lines.append(f"| {row['prompt_tokens']:,} + {row['max_tokens']} | {row['mode']} | {row['ms_per_token']:.3f} | "
-                         f"{row['cell_ms_per_token']:.3f} | {100 * (row['ratio'] - 1):+.1f}% | "
-                         + ("" if pred is None else f"{pred:.3f}") + " |")
+                         f"{1e3 / row['ms_per_token']:.0f} | {cell} | " + ("" if pred is None else f"{pred:.3f}") + " |")
         commands.append(" ".join(r["command"]))
     starts = []
     for label, rel in t.get("startup", {}).items():
@@ -156,8 +157,27 @@ def _step_check_table(root: Path, t: dict) -> tuple[str, str]:
     return "\n".join(lines), f"Measured by `{cmd}` from each tree into its folder ({t['records']['before']}, {t['records']['after']})."
 
 
+def _generate_table(root: Path, t: dict) -> tuple[str, str]:
+    """One row per saved `sparsedecode generate --json` output: decode tok/s with the compile and
+    capture seconds apart (a first run on an empty inductor cache, then a warm one)."""
+    from sparsedecode.textfile import read_json
+
+    lines = ["| run | model on device | prompt + new tokens | decode tok/s | compile + capture s | load s |",
+             "|---|---|---|---|---|---|"]
+    for label, rel in t["records"].items():
+        r = read_json(root / rel, "generate output")
+        missing = [k for k in ("model", "device", "dtype", "decode_tok_s", "compile_s", "load_s", "new_tokens")
+                   if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise InputError(f"table {t.get('title')!r}: {rel} is not `generate --json` output (no {', '.join(missing)})")
+        lines.append(f"| {label} | {r['model']} on {r['device']}, {r['dtype']} | {r['prompt_tokens']} + {r['new_tokens']} | "
+                     f"{r['decode_tok_s']:.1f} | {r['compile_s']:.1f} | {r['load_s']:.1f} |")
+    return "\n".join(lines), f"Measured by `{t.get('command', 'sparsedecode generate --json')}`, once per row, in one device call."
+
+
 KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table,
-         "serve_probe": _serve_probe_table, "step_check": _step_check_table}
+         "serve_probe": _serve_probe_table, "step_check": _step_check_table,
+         "generate": _generate_table}
 
 
 def render(manifest: str | Path) -> str:
