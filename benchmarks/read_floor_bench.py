@@ -30,7 +30,7 @@ from sparse_gemv_bench import (
     add_cell_args,
     cell_input,
     quantile_threshold,
-    time_graph,
+    time_calls,
 )
 
 from sparsedecode.records import stamp, write_record
@@ -83,7 +83,7 @@ def main() -> None:
 
                     def fn(b, cfg=cfg, pdl=pdl, out=out):
                         return stream_sum(b, cfg, out, pdl=pdl, sm_count=sms)
-                t = statistics.median(time_graph(fn, [(b,) for b in bufs] * args.rounds, args.reps))
+                t = statistics.median(time_calls(fn, [(b,) for b in bufs] * args.rounds, args.reps))
                 byte_time = nbytes / BYTE_RATE
                 rec = stamp({"kind": "read_floor_bench", "run_id": run, "shape": name, "K": K, "N": N, "keep_target": keep,
                              "kept_rows": kept, "bytes_read": nbytes, "config_label": lab,
