@@ -10,7 +10,7 @@ must read those bytes in one launch did better here, least of all one that picks
 and sums across programs. Its ratio to the byte time (bytes / 4.15 TB/s) says how much of the
 1.15x target (ByteCross §4.1, App. A; issue 4) any single launch leaves to the GEMV's own work.
 
-  PYTHONPATH=src python3 benchmarks/read_floor_bench.py --out DIR [--shapes gate_up down] [--keeps 1 0.5 0.3]
+  PYTHONPATH=src python3 benchmarks/kernels/read_floor_bench.py --out DIR [--shapes gate_up down] [--keeps 1 0.5 0.3]
 
 Writes one record of kind 'read_floor_bench' per cell and config into DIR, and all of them as one
 JSON list in DIR/read_floor_records.json.

@@ -9,7 +9,7 @@ TB/s counts the K and V bytes of the valid context, 2 * Hkv * D * n * 2 bytes.
 split_k (merge fused into the split kernel) and split_k_2kernel (the merge as a
 second launch) time our kernel's two paths side by side.
 
-  PYTHONPATH=src python benchmarks/attention_bench.py --out DIR [--check] [--sweep]
+  PYTHONPATH=src python benchmarks/kernels/attention_bench.py --out DIR [--check] [--sweep]
       [--kernels attention.min_split_keys=none,...]
 
 Writes one record per (backend, context) of kind 'attention_bench' into DIR, with the kernel

@@ -8,7 +8,7 @@ first n entries of a (1, 8, T, 128) cache. Each cell times `--reps` CUDA-graph r
 sparse_gemv_bench.py times, through timing.clock.time_graph) and reports
 microseconds per call and the achieved GB/s of the 2 x n x 8 x 128 x 2 bytes read.
 
-    PYTHONPATH=src python3 benchmarks/sdpa_decode_h200.py --out DIR
+    PYTHONPATH=src python3 benchmarks/kernels/sdpa_decode_h200.py --out DIR
 
 One record (kind 'sdpa_decode_bench') per run in DIR.
 """

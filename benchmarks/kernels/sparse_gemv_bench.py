@@ -16,7 +16,7 @@ in the attention benchmark); the target is time <= 1.15x byte time at keeps 0.5
 and 0.3. Dense F.linear (x @ W^T with W (N, K), cuBLAS's GEMV) at the same shape
 is timed the same way for comparison.
 
-  PYTHONPATH=src python3 benchmarks/sparse_gemv_bench.py --out DIR [--sweep] [--choose FILE]
+  PYTHONPATH=src python3 benchmarks/kernels/sparse_gemv_bench.py --out DIR [--sweep] [--choose FILE]
 
 Writes one record per cell of kind 'sparse_gemv_bench' into DIR (sweep cells into
 DIR/sweep) and all of them as one JSON list in DIR/sparse_gemv_records.json. `--choose`

@@ -16,7 +16,7 @@ benchmarks); the target is time <= 1.15x byte time at keeps 0.5 and 0.3. Dense
 F.linear (x @ W^T, cuBLAS's GEMV, the up projection as CATS on CPU reads it) is timed
 the same way for comparison.
 
-  PYTHONPATH=src python3 benchmarks/cats_gemv_bench.py --out DIR [--sweep]
+  PYTHONPATH=src python3 benchmarks/kernels/cats_gemv_bench.py --out DIR [--sweep]
 
 Writes one record per cell of kind 'cats_gemv_bench' into DIR (sweep cells into
 DIR/sweep) and all of them as one JSON list in DIR/cats_gemv_records.json.
