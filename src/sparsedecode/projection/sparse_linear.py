@@ -193,7 +193,7 @@ class SparseConcat(FixedDtypeBuffers):
     """One input-sparse launch for the sites that read the same input: q|k|v or gate|up.
 
     Each site keeps its own threshold, but the decode step pays one kernel launch (and its
-    fixed cost of a few µs on an H200, `benchmarks/sparse_gemv_bench.py`) instead of two or
+    fixed cost of a few µs on an H200, `benchmarks/kernels/sparse_gemv_bench.py`) instead of two or
     three, and the small k/v GEMVs run inside a larger grid. The weights are concatenated
     once into w_t (in, sum of outs); each site's `SparseLinear.w_t` becomes a column slice of
     it (no second copy), so the sites stay addressable (thresholds, keep tracking, prefill).

@@ -8,7 +8,7 @@ which weigh more the fewer the bytes. `stream_sum` measures that floor: it reads
 buffer of B bytes and nothing else (no data-dependent addresses, no reduction across programs:
 each program stores its own partial), so no kernel that must read the same B bytes, least of
 all one that picks its rows from x and reduces across programs, can take less time under the
-same protocol (`benchmarks/read_floor_bench.py` times it as `sparse_gemv_bench.py` times the
+same protocol (`benchmarks/kernels/read_floor_bench.py` times it as `sparse_gemv_bench.py` times the
 GEMV: distinct copies beating the L2, back to back in one CUDA graph).
 
 Two loop forms, each a few tile sizes (`CONFIGS`): 'chunk', each program one contiguous chunk

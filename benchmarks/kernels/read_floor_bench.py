@@ -10,7 +10,7 @@ must read those bytes in one launch did better here, least of all one that picks
 and sums across programs. Its ratio to the byte time (bytes / 4.15 TB/s) says how much of the
 1.15x target (ByteCross §4.1, App. A; issue 4) any single launch leaves to the GEMV's own work.
 
-  PYTHONPATH=src python3 benchmarks/read_floor_bench.py --out DIR [--shapes gate_up down] [--keeps 1 0.5 0.3]
+  PYTHONPATH=src python3 benchmarks/kernels/read_floor_bench.py --out DIR [--shapes gate_up down] [--keeps 1 0.5 0.3]
 
 Writes one record of kind 'read_floor_bench' per cell and config into DIR, and all of them as one
 JSON list in DIR/read_floor_records.json.
@@ -30,7 +30,7 @@ from sparse_gemv_bench import (
     add_cell_args,
     cell_input,
     quantile_threshold,
-    time_graph,
+    time_calls,
 )
 
 from sparsedecode.records import stamp, write_record
@@ -83,7 +83,7 @@ def main() -> None:
 
                     def fn(b, cfg=cfg, pdl=pdl, out=out):
                         return stream_sum(b, cfg, out, pdl=pdl, sm_count=sms)
-                t = statistics.median(time_graph(fn, [(b,) for b in bufs] * args.rounds, args.reps))
+                t = statistics.median(time_calls(fn, [(b,) for b in bufs] * args.rounds, args.reps))
                 byte_time = nbytes / BYTE_RATE
                 rec = stamp({"kind": "read_floor_bench", "run_id": run, "shape": name, "K": K, "N": N, "keep_target": keep,
                              "kept_rows": kept, "bytes_read": nbytes, "config_label": lab,

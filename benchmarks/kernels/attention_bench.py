@@ -9,7 +9,7 @@ TB/s counts the K and V bytes of the valid context, 2 * Hkv * D * n * 2 bytes.
 split_k (merge fused into the split kernel) and split_k_2kernel (the merge as a
 second launch) time our kernel's two paths side by side.
 
-  PYTHONPATH=src python benchmarks/attention_bench.py --out DIR [--check] [--sweep]
+  PYTHONPATH=src python benchmarks/kernels/attention_bench.py --out DIR [--check] [--sweep]
       [--kernels attention.min_split_keys=none,...]
 
 Writes one record per (backend, context) of kind 'attention_bench' into DIR, with the kernel
@@ -35,6 +35,7 @@ from sparsedecode.kernels.decode_attention import (
 from sparsedecode.kernels.options import AttentionOptions, KernelOptions
 from sparsedecode.models.attention import decode_attention
 from sparsedecode.records import stamp, write_record
+from sparsedecode.timing.clock import time_graph
 
 HQ, HKV, D = 32, 8, 128  # llama-3.1-8b attention
 GENERATED = 64  # cache slack for generated tokens, as the timing protocol allocates
@@ -66,30 +67,12 @@ def calls(name: str, n: int, end_t: torch.Tensor, config=None, splits=None, opts
     raise ValueError(name)
 
 
-def time_graph(fn, q, caches, reps: int) -> list[float]:
+def time_layers(fn, q, caches, reps: int) -> list[float]:
     """Per-call seconds of `reps` replays of a graph that calls fn once per cache."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    def calls():
         for k, v in caches:
             fn(q, k, v)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for k, v in caches:
-            fn(q, k, v)
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(caches))
-    return times
+    return time_graph(calls, reps, per_replay=len(caches))
 
 
 def check(q, caches, n: int, end_t: torch.Tensor, names, opts: AttentionOptions) -> None:
@@ -157,7 +140,7 @@ def main() -> None:
         nbytes = 2 * HKV * D * n * 2
         for name, cfg, splits in variants:
             try:
-                t = statistics.median(time_graph(calls(name, n, end_t, cfg, splits, opts), q, caches, args.reps))
+                t = statistics.median(time_layers(calls(name, n, end_t, cfg, splits, opts), q, caches, args.reps))
             except RuntimeError as e:  # a sweep config can exceed shared memory; report and go on
                 if cfg is None:
                     raise

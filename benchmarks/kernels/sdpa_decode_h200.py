@@ -4,11 +4,11 @@ token over a valid cache slice, per backend, beside our split-K kernel, on one G
 Llama-3.1-8B attention shapes in bf16: q (1, 8, 4, 128), the 4 query heads of each of 8 KV
 heads riding as 4 query rows (as models.attention._fused calls it), keys and values the
 first n entries of a (1, 8, T, 128) cache. Each cell times `--reps` CUDA-graph replays of
-32 calls (one per layer, each on its own cache so the 32 reads come from DRAM; the graph
-timer of sparse_gemv_bench.py) and reports
+32 calls (one per layer, each on its own cache so the 32 reads come from DRAM; timed as
+sparse_gemv_bench.py times, through timing.clock.time_graph) and reports
 microseconds per call and the achieved GB/s of the 2 x n x 8 x 128 x 2 bytes read.
 
-    PYTHONPATH=src python3 benchmarks/sdpa_decode_h200.py --out DIR
+    PYTHONPATH=src python3 benchmarks/kernels/sdpa_decode_h200.py --out DIR
 
 One record (kind 'sdpa_decode_bench') per run in DIR.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sparse_gemv_bench import time_graph  # benchmarks/ is the script's folder: one graph timer
+from sparse_gemv_bench import time_calls  # the script's folder is on sys.path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sparsedecode.account.units import parse_token_list
@@ -59,7 +59,7 @@ def main() -> None:
                     with sdpa_kernel(be if isinstance(be, list) else [be]):
                         F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n])
             try:
-                t = statistics.median(time_graph(fn, caches, a.reps))
+                t = statistics.median(time_calls(fn, caches, a.reps))
             except Exception as e:  # a backend that does not take these shapes: say so and go on
                 print(f"n={n} {name}: not run ({str(e).splitlines()[0][:120]})", flush=True)
                 rows.append({"context": n, "backend": name, "error": str(e).splitlines()[0][:300]})

@@ -16,7 +16,7 @@ in the attention benchmark); the target is time <= 1.15x byte time at keeps 0.5
 and 0.3. Dense F.linear (x @ W^T with W (N, K), cuBLAS's GEMV) at the same shape
 is timed the same way for comparison.
 
-  PYTHONPATH=src python3 benchmarks/sparse_gemv_bench.py --out DIR [--sweep] [--choose FILE]
+  PYTHONPATH=src python3 benchmarks/kernels/sparse_gemv_bench.py --out DIR [--sweep] [--choose FILE]
 
 Writes one record per cell of kind 'sparse_gemv_bench' into DIR (sweep cells into
 DIR/sweep) and all of them as one JSON list in DIR/sparse_gemv_records.json. `--choose`
@@ -40,6 +40,7 @@ from sparsedecode.kernels import sparse_gemv as sg
 from sparsedecode.kernels.options import KernelOptions, option_names
 from sparsedecode.models.decoder import rms_norm
 from sparsedecode.records import stamp, write_record
+from sparsedecode.timing.clock import time_graph
 
 # name: (K in, N out). The default two are the issue's; q_o and kv are the attention projections
 # the decode step also runs sparse, and qkv / gate_up2 the concatenated (fused) weights.
@@ -86,30 +87,12 @@ def quantile_threshold(v: torch.Tensor, keep: float) -> float:
     return 0.0 if keep >= 1.0 else float(v.float().abs().quantile(1.0 - keep))
 
 
-def time_graph(fn, args_list, reps: int) -> list[float]:
+def time_calls(fn, args_list, reps: int) -> list[float]:
     """Per-call seconds of `reps` replays of one graph that calls fn(*args) for each args."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    def calls():
         for a in args_list:
             fn(*a)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a in args_list:
-            fn(*a)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(args_list))
-    return times
+    return time_graph(calls, reps, warmup=3, per_replay=len(args_list))
 
 
 def timing_fields(t: float, nbytes: int, t_dense: float, dense_bytes: int, err: float) -> dict:
@@ -237,7 +220,7 @@ def even_input(K: int, keep: float, dev, dtype, gen) -> tuple[torch.Tensor, floa
 
 
 def launch_probe(name: str, args, dev: torch.device, run: str, cfg: tuple | None = None, label: str = "default",
-                 timer=time_graph) -> dict:
+                 timer=time_calls) -> dict:
     """Per-call time of a kernel that does nothing on a config's grid (the default config's when
     cfg is None) with its warps: what any launch of that grid costs in the graph, whatever its
     bytes (the fixed cost)."""
@@ -268,7 +251,7 @@ def launch_probe(name: str, args, dev: torch.device, run: str, cfg: tuple | None
     return rec
 
 
-def dense_equivalent(kept: int, N: int, args, dev: torch.device, timer=time_graph) -> float:
+def dense_equivalent(kept: int, N: int, args, dev: torch.device, timer=time_calls) -> float:
     """Per-call time of cuBLAS's dense GEMV over a weight of just the kept rows ((N, kept) in
     nn.Linear's layout): the same bytes as the sparse call, read by the dense library kernel.
     What the sparse kernel's time is measured against when the byte time is out of reach of
@@ -281,7 +264,7 @@ def dense_equivalent(kept: int, N: int, args, dev: torch.device, timer=time_grap
     return t
 
 
-def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) -> tuple[list, list]:
+def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_calls) -> tuple[list, list]:
     """Records and table rows of one shape: dense once, then every keep x config."""
     dtype = torch.bfloat16
     records, rows = [], []

@@ -7,7 +7,7 @@ about 1.3x its byte time on the H200 while dense cuBLAS runs about 1.05x. Run it
     ncu --clock-control none -k regex:_sparse_gemv_kernel --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section WarpStateStats --section LaunchStats \\
-        python3 benchmarks/ncu_sparse_gemv.py --shape gate_up --keep 0.5
+        python3 benchmarks/kernels/ncu_sparse_gemv.py --shape gate_up --keep 0.5
 
 Each kernel runs `--calls` times on distinct weight copies (a copy is not in L2 when it
 is read). `--pattern even` spreads the kept channels evenly (see sparse_gemv_bench.py).

@@ -3,7 +3,7 @@
 Llama-3.1-8B up_proj in bf16, one token: w_up (N=14336 out, K=4096 in), nn.Linear's
 layout, at keeps 1.0, 0.5 and 0.3. gate_act = SiLU of a random gate and the threshold
 is the |gate_act| quantile, so the kept row count is known. Timing is
-`sparse_gemv_bench.time_graph`: each cell captures `--copies` distinct weight copies
+`sparse_gemv_bench.time_calls`: each cell captures `--copies` distinct weight copies
 x `--rounds` calls in one CUDA graph (a copy is revisited only after the others have
 flushed the 50 MB L2), times `--reps` replays with CUDA events and takes the median
 per call. Every config is checked against `cats_up_ref` (and exact zeros where
@@ -16,7 +16,7 @@ benchmarks); the target is time <= 1.15x byte time at keeps 0.5 and 0.3. Dense
 F.linear (x @ W^T, cuBLAS's GEMV, the up projection as CATS on CPU reads it) is timed
 the same way for comparison.
 
-  PYTHONPATH=src python3 benchmarks/cats_gemv_bench.py --out DIR [--sweep]
+  PYTHONPATH=src python3 benchmarks/kernels/cats_gemv_bench.py --out DIR [--sweep]
 
 Writes one record per cell of kind 'cats_gemv_bench' into DIR (sweep cells into
 DIR/sweep) and all of them as one JSON list in DIR/cats_gemv_records.json.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sparse_gemv_bench import BYTE_RATE, time_graph, timing_fields  # the same timing and fields
+from sparse_gemv_bench import BYTE_RATE, time_calls, timing_fields  # the same timing and fields
 
 from sparsedecode.kernels import common
 from sparsedecode.kernels import gather_gemv as gg
@@ -77,7 +77,7 @@ def check(x, w, g, thr, ws, config, what: str) -> float:
     return err.max().item()
 
 
-def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_graph) -> tuple[list, list]:
+def bench_shape(name: str, args, dev: torch.device, run: str, timer=time_calls) -> tuple[list, list]:
     """Records and table rows of one shape: dense once, then every keep x config."""
     dtype = torch.bfloat16
     records, rows = [], []
