@@ -91,6 +91,9 @@ CASES = [
     ("report {t}/no_campaign", 2, "not found"),
     ("report {t}/empty", 2, "no timing records"),
     ("report {paper} --peak-gbps -1", 2, "--peak-gbps"),
+    ("report {paper} --ceiling {t}/no_ceiling.json", 2, "--ceiling"),
+    ("bench ceiling --gib 0", 2, "--gib must be > 0"),
+    ("bench ceiling --replays 0", 2, "--replays"),
     ("report {paper} --out {t}/exists.safetensors", 2, "--out"),
     # campaign
     ("campaign run {t}/none.toml --out {t}/run", 2, "none.toml"),

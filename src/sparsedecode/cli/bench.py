@@ -1,5 +1,6 @@
 """`sparsedecode bench cell` and `sparsedecode campaign run|status` (ByteCross App. A 'Timing', §4.2).
 
+    sparsedecode bench ceiling [--gib 1] --out runs/h200/ceiling.json
     sparsedecode bench cell --model llama-3.1-8b --init random --context 32K --mode sel0.3 \\
         [--attention split_k] [--repeats 5 --steps 50 --warmup 5] [--fill prefill|random] \\
         [--compile-mode ''] [--device cuda] [--dtype bfloat16] [--text-file F] --out cell.json [--json]
@@ -92,6 +93,31 @@ def cell(
                    f"{rec['attention']}): {rec['ms_per_token']:.3f} ms/token, "
                    f"{rec['tokens_per_sec']:.1f} tok/s, {rec['achieved_gbps']:.3g} GB/s, "
                    f"byte bound {rec['byte_bound']:.3f}x")
+
+
+@bench_app.command("ceiling")
+def ceiling(
+    gib: Annotated[float, typer.Option("--gib", help="Weight size in GiB (far beyond the L2).")] = 1.0,
+    replays: Annotated[int, typer.Option("--replays", help="Timed replays (CUDA) or blocks (CPU).")] = 20,
+    calls: Annotated[int, typer.Option("--calls", help="GEMV calls per replay.")] = 10,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten), e.g. DIR/ceiling.json of a campaign folder, which `report` then reads.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Measure the bandwidth ceiling: GB/s of torch.mv over a large weight (issue 26, ByteCross §4.4)."""
+    from sparsedecode.records import write_record
+    from sparsedecode.timing.ceiling import measure_ceiling
+
+    if out is not None and Path(out).exists():
+        raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
+    rec = measure_ceiling(device=device, dtype=dtype, gib=gib, replays=replays, calls=calls)
+    if out is not None:
+        write_record(out, rec)
+    if json_out:
+        emit_json(rec)
+    else:
+        typer.echo(f"{rec['gpu']} {rec['dtype']}: ceiling {rec['gbps']:.0f} GB/s ({rec['method']})")
 
 
 def _failure_fields(*, model: str, init: str, context: str, mode: str, **given) -> dict:

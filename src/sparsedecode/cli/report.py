@@ -19,6 +19,7 @@ import typer
 
 from sparsedecode.cli import app
 from sparsedecode.cli.common import JsonOpt, check_out_dir, check_out_file, emit_json, parse_float
+from sparsedecode.errors import InputError
 
 
 def _refuse_tracked(folder: str) -> None:
@@ -51,6 +52,10 @@ def report(
         str | None,
         typer.Option("--peak-gbps", help="Peak memory bandwidth in GB/s (default: nominal for the GPU)."),
     ] = None,
+    ceiling: Annotated[
+        str | None,
+        typer.Option("--ceiling", help="Bandwidth ceiling record (`sparsedecode bench ceiling`; default: DIR/ceiling.json if there)."),
+    ] = None,
     no_figures: Annotated[bool, typer.Option("--no-figures", help="Write tables only.")] = False,
     manifest: Annotated[str, typer.Option("--manifest", help="report results: the manifest of tables.")] = "docs/results.toml",
     json_out: JsonOpt = False,
@@ -71,11 +76,13 @@ def report(
     from sparsedecode.report.timing_report import write_report
 
     peak = parse_float(peak_gbps, "--peak-gbps", positive=True) if peak_gbps is not None else None
+    if ceiling is not None and not Path(ceiling).is_file():
+        raise InputError(f"--ceiling {ceiling}: no such file (write one with `sparsedecode bench ceiling --out F`)")
     if out is not None:
         check_out_dir(out, "--out")
     else:
         _refuse_tracked(folder)
-    rep, md = write_report(folder, out, peak, figures=not no_figures)
+    rep, md = write_report(folder, out, peak, figures=not no_figures, ceiling=ceiling)
     if json_out:
         emit_json(rep)
     else:

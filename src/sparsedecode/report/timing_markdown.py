@@ -36,8 +36,8 @@ def _group_md(g: dict) -> list[str]:
         if g["attention"] else ""
     out = [f"## Group `{g['name']}`{att}", "",
            "| context | cell | mode | blocks | ms/token | speedup [95%] | byte bound | % of bound "
-           "| kernel cost ms | GB/s | % of peak |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| kernel cost ms | GB/s | % of peak | % of ceiling |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in g["rows"]:
         sp = _interval(r["speedup"], ".3f", unit="×")
         out.append(
@@ -46,7 +46,8 @@ def _group_md(g: dict) -> list[str]:
             f"| {_f(r['fraction_of_bound'] and 100 * r['fraction_of_bound'], '.1f')} "
             f"| {_f(r['kernel_cost_ms'] and r['kernel_cost_ms']['value'], '.3f')} "
             f"| {_f(r['achieved_gbps'], '.0f' if (r['achieved_gbps'] or 0) >= 100 else '.3g')} "
-            f"| {_f(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], '.1f')} |")
+            f"| {_f(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], '.1f')} "
+            f"| {_f(r.get('fraction_of_ceiling') and 100 * r['fraction_of_ceiling'], '.1f')} |")
     out += ["", f"Kernel cost c_b = t_b − t_D·B_b/B_D (App. D): {g['bytes_note']}"]
     # A group without dense cells is summarised once under "Missing pairs".
     notes = [f"{fmt_ctx(r['context'])} {r['cell']}: {r['note']}"
@@ -107,6 +108,7 @@ def render_markdown(rep: dict) -> str:
            f"- model {rep['model']} on {rep['gpu']} ({rep['device']}); {rep['n_ok']} ok cells, "
            f"{rep['n_failed']} failed; records: {rep['source']} ({rep['folder']})",
            f"- {rep['peak_note']}" + (f": {rep['peak_gbps']:g} GB/s" if rep["peak_gbps"] else ""),
+           f"- {rep.get('ceiling_note', '')}" + (f": {rep['ceiling_gbps']:.0f} GB/s" if rep.get("ceiling_gbps") else ""),
            "- speedup: paired ratio to the dense cell of the same block and context, mean over "
            "blocks, 95% interval over all B^B block resamples (ByteCross App. A, App. E); "
            "ms/token = 1000 / mean repeat throughput; K = 1,024 tokens"]

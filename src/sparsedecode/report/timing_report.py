@@ -115,7 +115,8 @@ def _bytes_note(cc: CampaignCells, sources: set[str]) -> str:
 # ---- one group -------------------------------------------------------------------------------
 
 
-def _row(cc: CampaignCells, group: str, cell: str, context: int, peak: float | None) -> dict:
+def _row(cc: CampaignCells, group: str, cell: str, context: int, peak: float | None,
+         ceiling: float | None = None) -> dict:
     mine = [c for c in cc.cells if c.group == group and c.cell == cell and c.context == context]
     paired = [c for c in cc.paired() if c.group == group and c.context == context]
     dense = {c.block: c for c in paired if c.mode == "dense"}
@@ -143,15 +144,14 @@ def _row(cc: CampaignCells, group: str, cell: str, context: int, peak: float | N
         "bytes_per_step": _mean(b for b, _, _ in info),
         "bytes_source": sorted({s for _, _, s in info}),
         "achieved_gbps": gbps,
-        "fraction_of_peak": None,
+        "fraction_of_peak": None if peak is None or gbps is None else gbps / peak,
+        "fraction_of_ceiling": None if ceiling is None or gbps is None else gbps / ceiling,
         "peak_memory_bytes": max((x.peak_memory_bytes for x in xs if x.peak_memory_bytes), default=None),
         "one_time_s": {k: _mean(x.one_time.get(k) for x in xs)
                        for k in sorted({k for x in xs for k in x.one_time})},
         "note": "",
     }
     if first.mode == "dense":
-        if peak is not None and gbps is not None:
-            row["fraction_of_peak"] = gbps / peak
         return row
     ok = [c for c in mine if c.block in dense]
     if len(ok) < len(mine):
@@ -330,10 +330,10 @@ def _predict_from(cc: CampaignCells, gc: list[PaperCell], proj: str, sel: str) -
     }
 
 
-def _group(cc: CampaignCells, group: str, peak: float | None) -> dict:
+def _group(cc: CampaignCells, group: str, peak: float | None, ceiling: float | None = None) -> dict:
     cells = [c for c in cc.cells if c.group == group]
     keys = sorted({(c.context, c.mode != "dense", c.cell) for c in cells})
-    rows = [_row(cc, group, cell, n, peak) for n, _, cell in keys]
+    rows = [_row(cc, group, cell, n, peak, ceiling) for n, _, cell in keys]
     attention = sorted({a for c in cells if (a := cc.extra(c).attention)})
     runtime = sorted({r for c in cells if (r := cc.extra(c).runtime)})
     sources = {s for r in rows for s in r["bytes_source"]}
@@ -400,15 +400,32 @@ def _against_dense(cc: CampaignCells, gs: list[dict]) -> list[dict]:
     return rows
 
 
-def build_report(cc: CampaignCells, peak_gbps: float | None = None) -> dict:
-    """Everything the report shows, as one JSON-ready dict (no figures drawn here)."""
+def _ceiling(cc: CampaignCells, ceiling) -> tuple[float | None, str]:
+    """The measured ceiling in GB/s and where it came from: a 'bandwidth_ceiling' record
+    (`sparsedecode bench ceiling`), the given one or the campaign folder's ceiling.json."""
+    from sparsedecode.timing.ceiling import read_ceiling
+
+    path = Path(ceiling) if ceiling is not None else Path(cc.folder) / "ceiling.json"
+    if ceiling is None and not path.is_file():
+        return None, ("no measured ceiling (run `sparsedecode bench ceiling --out DIR/ceiling.json` in the "
+                      "same call as the cells): % of ceiling left blank")
+    rec = read_ceiling(path)
+    if cc.source == "sparsedecode" and rec.get("gpu") != cc.gpu:
+        raise InputError(f"{path}: the ceiling was measured on {rec.get('gpu')}, the cells on {cc.gpu}")
+    return float(rec["gbps"]), f"measured ceiling ({path.name}: {rec['method']})"
+
+
+def build_report(cc: CampaignCells, peak_gbps: float | None = None, ceiling=None) -> dict:
+    """Everything the report shows, as one JSON-ready dict (no figures drawn here). `ceiling` is
+    a bandwidth-ceiling record file; by default the campaign folder's ceiling.json, if any."""
     if peak_gbps is not None:
         peak, peak_note = float(peak_gbps), "peak from --peak-gbps"
     elif cc.cpu:
         peak, peak_note = None, "CPU cells: no peak bandwidth, fraction of peak left blank"
     else:
         peak, peak_note = nominal_peak(cc.gpu)
-    groups = [_group(cc, g, peak) for g in sorted({c.group for c in cc.cells})]
+    ceiling_gbps, ceiling_note = _ceiling(cc, ceiling)
+    groups = [_group(cc, g, peak, ceiling_gbps) for g in sorted({c.group for c in cc.cells})]
     no_dense = sorted({m.group for m in cc.missing} - {g["name"] for g in groups if g["has_dense"]})
     return {
         "kind": "timing_report",
@@ -424,6 +441,8 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None) -> dict:
         "n_failed": len(cc.failed),
         "peak_gbps": peak,
         "peak_note": peak_note,
+        "ceiling_gbps": ceiling_gbps,
+        "ceiling_note": ceiling_note,
         "groups": groups,
         "attention_paths": _attention_clusters(cc, groups),
         "failed": [{"path": str(f.path), "group": f.group, "cell": f.cell, "context": f.context,
@@ -440,6 +459,7 @@ def write_report(
     out_dir: str | Path | None = None,
     peak_gbps: float | None = None,
     figures: bool = True,
+    ceiling=None,
 ) -> tuple[dict, str]:
     """Load a campaign folder, draw the figures, write report.md; returns (report, markdown).
 
@@ -449,7 +469,7 @@ def write_report(
     from sparsedecode.timing.cells import load_cells
 
     cc = load_cells(folder)
-    rep = build_report(cc, peak_gbps)
+    rep = build_report(cc, peak_gbps, ceiling)
     out = Path(out_dir) if out_dir is not None else Path(folder) / "report"
     out.mkdir(parents=True, exist_ok=True)
     if figures:
