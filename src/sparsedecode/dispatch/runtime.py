@@ -77,6 +77,9 @@ class RuntimeGate:
         from sparsedecode.kv.select import get_selector
 
         table.check_engine(engine)
+        if engine.kernels.gemv.dense:
+            raise InputError("the gate swaps dense and sparse projection modules; gemv.dense=true shares them "
+                             "and does not run under it yet: drop it")
         ev = table.admissibility
         if not ev:
             raise InputError("the gate table carries no admissibility evidence: write it with sparsedecode "

@@ -274,6 +274,8 @@ class Engine:
         sites = set(th.sites)
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
+        if ACT_SITE in sites and self.kernels.gemv.dense:
+            raise InputError("CATS thresholds run the dense MLP beside the CATS path: drop gemv.dense=true")
         if self.thresholds is None or set(self.thresholds.sites) != sites:
             self._dense_projections()  # from the dense model: nothing of an earlier file stays
         # else the same sites are sparse already: their thresholds are set in place below, and
@@ -293,24 +295,33 @@ class Engine:
         step on. The options reach each sparse projection and attention layer, and the captured
         steps of the old ones are dropped, kept graphs too: no replay runs stale options."""
         from sparsedecode.models.decoder import set_attention_options_
-        from sparsedecode.projection.sparse_linear import set_gemv_options_
+        from sparsedecode.projection.sparse_linear import check_dense_gemv, set_gemv_options_
 
         if not isinstance(kernels, KernelOptions):
             raise InputError(f"set_kernels takes a KernelOptions, got {type(kernels).__name__}; build one with "
                              "KernelOptions.parse('gemv.pdl=false')")
-        self.kernels = kernels
+        check_dense_gemv(self.model, kernels.gemv)
+        if kernels.gemv.dense and (self.gate is not None or self.router is not None):
+            raise InputError("gemv.dense=true does not run under the gate or token routing yet: drop it")
+        old, self.kernels = self.kernels, kernels
         set_gemv_options_(self.model, kernels.gemv)  # sparsify passes them to projections made later
+        if kernels.gemv.dense != old.gemv.dense:  # the dense sites change module: lay them out again
+            th, self.thresholds = self.thresholds, None
+            self._dense_projections()
+            if th is not None:
+                self.sparsify(th)
         set_attention_options_(self.model, kernels.attention)
         self._graph = None
         self._graphs.clear()
 
     def _dense_projections(self) -> None:
-        """Plain nn.Linear projections and dense MLPs everywhere (undoes `sparsify`)."""
+        """Dense projections and MLPs everywhere (undoes `sparsify`): nn.Linear, or the GEMV
+        reading every row under gemv.dense."""
         from sparsedecode.projection.cats_runtime import uncats_
-        from sparsedecode.projection.sparse_linear import densify_
+        from sparsedecode.projection.sparse_linear import dense_projections_
 
         uncats_(self.model)
-        densify_(self.model)
+        dense_projections_(self.model, self.kernels.gemv)
 
     def route(self, table) -> None:
         """Token routing (SATS paper §3.2): each decode step runs the dense MLP or the CATS
@@ -319,7 +330,7 @@ class Engine:
         table must match this model's vocabulary and tokenizer. Prefill stays dense.
         `routed_fraction` reads the share of decode steps routed sparse since then."""
         from sparsedecode.projection.cats_runtime import CatsMLP, Router
-        from sparsedecode.projection.routing import RoutingTable, check_cats
+        from sparsedecode.projection.routing import routing_for
 
         if table is None:
             if self.router is not None:
@@ -329,22 +340,7 @@ class Engine:
                 self.router = self.routing = None
                 self._graph = None
             return
-        table = table if isinstance(table, RoutingTable) else RoutingTable.load(table)
-        table.check(self)
-        if self.thresholds is None:
-            raise InputError(
-                "token routing chooses between the dense MLP and the CATS path: install CATS "
-                "thresholds first (--thresholds FILE, Engine.sparsify)"
-            )
-        check_cats(self.thresholds)
-        mine, theirs = self.thresholds, table.thresholds
-        if (mine.method, mine.keep) != (theirs.get("method"), theirs.get("keep")):
-            import warnings
-
-            warnings.warn(
-                f"the routing table scored {theirs.get('method')} keep {theirs.get('keep')} "
-                f"thresholds and the engine runs {mine.method} keep {mine.keep:g}: its scores "
-                "may not rank this sparse path's damage", stacklevel=2)
+        table = routing_for(table, self)
         self.router = Router(table.sparse_of(), self._tok)
         for layer in self.model.layers:
             layer.mlp.set_router(self.router)

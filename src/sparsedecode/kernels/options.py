@@ -30,14 +30,20 @@ class GemvOptions:
         kernel before it drains; docs/kernels/sparse_gemv.md). Ignored where the GPU lacks it.
     programs_per_sm: one-warp programs per SM that the default split count aims at, where the
         device's tuned table (kernels/tuned/<device>.json) has no entry for the shape.
+    dense: the projections that hold no threshold (every site of a dense step, the attention
+        sites of an MLP-only file) run this GEMV reading every row instead of F.linear under
+        inductor (issue 26: at 2K on the H200 the GEMV at keep 0.99 beat both inductor steps,
+        benchmarks/records/h200/campaigns/h200_dense_candidates). Needs the Triton kernel.
     """
 
     pdl: bool = True
     programs_per_sm: int = 16
+    dense: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.pdl, bool):
-            raise InputError(f"gemv.pdl must be true or false, got {self.pdl!r}")
+        for name in ("pdl", "dense"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"gemv.{name} must be true or false, got {getattr(self, name)!r}")
         _positive_int(self.programs_per_sm, "gemv.programs_per_sm")
 
 

@@ -72,6 +72,26 @@ def check_cats(thresholds: Thresholds) -> None:
         )
 
 
+def routing_for(table, engine) -> RoutingTable:
+    """`table` (a RoutingTable or its file) checked against `engine`: its vocabulary and
+    tokenizer, and CATS thresholds installed; a warning where the table scored other ones."""
+    table = table if isinstance(table, RoutingTable) else RoutingTable.load(table)
+    table.check(engine)
+    if engine.thresholds is None:
+        raise InputError("token routing chooses between the dense MLP and the CATS path: install CATS "
+                         "thresholds first (--thresholds FILE, Engine.sparsify)")
+    check_cats(engine.thresholds)
+    mine, theirs = engine.thresholds, table.thresholds
+    if (mine.method, mine.keep) != (theirs.get("method"), theirs.get("keep")):
+        import warnings
+
+        warnings.warn(
+            f"the routing table scored {theirs.get('method')} keep {theirs.get('keep')} "
+            f"thresholds and the engine runs {mine.method} keep {mine.keep:g}: its scores "
+            "may not rank this sparse path's damage", stacklevel=3)
+    return table
+
+
 @dataclass
 class RoutingTable:
     """Per-token-id routing scores and their header.
@@ -383,6 +403,6 @@ def calibrate_routing(table: RoutingTable, engine, held_out_ids, target: float, 
 
 __all__ = [
     "FORMAT", "RoutingTable", "build_routing_table", "calibrate_routing", "check_cats", "file_sha256",
-    "held_out_start",
+    "held_out_start", "routing_for",
     "position_losses", "routing_curve", "token_scores", "tokenizer_fingerprint",
 ]

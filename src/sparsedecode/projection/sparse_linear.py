@@ -38,6 +38,9 @@ from sparsedecode.projection.thresholds import site_key as threshold_key
 
 SITE_KEYS = {module: short for short, module in MODULE_OF.items()}  # 'gate_proj' -> 'gate'
 FF_SITES = ("gate_proj", "up_proj", "down_proj")
+# The threshold of a dense site run by the GEMV (GemvOptions.dense): |x| > -inf keeps every row,
+# except a NaN input channel, which the kernel's comparison drops where F.linear would spread it
+READ_ALL = float("-inf")
 
 
 def kernel_runs(t: Tensor) -> bool:
@@ -97,7 +100,7 @@ class SparseLinear(FixedDtypeBuffers):
                 f"with strides {w_t.stride()}"
             )
         t = float(threshold)
-        if not t >= 0.0:
+        if not (t >= 0.0 or t == READ_ALL):
             raise InputError(f"threshold of {site or 'a site'} must be >= 0; got {threshold}")
         self.site = site
         self.track = track
@@ -350,6 +353,23 @@ def densify_(model) -> int:
     return n
 
 
+def dense_projections_(model, gemv: GemvOptions) -> None:
+    """Every projection site dense: a plain nn.Linear, or with `gemv.dense` a SparseLinear that
+    reads every row (READ_ALL; one filled in place where the site is sparse already, so a sparse
+    and a dense step share one weight layout). A threshold file's sites are set after this."""
+    if not gemv.dense:
+        densify_(model)
+        return
+    sparsify_(model, {site_key(i, s): READ_ALL for i, s, _ in model.projection_sites()}, gemv=gemv)
+
+
+def check_dense_gemv(model, gemv: GemvOptions) -> None:
+    """Refuse gemv.dense where the kernel does not run (CPU without TRITON_INTERPRET=1)."""
+    if gemv.dense and not kernel_runs(next(model.parameters())):
+        raise InputError("gemv.dense=true runs the projections through the Triton GEMV: it needs CUDA "
+                         "(or TRITON_INTERPRET=1); drop it on CPU")
+
+
 def sparse_modules(model) -> list[SparseLinear]:
     """The SparseLinear modules at the projection sites of `model`, in site order."""
     return [m for _, site, parent in model.projection_sites()
@@ -398,7 +418,8 @@ def projection_call_bytes(model) -> dict[str, dict[str, float]]:
 
 
 __all__ = [
-    "CALL_OF_SITE", "FUSED", "FixedDtypeBuffers", "SITE_KEYS", "SparseConcat", "SparseLinear", "densify_", "unfuse_",
+    "CALL_OF_SITE", "FUSED", "READ_ALL", "FixedDtypeBuffers", "SITE_KEYS", "SparseConcat", "SparseLinear",
+    "check_dense_gemv", "dense_projections_", "densify_", "unfuse_",
     "kernel_runs", "projection_call_bytes", "realized_projection_keep", "set_gemv_options_", "site_key",
     "sparse_modules", "sparsify_",
 ]

@@ -1,0 +1,75 @@
+"""gemv.dense: the dense sites of a decode step run the sparse GEMV reading every row (issue 26),
+against the same engine with nn.Linear projections; refused where the kernel does not run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from test_sparse_linear import TINY, run, site_inputs, site_modules
+
+import sparsedecode
+from interpreted import run_interpreted
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.options import GemvOptions, KernelOptions
+
+DENSE = KernelOptions(gemv=GemvOptions(dense=True))
+
+
+def _worker() -> None:
+    """Under TRITON_INTERPRET=1: dense logits through the GEMV against nn.Linear; an MLP-only
+    file on top fills the MLP thresholds in place (the attention sites keep their layout and
+    read every row); turning the option off brings nn.Linear back."""
+    import json
+
+    from sparsedecode.projection.sparse_linear import READ_ALL, SparseLinear
+    from sparsedecode.projection.thresholds import Thresholds
+
+    plain = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
+    eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
+    eng.model.load_state_dict(plain.model.state_dict(), strict=False)
+    mods = site_modules(eng.model)
+    all_gemv = all(isinstance(m, SparseLinear) and m.threshold.item() == READ_ALL for m in mods.values())
+    _, want = run(plain)
+    _, got = run(eng)
+    dense_err = (got - want).abs().max().item() / want.abs().max().item()
+
+    inputs = site_inputs(plain, site_modules(plain.model))
+    ff = {k: float(torch.stack(v).abs().quantile(0.5)) for k, v in inputs.items() if k.split(".")[-1] in ("gate", "up", "down")}
+    th = Thresholds(values=ff, method="teal", keep=0.5, model=eng.name, dims=eng.dims.to_dict())
+    q_before = mods["layers.0.q"].w_t.data_ptr()
+    plain.sparsify(th)
+    eng.sparsify(th)
+    after = site_modules(eng.model)
+    _, want_ff = run(plain)
+    _, got_ff = run(eng)
+    ff_err = (got_ff - want_ff).abs().max().item() / want_ff.abs().max().item()
+    eng.set_kernels(KernelOptions())
+    back = site_modules(eng.model)
+    print(json.dumps({
+        "all_gemv": all_gemv, "dense_err": dense_err, "ff_err": ff_err,
+        "q_in_place": after["layers.0.q"].w_t.data_ptr() == q_before,
+        "q_reads_all": after["layers.0.q"].threshold.item() == READ_ALL,
+        "down_threshold": after["layers.0.down"].threshold.item(), "down_wanted": ff["layers.0.down"],
+        "linear_mlp_after_off": type(back["layers.0.q"]).__name__, "kernels": eng.kernels.gemv.dense,
+        "still_sparse": type(back["layers.0.down"]).__name__,
+    }))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_dense_sites_through_the_gemv_decode_as_linear_under_interpreter():
+    r = run_interpreted(__file__, "_worker")
+    assert r["all_gemv"] and r["dense_err"] <= 1e-5, r
+    assert r["ff_err"] <= 1e-5 and r["q_in_place"] and r["q_reads_all"], r
+    assert r["down_threshold"] == pytest.approx(r["down_wanted"]), r
+    assert r["linear_mlp_after_off"] == "Linear" and r["still_sparse"] == "SparseLinear" and not r["kernels"], r
+
+
+def test_dense_gemv_is_refused_where_the_kernel_does_not_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InputError, match="gemv.dense=true .* needs CUDA"):
+        sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
+    assert KernelOptions.parse("gemv.dense=true") == DENSE
+    with pytest.raises(InputError, match="gemv.dense must be true or false"):
+        GemvOptions(dense=1)
