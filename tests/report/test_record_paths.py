@@ -1,12 +1,12 @@
 """Every record the pages cite exists in the tree (issue 25: records live in one tree by device and
 campaign, and moving a folder must not leave a page pointing at nothing).
 
-Checked in README.md, docs/**/*.md, src/ and examples/: each `benchmarks/records/...` path (globs
-and `{a,b}` lists expanded, at least one match each), the arguments of a `cd benchmarks/records/...
-&& ... speed_tables.py ...` command relative to its folder, a folder named relative to
-`benchmarks/records/` (`h200/...`, `cpu/...`, `paper/...`, as the decision logs cite them), and a
-lab folder named bare in prose (`sparse_gemv_20261201T0625Z_pdl/`), which must exist somewhere
-under the records."""
+Checked in README.md, docs/**/*.md, benchmarks/records/README.md (the index), src/ and
+examples/: each `benchmarks/records/...` path (globs and `{a,b}` lists expanded, at least one
+match each), the arguments of a `cd benchmarks/records/... && ... speed_tables.py ...` command
+relative to its folder, a folder named relative to `benchmarks/records/` (`h200/...`, `cpu/...`,
+`paper/...`, as the decision logs and the index cite them), and a lab folder named bare in prose
+(`sparse_gemv_20261201T0625Z_pdl/`), which must exist somewhere under the records."""
 
 import re
 from pathlib import Path
@@ -23,7 +23,7 @@ BARE = re.compile(r"(?<![\w/.-])(?:sparse_gemv|cats_gemv)_(?:profile_)?\d{8}T\d{
 
 
 def _pages() -> list[Path]:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages = [ROOT / "README.md", RECORDS / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     for top, exts in (("src", ("*.py", "*.json", "*.toml", "*.md")), ("examples", ("*.toml", "*.md", "*.py"))):
         for ext in exts:
             pages += sorted((ROOT / top).rglob(ext))
