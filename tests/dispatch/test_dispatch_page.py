@@ -10,7 +10,7 @@ from sparsedecode.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "benchmarks/records/h200/campaigns/h200_sweep"
-WARM = ROOT / "benchmarks/records/h200/kv_select_20261130/kv_select_snapkv0.3_32768.json"
+WARM = ROOT / "benchmarks/records/h200/kv_select/kv_select_20261130/kv_select_snapkv0.3_32768.json"
 
 
 @pytest.mark.parametrize("args", [

@@ -536,8 +536,8 @@ def split_k_attention(
     `end_offset` moves the end to end + end_offset, added in the kernel as it loads a tensor
     end: a decode step passes its position with offset 1 rather than a tensor pos + 1, which
     torch.compile forms by a kernel of its own before every opaque attention call (one launch
-    per layer; records h200/sparse_gemv_20261130T1938Z_fused_gemv/step). `options` sets the
-    default split count (`default_num_splits`); the op receives it as plain ints.
+    per layer; records h200/kernels/sparse_gemv/sparse_gemv_20261130T1938Z_fused_gemv/step).
+    `options` sets the default split count (`default_num_splits`); the op receives it as plain ints.
     """
     if triton is None:
         raise InputError("the split_k kernel needs Triton: pip install triton (or use split_k_ref on CPU)")

@@ -4,10 +4,10 @@ launch (ByteCross §4.1: the decode step's fixed costs).
 A compiled decode step ran this as three small kernels per layer on the H200 (the queries'
 rotation, the keys' rotation with their cache write, and the values' cache write), 3.8 us a
 layer and 0.12 ms a step at 2K for llama-3.1-8b dims, in the dense and the sparse step alike
-(profile in records h200/sparse_gemv_20261130T1738Z_fused_norms). Here one program handles
-one head: a query head is rotated into the output, a key head rotated into its cache row, a
-value head copied into its cache row. The position and the tables' rows are read on the
-device, so the launch can be captured in a CUDA graph and replayed at every position, and no
+(profile in records h200/kernels/sparse_gemv/sparse_gemv_20261130T1738Z_fused_norms). Here one
+program handles one head: a query head is rotated into the output, a key head rotated into its
+cache row, a value head copied into its cache row. The position and the tables' rows are read on
+the device, so the launch can be captured in a CUDA graph and replayed at every position, and no
 gather of the rows runs before it.
 
 The rotation is the 'rotate_half' convention of `models.rope` (x' = x cos + rotate_half(x)

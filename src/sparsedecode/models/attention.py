@@ -81,8 +81,9 @@ def _host_bounds(x, B: int) -> list:
 
 # The SDPA backends of the unmasked (fused) path. PyTorch would pick cuDNN attention for a
 # decode token on the H200, which reads a cache at ~360 GB/s against ~3,600 GB/s for its flash
-# kernel (records h200/sdpa_decode_bench-20261130T072336Z.json), and cuDNN builds a plan for
-# every new length; flash goes first so the baseline is the primitive at its best.
+# kernel (records h200/kernels/decode_attention/sdpa_decode_bench-20261130T072336Z.json), and
+# cuDNN builds a plan for every new length; flash goes first so the baseline is the primitive at
+# its best.
 UNMASKED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -130,7 +130,8 @@ def _step_mode(r: dict) -> str:
     '+countxchg' when its last program zeroed the arrival count with an atomic exchange
     (--no-reset-store; the default before sparse_gemv.RESET_STORE, whose earlier records are not marked),
     '+configs' when its sparse GEMVs took tile configs from a file (--gemv-configs; recorded since
-    the runs of h200/sparse_gemv_20261201T1054Z_finish_sweep, whose own rows say nothing of it).
+    the runs of h200/kernels/sparse_gemv/sparse_gemv_20261201T1054Z_finish_sweep, whose own rows say
+    nothing of it).
     A timing ablation's mode already says so ('proj0.5+ablate-x')."""
     return (r["mode"] + ("+rope_cache" if r.get("rope_in_attention") is False else "")
             + ("+unfolded" if r.get("attn_fold_tail") is False else "")

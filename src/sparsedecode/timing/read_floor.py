@@ -35,8 +35,8 @@ CONFIGS = [("chunk", 1024, 4, 4, 1), ("chunk", 1024, 8, 4, 1), ("chunk", 2048, 4
            ("chunk", 2048, 8, 8, 1), ("chunk", 4096, 4, 8, 1), ("chunk", 512, 8, 2, 1),
            ("stride", 1024, 8, 4, 3), ("stride", 2048, 4, 8, 3), ("stride", 4096, 2, 8, 3),
            ("stride", 1024, 16, 4, 2), ("stride", 2048, 8, 8, 4), ("chunk", 1024, 16, 4, 1),
-           # after the first run (records h200/sparse_gemv_20261201T1029Z_read_floor), where 4 tiles of
-           # 1024 or 2048 a program won: fewer tiles, fewer warps a tile
+           # after the first run (records h200/kernels/sparse_gemv/sparse_gemv_20261201T1029Z_read_floor),
+           # where 4 tiles of 1024 or 2048 a program won: fewer tiles, fewer warps a tile
            ("chunk", 1024, 2, 4, 1), ("chunk", 2048, 2, 8, 1), ("chunk", 512, 4, 2, 1), ("chunk", 4096, 2, 8, 1),
            ("chunk", 2048, 4, 4, 1), ("chunk", 1024, 4, 2, 1), ("chunk", 4096, 1, 8, 1)]
 
