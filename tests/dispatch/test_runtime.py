@@ -112,7 +112,7 @@ def test_every_request_decodes_as_its_configuration_alone(device, fresh_dynamo):
     eng.gate = None
     assert eng.generate(short, max_new_tokens=12).ids == plain.ids
     if device == "cuda":
-        assert len(eng._graphs) == 3  # proj, both, dense: each captured once, replayed after
+        assert eng.graphs == 3  # proj, both, dense: each captured once, replayed after
 
 
 @pytest.mark.slow

@@ -198,6 +198,11 @@ class Engine:
         self._kv_offset = torch.zeros(1, dtype=torch.long, device=k.device)  # (1,)
         return self._kv_buffers, self._kv_offset, True
 
+    @property
+    def graphs(self) -> int:
+        """Captured decode steps held: the current one, or with keep_graphs every kept one."""
+        return len(self._graphs) if self.keep_graphs else int(self._graph is not None)
+
     def invalidate_step(self) -> None:
         """What the decode step reads has changed (modules, buffers, bounds): the next step
         replays the graph kept for the new state (`keep_graphs`) or captures one."""
