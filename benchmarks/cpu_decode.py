@@ -5,7 +5,8 @@ prefill of the WikiText-2 test stream, then greedy decoding of `--new` tokens
 with EOS ignored, on `--threads` CPU threads (2 by default, the size of the
 CI machines). Decode speed is steps per second after the first new token,
 timed per token by a streamer for transformers and by the engine's own clock
-for ours; each figure is the median of `--repeats` runs after one warm-up.
+for ours; each figure is the median of `--repeats` runs after one warm-up, the contenders' runs
+interleaved so that a shared machine's drift hits all of them alike.
 Ours runs twice: eager (the engine's CPU default) and with its decode step
 under torch.compile (about a minute of compilation, paid once per process).
 
@@ -13,7 +14,7 @@ The peer is what a user would run: `model.generate` with its default dynamic
 cache; the static-cache variant (`cache_implementation="static"`, eager, as
 torch.compile on CPU is not what a user picks by default) is timed too.
 
-    PYTHONPATH=src python benchmarks/cpu_decode.py --out benchmarks/records/cpu
+    PYTHONPATH=src python benchmarks/cpu_decode.py --out benchmarks/records/cpu/decode
 """
 
 from __future__ import annotations
@@ -62,23 +63,21 @@ def hf_decode(model, ids, new: int, **gen_kwargs) -> tuple[float, float]:
     return len(ids) / (first - t0), (new - 1) / (last - first)
 
 
-def measure_ours(a, compile: bool) -> tuple[list[int], Path, dict]:
-    """(prompt ids, GGUF path, speeds) of our engine, eager or with a compiled decode step."""
+def load_ours(a, compile: bool):
+    """(engine, prompt ids) of our engine, eager or with a compiled decode step, warmed up."""
     import sparsedecode
 
     eng = sparsedecode.load(a.model, device="cpu", dtype="float32", compile=compile or None, quiet=True)
     ids = eng.tokenizer(WIKITEXT.read_text(encoding="utf-8")[: 40 * a.context])["input_ids"][: a.context]
     assert len(ids) == a.context, "WikiText-2 test split too short for --context"
     ours_decode(eng, ids[:64], 8)  # warm-up (and compilation)
-    pf, dec, runs = median_of(lambda: ours_decode(eng, ids, a.new), a.repeats)
-    return ids, eng.source_path, {"compile": compile, "attention": eng.attention, "max_len": eng.max_len,
-                                  "prefill_chunk": 512,
-                                  "prefill_tok_s": pf, "decode_tok_s": dec, "runs": runs}
+    return eng, ids
 
 
-def median_of(fn, repeats: int) -> tuple[float, float, list]:
-    runs = [fn() for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), runs
+def summary(runs: list, **fields) -> dict:
+    """Medians of (prefill tok/s, decode tok/s) runs, with the runs."""
+    return {**fields, "prefill_tok_s": statistics.median(r[0] for r in runs),
+            "decode_tok_s": statistics.median(r[1] for r in runs), "runs": runs}
 
 
 def main() -> None:
@@ -87,8 +86,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/records/cpu"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/records/cpu/decode"))
     ap.add_argument("--no-static", action="store_true", help="skip the static-cache peer")
     ap.add_argument("--compile", action="store_true", help="also time ours with a torch.compile'd step")
     a = ap.parse_args()
@@ -96,26 +95,37 @@ def main() -> None:
     from sparsedecode.records import stamp, write_record
 
     torch.set_num_threads(a.threads)
-    ids, src, ours = measure_ours(a, compile=False)
-    print(f"ours (eager): prefill {ours['prefill_tok_s']:.1f} tok/s, decode {ours['decode_tok_s']:.2f} tok/s")
-    ours_c = None
-    if a.compile:
-        _, _, ours_c = measure_ours(a, compile=True)
-        print(f"ours (torch.compile): decode {ours_c['decode_tok_s']:.2f} tok/s")
-
     from transformers import AutoModelForCausalLM
 
+    eng, ids = load_ours(a, compile=False)
+    eng_c = load_ours(a, compile=True)[0] if a.compile else None
+    src = eng.source_path
     hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32).eval()
-    hf_decode(hf, ids[:64], 8)  # warm-up
-    h_pf, h_dec, h_runs = median_of(lambda: hf_decode(hf, ids, a.new), a.repeats)
-    print(f"transformers (dynamic cache): prefill {h_pf:.1f} tok/s, decode {h_dec:.2f} tok/s")
-    static = None
+    static_kw = dict(cache_implementation="static")
+    hf_decode(hf, ids[:64], 8)  # warm-ups
     if not a.no_static:
-        kw = dict(cache_implementation="static")
-        hf_decode(hf, ids[:64], 8, **kw)
-        s_pf, s_dec, s_runs = median_of(lambda: hf_decode(hf, ids, a.new, **kw), a.repeats)
-        static = {"prefill_tok_s": s_pf, "decode_tok_s": s_dec, "runs": s_runs}
-        print(f"transformers (static cache): prefill {s_pf:.1f} tok/s, decode {s_dec:.2f} tok/s")
+        hf_decode(hf, ids[:64], 8, **static_kw)
+    # Interleaved repeats (ours, the peers, ours, ...): a shared machine's drift hits every
+    # contender alike instead of whichever ran last.
+    runs = {"ours": [], "ours_c": [], "hf": [], "static": []}
+    for r in range(a.repeats):
+        runs["ours"].append(ours_decode(eng, ids, a.new))
+        if eng_c is not None:
+            runs["ours_c"].append(ours_decode(eng_c, ids, a.new))
+        runs["hf"].append(hf_decode(hf, ids, a.new))
+        if not a.no_static:
+            runs["static"].append(hf_decode(hf, ids, a.new, **static_kw))
+        print(f"repeat {r + 1}/{a.repeats}: ours {runs['ours'][-1][1]:.2f} tok/s, "
+              f"transformers {runs['hf'][-1][1]:.2f} tok/s", flush=True)
+    ours = summary(runs["ours"], compile=False, attention=eng.attention, max_len=eng.max_len, prefill_chunk=512)
+    ours_c = summary(runs["ours_c"], compile=True, attention=eng_c.attention, max_len=eng_c.max_len,
+                     prefill_chunk=512) if eng_c is not None else None
+    hf_sum = summary(runs["hf"])
+    h_pf, h_dec, h_runs = hf_sum["prefill_tok_s"], hf_sum["decode_tok_s"], hf_sum["runs"]
+    static = None if a.no_static else summary(runs["static"])
+    paired = [o[1] / h[1] for o, h in zip(runs["ours"], runs["hf"], strict=True)]
+    print(f"ours (eager): prefill {ours['prefill_tok_s']:.1f} tok/s, decode {ours['decode_tok_s']:.2f} tok/s")
+    print(f"transformers (dynamic cache): prefill {h_pf:.1f} tok/s, decode {h_dec:.2f} tok/s")
 
     best = max([ours] + ([ours_c] if ours_c else []), key=lambda r: r["decode_tok_s"])
     speedup = best["decode_tok_s"] / h_dec
@@ -139,6 +149,8 @@ def main() -> None:
         "transformers_static": static and {"cache": "static, eager", **static},
         "speedup_vs_transformers": speedup,
         "speedup_vs_transformers_eager": ours["decode_tok_s"] / h_dec,
+        "paired_speedups_eager": paired,
+        "order": "interleaved repeats: ours, ours compiled, transformers, transformers static",
         "speedup_of": "compiled" if best is ours_c else "eager",
         "target_speedup": TARGET,
         "target_met": speedup >= TARGET,
