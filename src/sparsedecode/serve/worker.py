@@ -51,6 +51,30 @@ def _held_back(text: str, stops: list[str]) -> int:
     return best
 
 
+class TextStream:
+    """The answer's text as its tokens arrive, each token decoding only the few tokens since
+    the last text it completed (a prefix and a read offset, as vLLM's incremental detokenizer
+    does) instead of the whole answer, so a long answer costs linear, not quadratic, host time.
+    A token that ends in the middle of a multi-byte character adds nothing until it completes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.prefix = self.read = 0
+
+    def add(self, token: int) -> str:
+        """Append `token`; returns the text it completes ('' while a character is unfinished)."""
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        now = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        delta = now[len(before):]
+        self.text += delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return delta
+
+
 class Worker:
     """The engine's thread. `start()` warms every configuration; `submit(job)` queues a job or
     raises a 429 RequestError beyond `max_queue` waiting jobs; `stop()` drains and joins."""
@@ -140,6 +164,8 @@ class Worker:
         steps = eng.tokens(job.ids, p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                            stop_ids=() if p.ignore_eos else None, timing=timing)
         tok_text = eng.tokenizer
+        stream = TextStream(tok_text) if tok_text is not None else None
+        longest = max((len(s) for s in p.stop), default=0)
         sent, text, finish = 0, "", None
         try:
             for tok in steps:
@@ -147,12 +173,13 @@ class Worker:
                     finish = "cancelled"
                     break
                 ids.append(tok)
-                if tok_text is None:  # a model without a tokenizer answers in ids only
+                if stream is None:  # a model without a tokenizer answers in ids only
                     continue
-                text = tok_text.decode(ids, skip_special_tokens=True)
-                if text.endswith("\ufffd"):
-                    continue  # the middle of a multi-byte character
-                cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+                if not stream.add(tok):
+                    continue  # nothing new (the middle of a multi-byte character, a special token)
+                text = stream.text
+                start = max(0, sent - longest)  # a stop can only begin in what has not been sent
+                cut = min((i for i in (text.find(s, start) for s in p.stop) if i >= 0), default=-1)
                 if cut >= 0:
                     text, finish = text[:cut], "stop"
                     break
