@@ -97,6 +97,8 @@ CASES = [
     ("report {paper} --out {t}/exists.safetensors", 2, "--out"),
     # campaign
     ("campaign run {t}/none.toml --out {t}/run", 2, "none.toml"),
+    ("campaign plan-crossing {t}/no_campaign --prediction {t}/p.json --spec {t}/c.toml", 2, "not found"),
+    ("campaign plan-crossing {paper} --prediction {t}/p.json --spec {t}/c.toml --spacing 16K", 2, "at most 8K"),
     ("campaign run {t}/latin1.toml --out {t}/run", 2, "not UTF-8"),
     ("campaign run {t}/broken.toml --out {t}/run", 2, "broken.toml"),
     ("campaign run {t}/cpu.toml --out {t}/run --gpus 0,1", 2, "share its cores"),

@@ -6,6 +6,7 @@
         [--compile-mode ''] [--device cuda] [--dtype bfloat16] [--text-file F] --out cell.json [--json]
     sparsedecode campaign run examples/campaigns/h200_sweep.toml --out runs/h200 [--executor local|ray]
     sparsedecode campaign status runs/h200 [--json]
+    sparsedecode campaign plan-crossing SWEEP_DIR --group sweep --prediction P.json --spec C.toml
 
 A cell runs in the current process; a campaign launches each cell as a fresh
 process of `bench cell`. torch is imported inside the commands.
@@ -145,6 +146,52 @@ def _cell_id(mode: str) -> str:
         return parse_mode(mode).cell
     except Exception:
         return ""
+
+
+@campaign_app.command("plan-crossing")
+def campaign_plan_crossing(
+    folder: Annotated[str, typer.Argument(help="A finished sweep: campaign folder with dense, proj and sel cells.")],
+    prediction: Annotated[str, typer.Option("--prediction", help="Write the prediction record here (commit it before the campaign runs).")],
+    spec_out: Annotated[str, typer.Option("--spec", help="Write the crossing campaign (TOML) here.")],
+    group: Annotated[str, typer.Option("--group", help="The sweep's group holding the proj and sel cells.")] = "sweep",
+    name: Annotated[str | None, typer.Option("--name", help="Campaign name (default: the spec file's stem).")] = None,
+    spacing: Annotated[str, typer.Option("--spacing", help="Tokens between contexts (App. E: at most 8K).")] = "8K",
+    half_width: Annotated[str, typer.Option("--half-width", help="Contexts cover the prediction plus and minus this.")] = "24K",
+    blocks: Annotated[int, typer.Option("--blocks", help="Blocks of the crossing campaign (at least 3).")] = 3,
+    json_out: JsonOpt = False,
+) -> None:
+    """Predict a crossing from a sweep (App. D) and write the campaign that measures it (App. E)."""
+    from sparsedecode.account.units import parse_tokens
+    from sparsedecode.records import write_record
+    from sparsedecode.timing.cell import model_window
+    from sparsedecode.timing.plan import (
+        crossing_contexts,
+        crossing_spec,
+        one_cell_record,
+        predict_crossing,
+    )
+
+    for path, flag in ((prediction, "--prediction"), (spec_out, "--spec")):
+        if Path(path).exists():
+            raise InputError(f"{flag} {path} exists; predictions and specs are never overwritten (pick a new path)")
+    step, half = parse_tokens(spacing, "--spacing"), parse_tokens(half_width, "--half-width")
+    if step > 8192:
+        raise InputError(f"--spacing {spacing}: a crossing campaign spaces its contexts at most 8K apart (App. E)")
+    pred = predict_crossing(folder, group)
+    cell = one_cell_record(folder)
+    _, window = model_window(pred["model"], "random")
+    generated = cell.get("generated", 64)
+    contexts = crossing_contexts(pred["predicted_tokens"], step, half, None if not window else window - generated)
+    pred["planned_contexts"] = contexts
+    text = crossing_spec(pred, name or Path(spec_out).stem, contexts, blocks, cell)
+    write_record(prediction, pred)
+    Path(spec_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(spec_out).write_text(text, encoding="utf-8")
+    if json_out:
+        emit_json(pred)
+    else:
+        typer.echo(f"{pred['model']} {pred['proj']} vs {pred['sel']}: predicted crossing {pred['predicted_tokens']:.0f} "
+                   f"tokens; {len(contexts)} contexts {contexts[0]}..{contexts[-1]} x {blocks} blocks -> {spec_out}")
 
 
 @campaign_app.command("run")

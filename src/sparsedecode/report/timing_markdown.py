@@ -81,6 +81,10 @@ def _group_md(g: dict) -> list[str]:
         if nb is not None:
             out.append(f"- byte crossover n*: {fmt_ctx(nb['tokens']) if nb['tokens'] else 'never'} "
                        f"(Eq. 5 at {nb['keeps']} keeps r_P={nb['rp']:.3f}, r_KV={nb['rkv']:.3f})")
+        c = x.get("committed")
+        if c is not None:
+            out.append(f"- prediction committed before the campaign ran: {fmt_ctx(c['tokens'])} (from "
+                       f"{c['source']}, {c['timestamp']}; App. D)")
         p = x["predicted"]
         if p is not None and p.get("tokens") is not None:
             out.append(f"- cost-aware prediction: {fmt_ctx(p['tokens'])} (t_D, c_P, c_KV from group "

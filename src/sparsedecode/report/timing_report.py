@@ -255,7 +255,23 @@ def _crossing(cc: CampaignCells, group: str, rows: list[dict]) -> dict | None:
                                 "the selection leads at every context" if (d >= 0).all() else
                                 "the projection branch leads at the last context"))
     out["predicted"] = _prediction(cc, group, cells, proj, sel)
+    out["committed"] = _committed(cc, rows, proj, sel)
     return out
+
+
+def _committed(cc: CampaignCells, rows: list[dict], proj: str, sel: str) -> dict | None:
+    """The prediction a crossing campaign was planned from (`campaign plan-crossing`, copied into
+    the folder as prediction.json before it ran), where its proj and sel are this group's."""
+    from sparsedecode.records import read_record
+
+    path = Path(cc.folder) / "prediction.json"
+    if not path.is_file():
+        return None
+    rec = read_record(path)
+    spec = {r["cell"]: r["mode_spec"] for r in rows}
+    if rec.get("kind") != "crossing_prediction" or (rec.get("proj"), rec.get("sel")) != (spec.get(proj), spec.get(sel)):
+        return None
+    return {"tokens": rec["predicted_tokens"], "source": rec.get("source"), "timestamp": rec.get("timestamp")}
 
 
 def _prediction(cc: CampaignCells, group: str, cells: list[PaperCell], proj: str, sel: str) -> dict:

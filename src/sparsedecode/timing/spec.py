@@ -43,6 +43,7 @@ _GRID: dict[str, tuple[tuple[type, ...], object]] = {
     "attention": ((str,), "split_k"),
     "variants": ((list,), [""]),
     "impl": ((str,), "ours"),
+    "pairs": ((str,), "dense"),
 }
 
 
@@ -209,9 +210,17 @@ def _grid(g: dict, where: str) -> Grid:
             raise InputError(f"{where}: modes '{cells[mode.cell]}' and '{m}' are the same cell ({mode.cell})")
         cells[mode.cell] = m
         modes.append(mode.spec)
-    if "dense" not in modes:
+    if g["pairs"] == "crossing":  # App. E: the crossing pairs proj with sel in each block, no dense cell
+        kinds = sorted(parse_mode(m).kind for m in modes)
+        if kinds != ["proj", "sel"]:
+            raise InputError(f"{where}: pairs = 'crossing' wants exactly one proj and one sel mode, got "
+                             f"{', '.join(modes)}")
+    elif g["pairs"] != "dense":
+        raise InputError(f"{where}: pairs '{g['pairs']}' is not 'dense' or 'crossing'")
+    elif "dense" not in modes:
         raise InputError(f"{where}: modes lacks 'dense'; speedups pair each cell with the dense cell "
-                         "of the same group, block and context, so add 'dense'")
+                         "of the same group, block and context, so add 'dense' (or pairs = 'crossing' "
+                         "for one proj and one sel mode)")
     if g["attention"] not in ATTENTION:
         raise InputError(f"{where}: attention '{g['attention']}' is not one of {', '.join(ATTENTION)}")
     variants = []
