@@ -159,6 +159,11 @@ class FakeCells:
         out = Path(argv[argv.index("--out") + 1])
         self.calls.append(out.name)
         self.gpu[out.name] = (env or {}).get("CUDA_VISIBLE_DEVICES")
+        if argv[3:5] == ["bench", "ceiling"]:  # a CUDA campaign measures the ceiling first
+            if "ceiling" in self.crash:
+                return 1
+            write_record(out, {"kind": "bandwidth_ceiling", "gpu": "NVIDIA H200", "gbps": 4000.0, "method": "fake"})
+            return 0
         if self.interrupt_at == len(self.calls):
             raise KeyboardInterrupt
         if out.name in self.crash:
@@ -219,9 +224,34 @@ def test_gpu_lanes_run_each_block_whole_on_one_gpu(tiny, tmp_path, monkeypatch):
     cells = plan(load_spec(spec_path))
     for c in cells:  # block b on gpus[b % 2], so a block's dense and sparse cells share a device
         assert fake.gpu[record_path(out, c).name] == ["3", "5"][c.block % 2]
+    assert fake.calls[0] == "ceiling.json"  # measured once, before the lanes start
     for b in (0, 1):  # each lane keeps its block's plan order
-        lane = [n for n in fake.calls if fake.gpu[n] == ["3", "5"][b]]
+        lane = [n for n in fake.calls[1:] if fake.gpu[n] == ["3", "5"][b]]
         assert lane == [record_path(out, c).name for c in cells if c.block == b]
+
+
+def test_a_cuda_campaign_measures_the_ceiling_once_before_its_cells(tiny, tmp_path, monkeypatch):
+    spec_path = write_spec(tmp_path, toml(tiny, 'device = "cuda"'))
+    out = tmp_path / "run"
+    fake = FakeCells(interrupt_at=3)
+    monkeypatch.setattr(campaign, "_launch", fake)
+    run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert fake.calls[0] == "ceiling.json" and (out / "ceiling.json").is_file()
+    fake = FakeCells()
+    monkeypatch.setattr(campaign, "_launch", fake)
+    run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert "ceiling.json" not in fake.calls and fake.calls  # kept on a resume
+
+    said = []
+    fake = FakeCells(crash={"ceiling"})
+    monkeypatch.setattr(campaign, "_launch", fake)
+    s = run_campaign(spec_path, tmp_path / "other", progress=False, echo=said.append)
+    assert s.ok == 8 and any("ceiling was not measured" in line for line in said), said
+    fake = FakeCells()
+    monkeypatch.setattr(campaign, "_launch", fake)
+    (tmp_path / "cpu").mkdir()
+    run_campaign(write_spec(tmp_path / "cpu", toml(tiny)), tmp_path / "cpu_run", progress=False, echo=lambda line: None)
+    assert "ceiling.json" not in fake.calls  # a CPU campaign has no GPU ceiling to measure
 
 
 @pytest.mark.parametrize("gpus", [[], ["0", "0"], ["a"], ["7"]])

@@ -282,11 +282,26 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
         todo = todo[:max_cells]
     stop_at = None if stop_after is None else time.monotonic() + stop_after
     if executor == "local":
+        if todo and spec.device.startswith("cuda"):
+            _measure_ceiling(spec, folder, python, echo or print)
         _run_local(spec, folder, todo, summary, python=python, progress=progress, echo=echo, gpus=gpus,
                    stop_at=stop_at)
     else:
         _run_ray(spec, folder, todo, summary, python=python, progress=progress, echo=echo)
     return summary
+
+
+def _measure_ceiling(spec, folder: Path, python: str | None, echo) -> None:
+    """DIR/ceiling.json, the measured bandwidth ceiling (`bench ceiling`), in the same run as a
+    CUDA campaign's first cells, so `report` gives each cell's share of it; kept on a resume."""
+    out = folder / "ceiling.json"
+    if out.exists():
+        return
+    argv = [python or sys.executable, "-m", "sparsedecode", "bench", "ceiling", "--device", spec.device,
+            "--dtype", spec.dtype, "--out", str(out)]
+    if _launch(argv, folder / "logs" / "ceiling.log") != 0 or not out.exists():
+        echo(f"the bandwidth ceiling was not measured (see {folder / 'logs' / 'ceiling.log'}): "
+             "% of ceiling stays blank in the report")
 
 
 def _launch(argv: list[str], log: Path, env: dict | None = None, running: set | None = None) -> int:
