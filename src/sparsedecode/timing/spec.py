@@ -198,7 +198,7 @@ def _grid(g: dict, where: str) -> Grid:
         contexts.append(parse_tokens(c, f"{where}: contexts entry"))
     if len(set(contexts)) != len(contexts):
         raise InputError(f"{where}: contexts lists a context twice: {contexts}")
-    modes, cells = [], {}
+    modes, kinds, cells = [], [], {}
     for m in g["modes"]:
         if not isinstance(m, str):
             raise InputError(f"{where}: modes entry {m!r} is not a mode string such as 'sel0.3'")
@@ -210,9 +210,9 @@ def _grid(g: dict, where: str) -> Grid:
             raise InputError(f"{where}: modes '{cells[mode.cell]}' and '{m}' are the same cell ({mode.cell})")
         cells[mode.cell] = m
         modes.append(mode.spec)
+        kinds.append(mode.kind)
     if g["pairs"] == "crossing":  # App. E: the crossing pairs proj with sel in each block, no dense cell
-        kinds = sorted(parse_mode(m).kind for m in modes)
-        if kinds != ["proj", "sel"]:
+        if sorted(kinds) != ["proj", "sel"]:
             raise InputError(f"{where}: pairs = 'crossing' wants exactly one proj and one sel mode, got "
                              f"{', '.join(modes)}")
     elif g["pairs"] != "dense":
