@@ -94,6 +94,8 @@ CASES = [
     ("report {paper} --ceiling {t}/no_ceiling.json", 2, "--ceiling"),
     ("bench ceiling --gib 0", 2, "--gib must be > 0"),
     ("bench ceiling --replays 0", 2, "--replays"),
+    ("bench ceiling --out {t}", 2, "is a folder"),
+    ("campaign plan-crossing {paper} --prediction {t}/p.txt --spec {t}/c.toml", 2, "must end in .json"),
     ("report {paper} --out {t}/exists.safetensors", 2, "--out"),
     # campaign
     ("campaign run {t}/none.toml --out {t}/run", 2, "none.toml"),

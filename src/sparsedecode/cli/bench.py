@@ -21,7 +21,7 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, emit_json
+from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, check_out_file, emit_json
 from sparsedecode.errors import InputError
 
 bench_app = typer.Typer(help="Timing: one cell of the App. A protocol in this process.",
@@ -110,8 +110,10 @@ def ceiling(
     from sparsedecode.records import write_record
     from sparsedecode.timing.ceiling import measure_ceiling
 
-    if out is not None and Path(out).exists():
-        raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
+    if out is not None:
+        check_out_file(out, "--out", ".json")
+        if Path(out).exists():
+            raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
     rec = measure_ceiling(device=device, dtype=dtype, gib=gib, replays=replays, calls=calls)
     if out is not None:
         write_record(out, rec)
@@ -162,6 +164,7 @@ def campaign_plan_crossing(
 ) -> None:
     """Predict a crossing from a sweep (App. D) and write the campaign that measures it (App. E)."""
     from sparsedecode.account.units import parse_tokens
+    from sparsedecode.cli.common import check_out_file
     from sparsedecode.records import write_record
     from sparsedecode.timing.cell import model_window
     from sparsedecode.timing.plan import (
@@ -171,7 +174,8 @@ def campaign_plan_crossing(
         predict_crossing,
     )
 
-    for path, flag in ((prediction, "--prediction"), (spec_out, "--spec")):
+    for path, flag, suffix in ((prediction, "--prediction", ".json"), (spec_out, "--spec", ".toml")):
+        check_out_file(path, flag, suffix)
         if Path(path).exists():
             raise InputError(f"{flag} {path} exists; predictions and specs are never overwritten (pick a new path)")
     step, half = parse_tokens(spacing, "--spacing"), parse_tokens(half_width, "--half-width")
