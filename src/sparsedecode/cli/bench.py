@@ -164,7 +164,6 @@ def campaign_plan_crossing(
 ) -> None:
     """Predict a crossing from a sweep (App. D) and write the campaign that measures it (App. E)."""
     from sparsedecode.account.units import parse_tokens
-    from sparsedecode.cli.common import check_out_file
     from sparsedecode.records import write_record
     from sparsedecode.timing.cell import model_window
     from sparsedecode.timing.plan import (
