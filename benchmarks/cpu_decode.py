@@ -120,12 +120,12 @@ def main() -> None:
     ours = summary(runs["ours"], compile=False, attention=eng.attention, max_len=eng.max_len, prefill_chunk=512)
     ours_c = summary(runs["ours_c"], compile=True, attention=eng_c.attention, max_len=eng_c.max_len,
                      prefill_chunk=512) if eng_c is not None else None
-    hf_sum = summary(runs["hf"])
-    h_pf, h_dec, h_runs = hf_sum["prefill_tok_s"], hf_sum["decode_tok_s"], hf_sum["runs"]
-    static = None if a.no_static else summary(runs["static"])
+    peer = summary(runs["hf"], cache="dynamic (generate default)")
+    h_dec = peer["decode_tok_s"]
+    static = None if a.no_static else summary(runs["static"], cache="static, eager")
     paired = [o[1] / h[1] for o, h in zip(runs["ours"], runs["hf"], strict=True)]
     print(f"ours (eager): prefill {ours['prefill_tok_s']:.1f} tok/s, decode {ours['decode_tok_s']:.2f} tok/s")
-    print(f"transformers (dynamic cache): prefill {h_pf:.1f} tok/s, decode {h_dec:.2f} tok/s")
+    print(f"transformers (dynamic cache): prefill {peer['prefill_tok_s']:.1f} tok/s, decode {h_dec:.2f} tok/s")
 
     best = max([ours] + ([ours_c] if ours_c else []), key=lambda r: r["decode_tok_s"])
     speedup = best["decode_tok_s"] / h_dec
@@ -144,9 +144,8 @@ def main() -> None:
         "decoding": "greedy, EOS ignored; decode tok/s = (new-1) / time after the first new token",
         "ours": ours,
         "ours_compiled": ours_c,
-        "transformers": {"cache": "dynamic (generate default)", "prefill_tok_s": h_pf,
-                         "decode_tok_s": h_dec, "runs": h_runs},
-        "transformers_static": static and {"cache": "static, eager", **static},
+        "transformers": peer,
+        "transformers_static": static,
         "speedup_vs_transformers": speedup,
         "speedup_vs_transformers_eager": ours["decode_tok_s"] / h_dec,
         "paired_speedups_eager": paired,
