@@ -423,8 +423,9 @@ def _ceiling(cc: CampaignCells, ceiling) -> tuple[float | None, str]:
 
     path = Path(ceiling) if ceiling is not None else Path(cc.folder) / "ceiling.json"
     if ceiling is None and not path.is_file():
-        return None, ("no measured ceiling (run `sparsedecode bench ceiling --out DIR/ceiling.json` in the "
-                      "same call as the cells): % of ceiling left blank")
+        return None, ("no measured ceiling (a CUDA `campaign run` writes DIR/ceiling.json; else run "
+                      "`sparsedecode bench ceiling --out DIR/ceiling.json` in the same call as the cells): "
+                      "% of ceiling left blank")
     rec = read_ceiling(path)
     if cc.source == "sparsedecode" and rec.get("gpu") != cc.gpu:
         raise InputError(f"{path}: the ceiling was measured on {rec.get('gpu')}, the cells on {cc.gpu}")
