@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a dry run)")
     ap.add_argument("--config", type=Path, help="a config.json instead of --model (dry runs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed calls, one more under torch.profiler: its kernel table "
+                         "(by device time) goes to DIR/profile_<cell>.txt")
     a = ap.parse_args()
     contexts = parse_token_list(a.contexts)
     keeps = [float(k) for k in a.keeps.split(",")]
@@ -58,17 +61,22 @@ def main() -> None:
         prefill_s = time.perf_counter() - t
         for method in a.methods.split(","):
             for keep in keeps:
-                times = []
+                times, phases = [], []
                 for _ in range(a.repeats + 1):  # the first call warms up (allocations, kernels)
                     eng.pos = n
-                    times.append(eng.select_kv(method, keep, a.new).select_s)
+                    s = eng.select_kv(method, keep, a.new)
+                    times.append(s.select_s)
+                    phases.append(s.phases)
                 sel = eng.kv
+                if a.profile:
+                    _profile(eng, method, keep, a.new, a.out / f"profile_{method}{keep:g}_{n}.txt")
                 med = statistics.median(times[1:])
                 rec = stamp({
                     "kind": "kv_select_bench", "model": {"name": a.model, "dims": eng.dims.to_dict(),
                                                          "init": "random"},
                     "dtype": "bfloat16", "context": n, "method": method, "keep": keep, "max_new": a.new,
                     "budget": sel.budget, "prefill_s": prefill_s, "select_s": times[1:], "first_s": times[0],
+                    "phases": phases[1:], "first_phases": phases[0],
                     "select_s_median": med, "target_s": TARGET_S, "meets_target": med <= TARGET_S,
                     "protocol": f"1 warm-up + {a.repeats} timed select_kv calls, device-synchronised",
                 })
@@ -77,6 +85,18 @@ def main() -> None:
                 print(f"n={n} {method} keep {keep:g}: budget {sel.budget}, select {med * 1e3:.1f} ms "
                       f"(first {times[0] * 1e3:.1f} ms), prefill {prefill_s:.2f} s", flush=True)
     (a.out / "kv_select_records.json").write_text(json.dumps(records, indent=1))
+
+
+def _profile(eng, method: str, keep: float, new: int, path: Path) -> None:
+    """One more selection under torch.profiler; its kernels by total device time, to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+    eng.pos = eng.kv.n
+    with profile(activities=acts) as prof:
+        eng.select_kv(method, keep, new)
+    key = "cuda_time_total" if eng.device.type == "cuda" else "cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40))
 
 
 if __name__ == "__main__":

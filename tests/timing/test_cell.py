@@ -28,7 +28,7 @@ CONTRACT = {
     "kv_method", "attention", "compile_mode", "context", "generated", "fill", "stream", "step_ms_runs",
     "tokens_per_sec_runs", "tokens_per_sec", "ms_per_token", "step_ms_median",
     "realized_projection_keep", "kv_budget", "kv_read_fraction", "bytes_per_step", "byte_bound",
-    "achieved_gbps", "peak_memory_bytes", "one_time",
+    "achieved_gbps", "peak_memory_bytes", "one_time", "selection",
 }
 
 
@@ -81,8 +81,15 @@ def test_record_holds_the_contract_and_agrees_with_the_byte_account(tiny, mode):
         assert rec["kv_budget"] == round(m.kv_keep * N) - rec["generated"]  # never attends more than keep x n
         assert rec["kv_read_fraction"] == pytest.approx((rec["kv_budget"] + rec["generated"]) / N)
         assert rec["one_time"]["select_s"] > 0
+        sel = rec["selection"]  # the first selection and the same again, warm, each by phase
+        assert sel["first_s"] == rec["one_time"]["select_s"] and sel["warm_s"] > 0
+        if m.kv_method == "snapkv":
+            for phases, total in ((sel["first_phases"], sel["first_s"]), (sel["warm_phases"], sel["warm_s"])):
+                assert set(phases) == {"observe", "buffers", "score", "gather"}
+                assert all(t >= 0 for t in phases.values()) and sum(phases.values()) <= total
     else:
         assert rec["kv_budget"] == N and rec["kv_read_fraction"] == 1.0 and rec["kv_method"] is None
+        assert rec["selection"] is None
 
     # bytes and bound, from the account at the realized keeps
     dims = ModelDims(**rec["model"]["dims"])

@@ -22,7 +22,8 @@ prefill of n tokens:
 
 keep 1.0 keeps everything: decoding reads the full cache exactly as dense.
 The one-time cost (observation pass, scoring and gather) is timed, with a
-device synchronisation, and returned.
+device synchronisation, and returned, split into its phases by device events
+(no synchronisation between them), so a record says where it went.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class KVSelection:
     max_new: int
     select_s: float
     params: dict = field(default_factory=dict)  # the selector's fields as given
+    # Seconds of the selection by phase, from device events: 'observe' (the observation pass),
+    # 'buffers' (finding or allocating the compact buffers), 'score' (scoring and top-k, all
+    # layers), 'gather' (copies into the compact buffers); empty where nothing was scored.
+    phases: dict = field(default_factory=dict)
     # With select_kv(indices=True), a scored selection's kept positions, one (B, Hkv, budget)
     # int64 tensor per layer on the CPU (for diagnostics such as which needle tokens it kept).
     kept: list | None = field(default=None, repr=False)
@@ -57,6 +62,32 @@ class KVSelection:
     @property
     def mode(self) -> str:
         return "dense" if self.keep >= 1.0 else "window" if self.method == "window" else "sel"
+
+
+class _Phases:
+    """Device-side stopwatch: marks between phases, read once after the final synchronisation
+    (CUDA events on a GPU, the host clock elsewhere, where work runs as it is issued)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+        self.mark("start")
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((name, ev))
+        else:
+            self.marks.append((name, time.perf_counter()))
+
+    def seconds(self) -> dict:
+        """Seconds per phase name, summed over its intervals (each mark closes the one before)."""
+        out: dict = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:], strict=False):
+            dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[name] = out.get(name, 0.0) + dt
+        return out
 
 
 def observation_queries(engine, window: int) -> list[torch.Tensor]:
@@ -107,6 +138,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
+    phases = _Phases(engine.device)
     recapture = True
     kept = None
     if keep >= 1.0:
@@ -122,20 +154,25 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
                 cache.read_window(sinks, budget - sinks + max_new)
         else:
             queries = observation_queries(engine, selector.window)
+            phases.mark("observe")
             bufs, offset, recapture = engine.compact_buffers(budget + max_new)
+            phases.mark("buffers")
             kept = [] if indices else None
             with torch.no_grad():  # not inference_mode: the step writes these buffers in place
                 for cache, q_obs, (k_buf, v_buf) in zip(caches, queries, bufs, strict=True):
                     idx = selector.select(q_obs, cache.k, n, keep, max_new)  # (B, Hkv, budget)
+                    phases.mark("score")
                     if kept is not None:
                         kept.append(idx.cpu())
                     k, v = selector.gather(cache.k, cache.v, idx, check=False)  # (B, Hkv, budget, D)
                     k_buf[:, :, :budget].copy_(k)
                     v_buf[:, :, :budget].copy_(v)
+                    phases.mark("gather")
                     cache.read_compact(k_buf, v_buf, offset, host_offset=n - budget)
             offset.fill_(n - budget)  # (1,): slot = position - offset
     sync()
-    sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params), kept)
+    sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params),
+                      phases.seconds(), kept)
     engine.kv = sel
     if recapture:
         engine.invalidate_step()  # the decode step reads other buffers now
