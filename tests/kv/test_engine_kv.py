@@ -42,6 +42,45 @@ def test_keep_one_is_dense_exactly():
     assert torch.equal(decode(eng, [3, 4, 5]), dense)
 
 
+@pytest.mark.parametrize("chunks", [[150], [100, 30, 20], [140, 10]])
+def test_the_prefill_keeps_the_observation_window(chunks):
+    """The last 64 prefill queries per layer are the ones a re-run of the window computes, across
+    chunks and prefill calls that continue each other; a wider window re-runs; the selections agree."""
+    from sparsedecode.kv.apply import observation_queries
+    from sparsedecode.models.decoder import RECENT_QUERIES
+
+    eng = engine()
+    start = 0
+    for size in chunks:  # consecutive prefills, each in chunks of 30 (the last ones shorter than 64)
+        eng.prefill(PROMPT[start:start + size], chunk=30, start=start)
+        start += size
+    kept, observed = observation_queries(eng, RECENT_QUERIES)
+    assert observed == "prefill" and all(q.shape == (1, 6, RECENT_QUERIES, 16) for q in kept)
+    for layer in eng.model.layers:  # forget what the prefill kept: the window is run again
+        layer.self_attn.recent = None
+    if chunks[-1] < RECENT_QUERIES:  # the last prefill holds too few tokens to run the window again
+        with pytest.raises(InputError, match="observation window is the last 64 prompt tokens"):
+            observation_queries(eng, RECENT_QUERIES)
+        eng.prefill(PROMPT[-RECENT_QUERIES:], start=len(PROMPT) - RECENT_QUERIES)
+        for layer in eng.model.layers:
+            layer.self_attn.recent = None
+    rerun, observed = observation_queries(eng, RECENT_QUERIES)
+    assert observed == "re-run"
+    for a, b in zip(kept, rerun, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    eng.prefill(PROMPT)
+    sel = eng.select_kv("snapkv", 0.5, max_new=4, window=16)
+    assert sel.observed == "prefill" and sel.phases["observe"] >= 0
+    idx = eng.select_kv("snapkv", 0.5, max_new=4, window=16, indices=True).kept
+    wide = eng.select_kv("snapkv", 0.8, max_new=4, window=100)
+    assert wide.observed == "re-run" and wide.budget == round(0.8 * 150) - 4
+    for layer in eng.model.layers:
+        layer.self_attn.recent = None
+    again = eng.select_kv("snapkv", 0.5, max_new=4, window=16, indices=True)
+    assert again.observed == "re-run"
+    assert all(torch.equal(a, b) for a, b in zip(idx, again.kept, strict=True))
+
+
 def test_observation_pass_leaves_the_cache_and_selection_gathers_it():
     eng = engine()
     eng.prefill(PROMPT)

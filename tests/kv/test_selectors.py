@@ -202,6 +202,13 @@ def test_gather_puts_kept_entries_first_then_empty_slots(dtype):
     assert not kb[:, :, budget:].any() and not vb[:, :, budget:].any()
     with pytest.raises(InputError, match="outside"):
         KVSelector.gather(k, v, idx + k.shape[2], extra=0)
+    # into given buffers: the same kept entries, the slots past the budget as they were
+    bufs = (torch.full_like(kb, 7.0), torch.full_like(vb, 7.0))
+    got = KVSelector.gather(k, v, idx, out=bufs)
+    assert got[0] is bufs[0] and torch.equal(got[0][:, :, :budget], kb[:, :, :budget])
+    assert torch.equal(got[1][:, :, :budget], vb[:, :, :budget]) and (got[1][:, :, budget:] == 7).all()
+    with pytest.raises(InputError, match="out must be two buffers"):
+        KVSelector.gather(k, v, idx, out=(kb[:, :, :budget - 1], vb))
 
 
 # -- bad input -----------------------------------------------------------------------------

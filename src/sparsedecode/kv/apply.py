@@ -3,11 +3,13 @@
 `select_kv(engine, method, keep, max_new)` runs once per prompt, after the
 prefill of n tokens:
 
-- scored methods (snapkv) re-run the last W prompt tokens through the model as
-  the observation window and collect each layer's post-RoPE queries (B, Hq, W, D);
-  the window attends to the cache as prefilled, which it leaves bit for bit
-  (rewriting its keys from a W-row GEMM would round differently on CUDA than the
-  prefill's n-row one, and decoding would read keys it never scored);
+- scored methods (snapkv) score with each layer's post-RoPE queries (B, Hq, W, D)
+  of the last W prompt tokens, the observation window. The prefill keeps its last
+  64 per layer (SnapKV scores with the prefill's own queries), so the usual window
+  costs nothing; a wider one re-runs the last W prompt tokens through the model,
+  attending to the cache as prefilled, which it leaves bit for bit (rewriting its
+  keys from a W-row GEMM would round differently on CUDA than the prefill's n-row
+  one, and decoding would read keys it never scored);
 - each layer's selector picks round(keep x n) - max_new positions per KV head
   and the kept keys and values are gathered once into a contiguous buffer with
   room for the max_new generated tokens; every decode step then appends its own
@@ -55,6 +57,9 @@ class KVSelection:
     # 'buffers' (finding or allocating the compact buffers), 'score' (scoring and top-k, all
     # layers), 'gather' (copies into the compact buffers); empty where nothing was scored.
     phases: dict = field(default_factory=dict)
+    # Where a scored selection's observation queries came from: 'prefill' (kept by it) or
+    # 're-run' (a window wider than the prefill kept); None where nothing was scored.
+    observed: str | None = None
     # With select_kv(indices=True), a scored selection's kept positions, one (B, Hkv, budget)
     # int64 tensor per layer on the CPU (for diagnostics such as which needle tokens it kept).
     kept: list | None = field(default=None, repr=False)
@@ -90,25 +95,31 @@ class _Phases:
         return out
 
 
-def observation_queries(engine, window: int) -> list[torch.Tensor]:
+def observation_queries(engine, window: int) -> tuple[list[torch.Tensor], str]:
     """Post-RoPE queries (B, Hq, W, D) of each layer for the last W = min(window, n) cached
-    prompt tokens, from re-running them over the cache as prefilled (which they do not write)."""
+    prompt tokens, and where they came from: 'prefill', the queries the prefill computed and
+    kept (its last RECENT_QUERIES per layer; SnapKV scores with the prefill's own queries), or
+    're-run', the window run again over the cache as prefilled (which it does not write), where
+    the window is wider than what the prefill kept."""
     n = engine.pos
-    ids, start = engine.last_prefill  # (L,) ids the last prefill put at positions [start, start + L)
     w = min(window, n)
+    attn = [layer.self_attn for layer in engine.model.layers]
+    kept = [a.recent for a in attn]
+    if all(r is not None and r[1] == n and r[0].shape[2] >= w for r in kept):
+        return [r[0][:, :, r[0].shape[2] - w:] for r in kept], "prefill"
+    ids, start = engine.last_prefill  # (L,) ids the last prefill put at positions [start, start + L)
     if ids is None or start + ids.numel() != n or ids.numel() < w:
         raise InputError(
             f"the observation window is the last {w} prompt tokens, and the last prefill did not end "
             f"at the cache's {n} tokens with at least that many: prefill the prompt right before selecting"
         )
-    attn = [layer.self_attn for layer in engine.model.layers]
     for a in attn:
         a.observe = []
     try:
         pos = torch.arange(n - w, n, device=engine.device)  # (W,)
         with torch.inference_mode():
             engine.model(ids[ids.numel() - w:][None], pos, n - w)
-        return [a.observe[0] for a in attn]
+        return [a.observe[0] for a in attn], "re-run"
     finally:
         for a in attn:
             a.observe = None
@@ -140,7 +151,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
     t0 = time.perf_counter()
     phases = _Phases(engine.device)
     recapture = True
-    kept = None
+    kept, observed = None, None
     if keep >= 1.0:
         clear_kv(engine)
         budget = n
@@ -153,7 +164,7 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
             for cache in caches:  # round(keep x n) entries per step: budget + the room for new ones
                 cache.read_window(sinks, budget - sinks + max_new)
         else:
-            queries = observation_queries(engine, selector.window)
+            queries, observed = observation_queries(engine, selector.window)
             phases.mark("observe")
             bufs, offset, recapture = engine.compact_buffers(budget + max_new)
             phases.mark("buffers")
@@ -164,15 +175,13 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
                     phases.mark("score")
                     if kept is not None:
                         kept.append(idx.cpu())
-                    k, v = selector.gather(cache.k, cache.v, idx, check=False)  # (B, Hkv, budget, D)
-                    k_buf[:, :, :budget].copy_(k)
-                    v_buf[:, :, :budget].copy_(v)
+                    selector.gather(cache.k, cache.v, idx, check=False, out=(k_buf, v_buf))  # one copy
                     phases.mark("gather")
                     cache.read_compact(k_buf, v_buf, offset, host_offset=n - budget)
             offset.fill_(n - budget)  # (1,): slot = position - offset
     sync()
     sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params),
-                      phases.seconds(), kept)
+                      phases.seconds(), observed, kept)
     engine.kv = sel
     if recapture:
         engine.invalidate_step()  # the decode step reads other buffers now

@@ -142,12 +142,14 @@ class KVSelector:
 
     @staticmethod
     def gather(k_cache: Tensor, v_cache: Tensor, idx: Tensor, extra: int = 0,
-               check: bool = True) -> tuple[Tensor, Tensor]:
+               check: bool = True, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """Contiguous buffers (B, Hkv, budget + extra, D) holding the kept entries first.
 
         k_cache, v_cache (B, Hkv, T, D); idx (B, Hkv, budget) positions in [0, T).
         Slots budget .. budget + extra - 1 are zero, for the tokens to be
-        generated. Buffers have the caches' dtype and device.
+        generated. Buffers have the caches' dtype and device. `out`: a (k, v) pair of
+        buffers (B, Hkv, >= budget, D) to gather into instead (one copy, no zeroing;
+        their slots past budget are left as they are); returned.
         """
         if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
             raise InputError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
@@ -163,12 +165,19 @@ class KVSelector:
         if check and budget and (int(idx.min()) < 0 or int(idx.max()) >= T):
             raise InputError(f"idx holds positions outside [0, {T}) of the caches")
         ix = idx.long().to(k_cache.device)[..., None].expand(B, Hkv, budget, D)  # (B, Hkv, budget, D)
-        out = []
+        if out is not None:
+            if len(out) != 2 or any(b.dim() != 4 or b.shape[:2] != (B, Hkv) or b.shape[2] < budget
+                                    or b.shape[3] != D or b.dtype != k_cache.dtype for b in out):
+                raise InputError(f"out must be two buffers ({B}, {Hkv}, >= {budget}, {D}) of {k_cache.dtype}")
+            for cache, buf in zip((k_cache, v_cache), out, strict=True):
+                torch.gather(cache, 2, ix, out=buf[:, :, :budget])
+            return out[0], out[1]
+        bufs = []
         for cache in (k_cache, v_cache):
             buf = cache.new_zeros(B, Hkv, budget + extra, D)  # (B, Hkv, budget + extra, D)
             buf[:, :, :budget] = torch.gather(cache, 2, ix)
-            out.append(buf)
-        return out[0], out[1]
+            bufs.append(buf)
+        return bufs[0], bufs[1]
 
 
 SELECTORS: Mapping[str, type[KVSelector]] = Registry("KV selector", {

@@ -26,7 +26,6 @@ the pooled scores stay aligned with their positions.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,6 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.snapkv_scores import scores_ref, snapkv_scores
+from sparsedecode.kernels.snapkv_scores import usable as snapkv_kernels_usable
 from sparsedecode.kv.select import KVSelector, _check_int
 
 POOL_KINDS = ("avg", "max")
@@ -67,26 +68,13 @@ class SnapKV(KVSelector):
 
         q_obs (B, Hq, W, D): post-RoPE queries of prompt positions n - W .. n - 1
         (1 <= W <= n); k_cache (B, Hkv, T >= n, D): post-RoPE keys, the first n valid.
+        On CUDA (operands of one dtype, bf16, fp16 or fp32) the two Triton launches of `kernels.snapkv_scores`;
+        elsewhere its float32 PyTorch reference, in slices of at most SCORE_ELEMENTS logits.
         """
-        B, Hq, W, D, Hkv = _check_shapes(q_obs, k_cache, n)
-        G = Hq // Hkv
-        scale = 1.0 / math.sqrt(D)
-        # Window query i (position n - W + i) may not see keys after it.
-        qpos = torch.arange(n - W, n, device=k_cache.device)[:, None]  # (W, 1)
-        future = torch.arange(n, device=k_cache.device)[None, :] > qpos  # (W, n)
-        out = torch.empty(B, Hkv, n, dtype=torch.float32, device=k_cache.device)  # (B, Hkv, n)
-        # As many GQA groups at a time as keep the float32 logits (B, heads, G, W, n) under
-        # SCORE_ELEMENTS: all of them at 32K on Llama-3.1-8B, one at a time at long contexts.
-        step = max(1, min(Hkv, SCORE_ELEMENTS // max(1, B * G * W * n)))
-        for h0 in range(0, Hkv, step):
-            h1 = min(h0 + step, Hkv)
-            q = q_obs[:, h0 * G : h1 * G].to(k_cache.device, torch.float32)  # (B, h*G, W, D)
-            q = q.reshape(B, h1 - h0, G, W, D)  # (B, h, G, W, D), repeat_kv order
-            k = k_cache[:, h0:h1, :n].float()  # (B, h, n, D)
-            logits = torch.einsum("bhgwd,bhnd->bhgwn", q, k) * scale  # (B, h, G, W, n)
-            attn = logits.masked_fill_(future, -math.inf).softmax(dim=-1)  # (B, h, G, W, n)
-            out[:, h0:h1] = attn.sum(dim=(2, 3))  # (B, h, n): summed over the group and queries
-        return self.pool(out)
+        _check_shapes(q_obs, k_cache, n)
+        if snapkv_kernels_usable(q_obs, k_cache):
+            return self.pool(snapkv_scores(q_obs, k_cache, n))  # two launches, no logits stored
+        return self.pool(scores_ref(q_obs, k_cache, n, SCORE_ELEMENTS))
 
     def pool(self, s: Tensor) -> Tensor:
         """Same-length 1-D pooling over positions of s (B, Hkv, n)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import Tensor
 
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.options import AttentionOptions
@@ -45,6 +46,9 @@ from sparsedecode.models.window_attention import window_attention
 ATTN_SITES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_SITES = ("gate_proj", "up_proj", "down_proj")
 SITES = ATTN_SITES + MLP_SITES
+# Prefill queries each attention layer keeps for a KV selection's observation window: SnapKV's
+# W (ByteCross App. A); a selection asking for more re-runs its window instead (kv.apply).
+RECENT_QUERIES = 64
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -120,6 +124,9 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.qkv = None  # a fused one-token projection (projection.sparse_linear.SparseConcat)
         self.observe: list | None = None  # set to a list to collect post-RoPE queries (B, Hq, L, D)
+        # The last RECENT_QUERIES post-RoPE queries of the prefill, (B, Hq, <= RECENT_QUERIES, D), and
+        # the position after them: the observation window of a KV selection (kv.apply), for free.
+        self.recent: tuple[Tensor, int] | None = None
         self.cache: KVCache | None = None
         self.backend = "split_k"
         self.kernel_options = AttentionOptions()  # the split-K kernel's launch options (set_attention_options_)
@@ -159,6 +166,8 @@ class Attention(nn.Module):
             return y.reshape(B, 1, self.n_heads * self.head_dim)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, L, D)
+        if start is not None and self.observe is None:
+            self._keep_recent(q, start)
         v = v.transpose(1, 2)  # (B, Hkv, L, D)
         if self.observe is None:
             self.cache.update(pos, k, v)  # the full cache receives every entry, in every mode
@@ -171,6 +180,14 @@ class Attention(nn.Module):
             y = self._prefill_attention(q, start, L).transpose(1, 2)  # (B, L, Hq, D)
             y = y.reshape(B, L, self.n_heads * self.head_dim)
         return y
+
+    def _keep_recent(self, q: Tensor, start: int) -> None:
+        """Keep the trailing RECENT_QUERIES queries of a prefill chunk (B, Hq, L, D) at positions
+        [start, start + L), joined to those kept before when the chunk continues them."""
+        L = q.shape[2]
+        if L < RECENT_QUERIES and self.recent is not None and self.recent[1] == start:
+            q = torch.cat([self.recent[0], q], dim=2)  # (B, Hq, kept + L, D)
+        self.recent = (q[:, :, -RECENT_QUERIES:].clone(), start + L)
 
     def _decode_attention(self, q, k, v, pos, host_len=None):
         """One query per sequence (B, Hq, D) over the cache, the compact buffer of selected
