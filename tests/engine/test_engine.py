@@ -184,7 +184,7 @@ def test_cli_generate_answers_paris():
 def test_compile_caches_persist_under_the_sparsedecode_cache(tmp_path, monkeypatch):
     """torch.compile's caches go under the sparsedecode cache (a second process compiles less),
     unless the user set TORCHINDUCTOR_CACHE_DIR."""
-    from sparsedecode.engine.engine import use_compile_cache
+    from sparsedecode.engine.device import use_compile_cache
 
     monkeypatch.setenv("SPARSEDECODE_CACHE", str(tmp_path / "c"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)

@@ -10,7 +10,7 @@ import torch
 
 import sparsedecode
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.options import KernelOptions
+from sparsedecode.kernels.options import GemvOptions, KernelOptions
 from sparsedecode.projection.sparse_linear import sparse_modules
 from sparsedecode.projection.thresholds import SITES, Thresholds
 
@@ -32,11 +32,12 @@ def _options(eng):
 
 def test_load_and_set_kernels_reach_every_layer_and_later_projections():
     eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, kernels=OPTS)
-    assert eng.kernels == OPTS and _options(eng)[0] == {OPTS.attention}
+    resolved = OPTS.with_(gemv__dense=False)  # gemv.dense's default resolves to off on the CPU
+    assert eng.kernels_asked == OPTS and eng.kernels == resolved and _options(eng)[0] == {OPTS.attention}
     eng.sparsify(_thresholds(eng, 0.02))  # sparse modules made after the options were set
-    assert _options(eng) == ({OPTS.attention}, {OPTS.gemv})
+    assert _options(eng) == ({OPTS.attention}, {resolved.gemv})
     eng.set_kernels(KernelOptions())
-    assert _options(eng) == ({KernelOptions().attention}, {KernelOptions().gemv})
+    assert _options(eng) == ({KernelOptions().attention}, {GemvOptions(dense=False)})
     with pytest.raises(InputError, match="takes a KernelOptions"):
         eng.set_kernels({"gemv": {"pdl": False}})
 
@@ -63,5 +64,6 @@ def test_a_cell_records_its_kernel_options_whole(tmp_path, capsys):
                 "--obs", "8", "--calib-tokens", "256", "--kernels", "gemv.pdl=false", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
-    assert KernelOptions.from_dict(rec["kernels"]) == KernelOptions.parse("gemv.pdl=false")
+    # what ran, resolved: gemv.dense's default is off on the CPU
+    assert KernelOptions.from_dict(rec["kernels"]) == KernelOptions.parse("gemv.pdl=false,gemv.dense=false")
     assert rec["spec"]["kernels"] == "gemv.pdl=false"

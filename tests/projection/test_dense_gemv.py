@@ -13,6 +13,7 @@ import sparsedecode
 from interpreted import run_interpreted
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.options import GemvOptions, KernelOptions
+from sparsedecode.projection.thresholds import Thresholds, site_key
 
 DENSE = KernelOptions(gemv=GemvOptions(dense=True))
 
@@ -71,5 +72,44 @@ def test_dense_gemv_is_refused_where_the_kernel_does_not_run(monkeypatch):
     with pytest.raises(InputError, match="gemv.dense=true .* needs CUDA"):
         sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
     assert KernelOptions.parse("gemv.dense=true") == DENSE
-    with pytest.raises(InputError, match="gemv.dense must be true or false"):
+    with pytest.raises(InputError, match="gemv.dense must be true, false or none"):
         GemvOptions(dense=1)
+    assert KernelOptions.parse("gemv.dense=none") == KernelOptions() and KernelOptions().gemv.dense is None
+    eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
+    assert eng.kernels.gemv.dense is False and eng.kernels_asked.gemv.dense is None  # the default, off here
+
+
+def _teal(eng, t=0.02) -> Thresholds:
+    values = {site_key(i, s): t for i in range(eng.dims.n_layers) for s in ("gate", "up", "down")}
+    return Thresholds(values=values, method="teal", keep=0.5, model=eng.name, dims=eng.dims.to_dict())
+
+
+def _cats(eng, t=0.05) -> Thresholds:
+    values = {site_key(i, "act"): t for i in range(eng.dims.n_layers)}
+    return Thresholds(values=values, method="cats", keep=0.5, model=eng.name, dims=eng.dims.to_dict())
+
+
+def test_dense_gemv_asked_for_is_refused_beside_cats(monkeypatch):
+    """CATS runs the dense MLP's nn.Linear modules beside its path: gemv.dense=true asked for is
+    refused there (where the kernel runs: the interpreter), naming the fix."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
+    assert eng.kernels.gemv.dense is True
+    with pytest.raises(InputError, match="CATS thresholds run the dense nn.Linear .* drop gemv.dense=true"):
+        eng.sparsify(_cats(eng))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="needs a CUDA GPU and triton")
+def test_the_default_on_cuda_runs_the_gemv_and_yields_to_cats():
+    from sparsedecode.projection.sparse_linear import SparseLinear
+
+    eng = sparsedecode.load(dict(TINY), init="random", device="cuda", dtype="bfloat16", max_len=64)
+    q = lambda: eng.model.layers[0].self_attn.q_proj  # noqa: E731
+    assert eng.kernels.gemv.dense is True and isinstance(q(), SparseLinear)  # the default on CUDA
+    eng.sparsify(_cats(eng))
+    assert eng.kernels.gemv.dense is False and type(q()).__name__ == "Linear" and eng.linear_needed_by
+    eng.sparsify(_teal(eng))  # no CATS any more: the default turns the GEMV back on
+    assert eng.kernels.gemv.dense is True and isinstance(q(), SparseLinear) and eng.linear_needed_by is None
+    eng.set_kernels(KernelOptions.parse("gemv.dense=false"))  # asked for: F.linear
+    assert eng.kernels.gemv.dense is False and type(q()).__name__ == "Linear"

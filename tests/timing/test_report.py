@@ -324,3 +324,32 @@ def test_cli_json_and_errors(simple, tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "not found" in r.stderr
     r = _cli(str(simple), "--peak-gbps", "-3")
     assert r.returncode == 2 and "--peak-gbps must be positive" in r.stderr
+
+
+def test_dense_steps_set_every_dense_step_beside_the_fastest_of_ours(tmp_path):
+    """Two of our dense steps (F.linear, our GEMV) and a peer at 2K: the GEMV is the fastest of
+    ours, the others are divided by it block by block; a context with one dense step has no rows."""
+    root = tmp_path / "dense_steps"
+    for b, (gemv, linear, peer) in enumerate([(4.0, 5.0, 6.0), (4.0, 4.8, 6.6)]):
+        _write(root, "short", "dense", 2048, b, gemv, dense_step="our GEMV reading every row")
+        _write(root, "short.gemv.dense-false", "dense", 2048, b, linear, dense_step="F.linear under inductor")
+        _write(root, "transformers", "dense", 2048, b, peer, impl="transformers", dense_step="transformers forward")
+        _write(root, "long", "dense", 131072, b, 9.0)
+    rep = build_report(load_cells(root))
+    rows = rep["dense_steps"]
+    assert [(r["group"], r["impl"], r["fastest_ours"]) for r in rows] == [
+        ("short", "ours", True), ("short.gemv.dense-false", "ours", False), ("transformers", "transformers", False)]
+    assert rows[0]["fastest_ours_speedup"] is None
+    assert rows[1]["fastest_ours_speedup"]["value"] == pytest.approx((5.0 / 4 + 4.8 / 4) / 2)
+    assert rows[2]["fastest_ours_speedup"]["value"] == pytest.approx((6.0 / 4 + 6.6 / 4) / 2)
+    md = render_markdown(rep)
+    assert "## Dense steps" in md and "| 2K | short | dense | ours | our GEMV reading every row | 4.000 |" in md
+    assert "| transformers forward | 6.300 |" in md and "| 1.575× [" in md
+
+
+def test_a_peer_alone_at_a_context_is_not_a_dense_steps_row(tmp_path):
+    root = tmp_path / "peer_only"
+    for b in range(2):
+        _write(root, "graph", "dense", 2048, b, 5.0, impl="graph")
+        _write(root, "transformers", "dense", 2048, b, 6.0, impl="transformers")
+    assert build_report(load_cells(root))["dense_steps"] == []

@@ -82,3 +82,59 @@ def test_the_peer_refuses_what_it_cannot_time(capsys, args, match):
     r = run_cli(capsys, "bench", "cell", "--impl", "transformers", "--model", "smollm2-135m", "--init", "random",
                 "--context", "64", "--device", "cpu", *args)
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_graph_peer_refuses_a_cpu_device(capsys):
+    r = run_cli(capsys, "bench", "cell", "--impl", "graph", "--model", "smollm2-135m", "--init", "random",
+                "--fill", "random", "--context", "64", "--device", "cpu")
+    assert r.returncode == 2 and "CUDA graph" in r.stderr and "Traceback" not in r.stderr
+
+
+def _naive_step(dims, weights, theta, eps, slots):
+    """The hand-written step written out head by head: keys repeated for GQA, softmax by hand."""
+    import torch
+
+    emb, head, norm, layers = weights
+    hd, g = dims.head_dim, dims.n_heads // dims.n_kv_heads
+    ang = (slots - 1) / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+
+    def rms(x, w):
+        return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w
+
+    def rope(x):
+        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
+
+    x = emb[1].double()
+    for wq, wk, wv, wo, wg, wu, wd, n1, n2, kc, vc in (tuple(t.double() for t in layer) for layer in layers):
+        a = rms(x, n1)
+        q = rope((wq @ a).view(dims.n_heads, hd))
+        k, v = rope((wk @ a).view(-1, hd)), (wv @ a).view(-1, hd)
+        keys, vals = kc[0].clone(), vc[0].clone()  # (kvh, slots, hd); the new token at the last slot
+        keys[:, -1], vals[:, -1] = k, v
+        outs = []
+        for i in range(dims.n_heads):
+            s = keys[i // g] @ q[i] / hd ** 0.5
+            outs.append(torch.softmax(s, 0) @ vals[i // g])
+        x = x + wo @ torch.cat(outs)
+        a = rms(x, n2)
+        x = x + wd @ (torch.nn.functional.silu(wg @ a) * (wu @ a))
+    return head.double() @ rms(x, norm.double())
+
+
+def test_the_graph_peers_step_is_grouped_query_attention_written_out():
+    """The peer's grouped SDPA (query groups as the query length) against the step head by head,
+    on odd dims (2 layers, 3 query heads per KV head, 7 slots)."""
+    import torch
+
+    from sparsedecode.account.dims import ModelDims
+    from sparsedecode.timing.peer import graph_forward
+
+    dims = ModelDims(name="odd", n_layers=2, d=48, d_ff=80, n_heads=6, n_kv_heads=2, head_dim=8, vocab=37)
+    cfg = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+    forward, weights = graph_forward(dims, cfg, 7, torch.float32, torch.device("cpu"), seed=3)
+    before = [layer[9].clone() for layer in weights[3]]
+    got = forward()[0].double()
+    want = _naive_step(dims, weights, 10000.0, 1e-5, 7)  # it sets the last slot itself
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    assert not torch.equal(weights[3][0][9][:, :, -1], before[0][:, :, -1])  # the step wrote its key

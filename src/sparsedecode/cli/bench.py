@@ -50,7 +50,7 @@ def cell(
     calib_tokens: Annotated[str, typer.Option("--calib-tokens", help="Projection calibration tokens.")] = "2048",
     obs: Annotated[int, typer.Option("--obs", help="Observation window of the selection (tokens).")] = 64,
     seed: Annotated[int, typer.Option("--seed", help="Seed of random weights, ids and fills.")] = 0,
-    impl: Annotated[str, typer.Option("--impl", help="ours, or transformers (the compiled StaticCache peer; dense, random init and fill).")] = "ours",
+    impl: Annotated[str, typer.Option("--impl", help="ours, or a peer (dense, random init and fill): transformers (compiled, StaticCache) or graph (a hand-written F.linear + SDPA step in a CUDA graph).")] = "ours",
     kernels: Annotated[str, typer.Option("--kernels", help="Kernel options, e.g. gemv.pdl=false,attention.min_split_keys=256 (default: none changed).")] = "",
     out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
     campaign: Annotated[str, typer.Option("--campaign", hidden=True)] = "",

@@ -77,9 +77,8 @@ class RuntimeGate:
         from sparsedecode.kv.select import get_selector
 
         table.check_engine(engine)
-        if engine.kernels.gemv.dense:
-            raise InputError("the gate swaps dense and sparse projection modules; gemv.dense=true shares them "
-                             "and does not run under it yet: drop it")
+        engine.linear_needed_by = "the runtime gate's configurations"  # it swaps nn.Linear and sparse modules
+        engine.set_kernels(engine.kernels_asked)  # a default gemv.dense turns off; one asked for is refused
         ev = table.admissibility
         if not ev:
             raise InputError("the gate table carries no admissibility evidence: write it with sparsedecode "

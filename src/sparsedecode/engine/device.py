@@ -71,4 +71,30 @@ def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
         raise InputError(f"{device.type} cannot run dtype {name} here ({first}); {fix}") from None
 
 
-__all__ = ["DTYPES", "check_dtype", "resolve_device", "resolve_dtype"]
+def use_compile_cache() -> str:
+    """Keep torch.compile's caches (FX graphs, generated kernels, autotuning) under the
+    sparsedecode cache, so that a later process on this machine (`serve` starting again,
+    another `generate`) skips most of the compile. A TORCHINDUCTOR_CACHE_DIR the user set wins.
+    Returns the directory."""
+    import os
+
+    from sparsedecode.models.embedded import cache_dir
+
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def dict_tag_guards_off() -> None:
+    """Turn off dynamo's recursive dict-tag guard fast path where this torch has it on (2.10,
+    2.11): with a few compiled steps of one code object kept (the runtime gate keeps one per
+    configuration) it aborts the process, "Could not register a callback for recursive dict
+    tag optimization" (measured on the H200, torch 2.11; pytorch#178224, off by default
+    upstream since #181873). Set once for the process, as upstream now ships it: patching it
+    around each call of the step cost 40 us a step on the uncaptured (sdpa_fused) path."""
+    cfg = torch._dynamo.config
+    if getattr(cfg, "use_recursive_dict_tags_for_guards", False):
+        cfg.use_recursive_dict_tags_for_guards = False
+
+
+__all__ = ["DTYPES", "check_dtype", "resolve_device", "resolve_dtype", "use_compile_cache"]

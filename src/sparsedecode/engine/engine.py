@@ -23,11 +23,17 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from sparsedecode.engine.device import check_dtype, resolve_device, resolve_dtype
+from sparsedecode.engine.device import (
+    check_dtype,
+    dict_tag_guards_off,
+    resolve_device,
+    resolve_dtype,
+    use_compile_cache,
+)
 from sparsedecode.engine.generation import Generation, HostToken
 from sparsedecode.engine.sampling import check_sampling, sample
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.options import KernelOptions
+from sparsedecode.kernels.options import GemvOptions, KernelOptions
 from sparsedecode.models.attention import get_backend
 
 DEFAULT_MAX_LEN = 4096
@@ -63,7 +69,7 @@ class Engine:
         if self.compile:
             # dynamic=None: the host length is specialized on the first call and traced as a
             # dynamic size from the second on; every tensor shape stays static.
-            _dict_tag_guards_off()
+            dict_tag_guards_off()
             self._step_fn = torch.compile(
                 self._decode_forward, fullgraph=True, dynamic=None if self.host_len else False,
                 mode=self.compile_mode,
@@ -84,9 +90,10 @@ class Engine:
         self.router = None  # a cats_runtime.Router while decode steps are routed (route)
         self.routing = None  # its projection.routing.RoutingTable
         self.last_prefill: tuple[torch.Tensor | None, int] = (None, 0)  # (ids (L,), start)
-        self.kernels = KernelOptions()  # what every kernel launches with (set_kernels)
-        if kernels is not None:
-            self.set_kernels(kernels)
+        self.kernels = KernelOptions(GemvOptions(dense=False))  # what every kernel launches with, resolved
+        self.kernels_asked = KernelOptions()  # as given (set_kernels); gemv.dense None: see _resolved
+        self.linear_needed_by: str | None = None  # what installed needs nn.Linear modules (CATS, the gate)
+        self.set_kernels(kernels if kernels is not None else KernelOptions())
 
     # -- the model calls ----------------------------------------------------
     def _decode_forward(self, host_len: int | None = None) -> torch.Tensor:
@@ -279,8 +286,9 @@ class Engine:
         sites = set(th.sites)
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
-        if ACT_SITE in sites and self.kernels.gemv.dense:
-            raise InputError("CATS thresholds run the dense MLP beside the CATS path: drop gemv.dense=true")
+        if (ACT_SITE in sites) != (self.linear_needed_by == "CATS thresholds") and self.gate is None:
+            self.linear_needed_by = "CATS thresholds" if ACT_SITE in sites else None  # the dense MLP beside CATS
+            self.set_kernels(self.kernels_asked)  # gemv.dense resolved again (and checked)
         if self.thresholds is None or set(self.thresholds.sites) != sites:
             self._dense_projections()  # from the dense model: nothing of an earlier file stays
         # else the same sites are sparse already: their thresholds are set in place below, and
@@ -305,9 +313,8 @@ class Engine:
         if not isinstance(kernels, KernelOptions):
             raise InputError(f"set_kernels takes a KernelOptions, got {type(kernels).__name__}; build one with "
                              "KernelOptions.parse('gemv.pdl=false')")
+        self.kernels_asked, kernels = kernels, self._resolved(kernels)
         check_dense_gemv(self.model, kernels.gemv)
-        if kernels.gemv.dense and (self.gate is not None or self.router is not None):
-            raise InputError("gemv.dense=true does not run under the gate or token routing yet: drop it")
         old, self.kernels = self.kernels, kernels
         set_gemv_options_(self.model, kernels.gemv)  # sparsify passes them to projections made later
         if kernels.gemv.dense != old.gemv.dense:  # the dense sites change module: lay them out again
@@ -318,6 +325,20 @@ class Engine:
         set_attention_options_(self.model, kernels.attention)
         self._graph = None
         self._graphs.clear()
+
+    def _resolved(self, kernels: KernelOptions) -> KernelOptions:
+        """gemv.dense None read as on on CUDA with Triton when nothing installed needs the nn.Linear
+        modules (`linear_needed_by`), off elsewhere (the CPU's step has no GEMV launches to save);
+        true where something needs them is refused."""
+        from sparsedecode.kernels.common import triton
+
+        if kernels.gemv.dense and self.linear_needed_by:
+            raise InputError(f"{self.linear_needed_by} run the dense nn.Linear modules, which gemv.dense=true "
+                             "replaces: drop gemv.dense=true (the default turns it off here by itself)")
+        if kernels.gemv.dense is not None:
+            return kernels
+        on = self.linear_needed_by is None and self.device.type == "cuda" and triton is not None
+        return kernels.with_(gemv__dense=on)
 
     def _dense_projections(self) -> None:
         """Dense projections and MLPs everywhere (undoes `sparsify`): nn.Linear, or the GEMV
@@ -525,32 +546,6 @@ class Engine:
         return (f"Engine({self.name!r}, {self.args.model_type}, device={self.device}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, max_len={self.max_len}, "
                 f"attention={self.attention!r}, init={self.init!r})")
-
-
-def use_compile_cache() -> str:
-    """Keep torch.compile's caches (FX graphs, generated kernels, autotuning) under the
-    sparsedecode cache, so that a later process on this machine (`serve` starting again,
-    another `generate`) skips most of the compile. A TORCHINDUCTOR_CACHE_DIR the user set wins.
-    Returns the directory."""
-    import os
-
-    from sparsedecode.models.embedded import cache_dir
-
-    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
-def _dict_tag_guards_off() -> None:
-    """Turn off dynamo's recursive dict-tag guard fast path where this torch has it on (2.10,
-    2.11): with a few compiled steps of one code object kept (the runtime gate keeps one per
-    configuration) it aborts the process, "Could not register a callback for recursive dict
-    tag optimization" (measured on the H200, torch 2.11; pytorch#178224, off by default
-    upstream since #181873). Set once for the process, as upstream now ships it: patching it
-    around each call of the step cost 40 us a step on the uncaptured (sdpa_fused) path."""
-    cfg = torch._dynamo.config
-    if getattr(cfg, "use_recursive_dict_tags_for_guards", False):
-        cfg.use_recursive_dict_tags_for_guards = False
 
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,

@@ -32,18 +32,22 @@ class GemvOptions:
         device's tuned table (kernels/tuned/<device>.json) has no entry for the shape.
     dense: the projections that hold no threshold (every site of a dense step, the attention
         sites of an MLP-only file) run this GEMV reading every row instead of F.linear under
-        inductor (issue 26: at 2K on the H200 the GEMV at keep 0.99 beat both inductor steps,
-        benchmarks/records/h200/campaigns/h200_dense_candidates). Needs the Triton kernel.
+        inductor. None (the default): on wherever the Triton kernel runs and nothing installed
+        needs the nn.Linear modules (CATS thresholds, the runtime gate), which an engine
+        resolves to true or false and records so (`Engine.kernels`); it won every mode's
+        step on the H200 (benchmarks/records/h200/campaigns/h200_dense_gemv). true: asked
+        for, refused where it cannot run; false: F.linear.
     """
 
     pdl: bool = True
     programs_per_sm: int = 16
-    dense: bool = False
+    dense: bool | None = None
 
     def __post_init__(self):
-        for name in ("pdl", "dense"):
-            if not isinstance(getattr(self, name), bool):
-                raise InputError(f"gemv.{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.pdl, bool):
+            raise InputError(f"gemv.pdl must be true or false, got {self.pdl!r}")
+        if self.dense is not None and not isinstance(self.dense, bool):
+            raise InputError(f"gemv.dense must be true, false or none, got {self.dense!r}")
         _positive_int(self.programs_per_sm, "gemv.programs_per_sm")
 
 
@@ -141,12 +145,12 @@ def _value(raw: str, key: str):
     if f is None:
         raise InputError(f"unknown kernel option '{key}'; options are {', '.join(option_names())}")
     low = raw.lower()
-    if f.type == "bool":
-        if low in ("true", "false"):
-            return low == "true"
-        raise InputError(f"--kernels {key}={raw}: write true or false")
     if low == "none" and "None" in f.type:
         return None
+    if "bool" in f.type:
+        if low in ("true", "false"):
+            return low == "true"
+        raise InputError(f"--kernels {key}={raw}: write true or false" + (" or none" if "None" in f.type else ""))
     try:
         return int(raw)
     except ValueError:

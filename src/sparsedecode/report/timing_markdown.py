@@ -138,6 +138,18 @@ def render_markdown(rep: dict) -> str:
                                f"| {_f(a['dense_fraction_of_peak'] and 100 * a['dense_fraction_of_peak'], '.1f')} "
                                f"| {_interval(a['speedup'], '.3f', unit='×')} |")
         out.append("")
+    if rep.get("dense_steps"):
+        out += ["## Dense steps", "", "Every dense step timed at a context; the sparse cells' speedups divide the "
+                "dense cell of their own group. Last column: the fastest of ours over each, paired by block.", "",
+                "| context | group | cell | impl | dense step | ms/token | % of ceiling | % of peak "
+                "| fastest ours over it [95%] |", "|---|---|---|---|---|---|---|---|---|"]
+        for d in rep["dense_steps"]:
+            mark = "fastest of ours" if d["fastest_ours"] else _interval(d["fastest_ours_speedup"], ".3f", unit="×")
+            out.append(f"| {fmt_ctx(d['context'])} | {d['group']} | {d['cell']} | {d['impl']} "
+                       f"| {d['dense_step'] or ''} | {d['ms_per_token']:.3f} "
+                       f"| {_f(d['fraction_of_ceiling'] and 100 * d['fraction_of_ceiling'], '.1f')} "
+                       f"| {_f(d['fraction_of_peak'] and 100 * d['fraction_of_peak'], '.1f')} | {mark} |")
+        out.append("")
     out += ["## Failed cells", ""]
     if rep["failed"]:
         out += ["| record | group | cell | context | block | error |", "|---|---|---|---|---|---|"]

@@ -416,6 +416,40 @@ def _against_dense(cc: CampaignCells, gs: list[dict]) -> list[dict]:
     return rows
 
 
+def _dense_steps(cc: CampaignCells, peak: float | None, ceiling: float | None) -> list[dict]:
+    """Every dense step timed at a context (our groups and kernel variants, the peers), each
+    against the fastest of ours there, paired by block: which dense step the campaign's speedups
+    divide, and what it is worth beside the others (App. A 'Timing'). Contexts with one dense
+    step are left out."""
+    by: dict[int, dict[tuple[str, str], dict[int, PaperCell]]] = {}
+    for c in cc.cells:
+        if c.mode == "dense":
+            by.setdefault(c.context, {}).setdefault((c.group, c.cell), {})[c.block] = c
+    rows = []
+    for n, steps in sorted(by.items()):
+        ms = {k: float(np.mean([c.ms_per_token for c in v.values()])) for k, v in steps.items()}
+        impl = {k: cc.extra(next(iter(v.values()))).impl or "ours" for k, v in steps.items()}
+        ours = [k for k in steps if impl[k] == "ours"]
+        if len(steps) < 2 or not ours:
+            continue
+        best = min(ours, key=ms.__getitem__)
+        for k in sorted(steps, key=ms.__getitem__):
+            xs = [cc.extra(c) for c in steps[k].values()]
+            gbps = _mean(x.achieved_gbps for x in xs)
+            blocks = sorted(set(steps[k]) & set(steps[best]))
+            est = None
+            if k != best and blocks:
+                est = _est(stats.resampled_mean([steps[k][b].ms_per_token / steps[best][b].ms_per_token
+                                                 for b in blocks]))
+            rows.append({"context": n, "group": k[0], "cell": k[1], "impl": impl[k],
+                         "dense_step": xs[0].dense_step, "runtime": xs[0].runtime, "ms_per_token": ms[k],
+                         "blocks": sorted(steps[k]), "fastest_ours": k == best,
+                         "fraction_of_peak": None if peak is None or gbps is None else gbps / peak,
+                         "fraction_of_ceiling": None if ceiling is None or gbps is None else gbps / ceiling,
+                         "fastest_ours_speedup": est})
+    return rows
+
+
 def _ceiling(cc: CampaignCells, ceiling) -> tuple[float | None, str]:
     """The measured ceiling in GB/s and where it came from: a 'bandwidth_ceiling' record
     (`sparsedecode bench ceiling`), the given one or the campaign folder's ceiling.json."""
@@ -462,6 +496,7 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None, ceiling=None
         "ceiling_note": ceiling_note,
         "groups": groups,
         "attention_paths": _attention_clusters(cc, groups),
+        "dense_steps": _dense_steps(cc, peak, ceiling_gbps),
         "failed": [{"path": str(f.path), "group": f.group, "cell": f.cell, "context": f.context,
                     "block": f.block, "error": f.error} for f in cc.failed],
         "missing": [{"path": str(m.path), "group": m.group, "cell": m.cell, "context": m.context,

@@ -48,7 +48,7 @@ from sparsedecode.errors import InputError
 ATTENTION = ("split_k", "sdpa_masked", "sdpa_fused")
 FILLS = ("prefill", "random")
 INITS = ("pretrained", "random")
-IMPLS = ("ours", "transformers")  # whose decode step a cell times (timing.peer)
+IMPLS = ("ours", "transformers", "graph")  # whose decode step a cell times (timing.peer)
 PREFILL_CHUNK = 512
 KV_METHODS = {"sel": "snapkv", "window": "window", "both": "snapkv"}
 
@@ -132,7 +132,7 @@ class CellSpec:
     file for the token stream and the calibration text; calib_tokens: projection
     calibration tokens; obs: the selection's observation window; kernels: kernel options
     that differ from the defaults, as `--kernels` reads them ('' = the defaults; stored in
-    canonical form); impl: 'ours', or 'transformers' for the peer (`timing.peer`). campaign,
+    canonical form); impl: 'ours', or a peer (`timing.peer`): 'transformers', 'graph' (hand-written, CUDA graph). campaign,
     block, group, cell (default: the mode's cell id) and order are campaign bookkeeping."""
 
     model: str
@@ -227,7 +227,7 @@ def check_fits(spec: CellSpec) -> None:
     """InputError unless context + generated fits the model window and the KV budget holds
     the sinks and the observation window (the selector's own rule). Imports torch only for
     the KV modes."""
-    if spec.impl == "transformers":
+    if spec.impl != "ours":
         from sparsedecode.timing.peer import check_peer
 
         check_peer(spec)
@@ -268,7 +268,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     from sparsedecode.engine.device import resolve_device
     from sparsedecode.records import stamp
 
-    if spec.impl == "transformers":
+    if spec.impl != "ours":
         from sparsedecode.timing.peer import run_peer_cell
 
         return run_peer_cell(spec, log)
@@ -359,6 +359,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "kv_method": mode.kv_method,
         "attention": spec.attention,
         "kernels": eng.kernels.to_dict(),
+        "dense_step": dense_step_label(eng),
         "compile_mode": spec.compile_mode,
         "compiled": eng.compile,
         "runtime": "CUDA graph" if eng.cuda_graph else ("compiled" if eng.compile else "eager"),
@@ -386,6 +387,14 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "spec": asdict(spec),
     }
     return stamp(rec)
+
+
+def dense_step_label(eng) -> str:
+    """What runs the projections of `eng` that hold no threshold (every one of a dense step):
+    the words a report prints beside the speedups that divide it (issue 26)."""
+    if eng.kernels.gemv.dense:
+        return "our GEMV reading every row"
+    return "F.linear" + (" under inductor" if eng.compile else "")
 
 
 def failed_record(fields: dict, exc: BaseException, lines: int = 20) -> dict:

@@ -63,6 +63,8 @@ _EXTRAS: dict[str, tuple[type, ...]] = {
     "step_ms_median": _NUM,
     "model": (dict,),
     "dtype": (str,),
+    "impl": (str,),
+    "dense_step": (str,),
 }
 
 
@@ -90,6 +92,8 @@ class CellExtras:
     step_ms_median: float | None = None
     dtype: str | None = None
     obs: int | None = None  # the selection's observation window (the cell spec's obs)
+    impl: str | None = None  # whose step: ours, or a peer (timing.peer)
+    dense_step: str | None = None  # what runs the projections that hold no threshold
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,8 @@ def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtra
         step_ms_median=floats("step_ms_median"),
         dtype=x["dtype"],
         obs=_spec_obs(obj),
+        impl=x["impl"],
+        dense_step=x["dense_step"],
     )
     return cell, extras
 
