@@ -1,11 +1,12 @@
 """One-time cost of the KV branch on one GPU: observation pass + scoring + gather (ByteCross App. A).
 
 llama-3.1-8b dims, random init, bf16, batch 1: a chunked prefill of n random
-token ids, then `Engine.select_kv` (snapkv: re-run of the last 64 prompt tokens,
+token ids, then `Engine.select_kv` (snapkv: the prefill's last 64 queries,
 scores, top-k, gather into the compact buffer; window: nothing to gather), timed
-with device synchronisation, `--repeats` times per (context, method, keep).
-The paper reports 0.24 s for scoring + gather at 32K on an A100; the target
-here is <= 0.1 s.
+with device synchronisation, `--repeats` times per (context, method, keep) after
+a first (cold) call that is recorded apart. The paper reports 0.24 s for scoring
++ gather at 32K on an A100; the targets (issue 26) are 50 ms at 32K and 150 ms at
+128K, read as a straight line in the context between and beyond them.
 
     PYTHONPATH=src python3 benchmarks/kv_select_h200.py --out DIR [--contexts 32K] [--keeps 0.3]
 
@@ -27,7 +28,13 @@ import sparsedecode
 from sparsedecode.account.units import parse_token_list
 from sparsedecode.records import stamp, write_record
 
-TARGET_S = 0.1
+TARGETS_S = ((32768, 0.050), (131072, 0.150))  # (context, select_s target), issue 26
+
+
+def target_s(n: int) -> float:
+    """The select_s target at context n: the line through TARGETS_S."""
+    (n0, t0), (n1, t1) = TARGETS_S
+    return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
 
 
 def main() -> None:
@@ -45,6 +52,7 @@ def main() -> None:
                     help="after the timed calls, one more under torch.profiler: its kernel table "
                          "(by device time) goes to DIR/profile_<cell>.txt")
     a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
     contexts = parse_token_list(a.contexts)
     keeps = [float(k) for k in a.keeps.split(",")]
     ref = json.loads(a.config.read_text()) if a.config else a.model
@@ -77,7 +85,7 @@ def main() -> None:
                     "dtype": "bfloat16", "context": n, "method": method, "keep": keep, "max_new": a.new,
                     "budget": sel.budget, "prefill_s": prefill_s, "select_s": times[1:], "first_s": times[0],
                     "phases": phases[1:], "first_phases": phases[0],
-                    "select_s_median": med, "target_s": TARGET_S, "meets_target": med <= TARGET_S,
+                    "select_s_median": med, "target_s": target_s(n), "meets_target": med <= target_s(n),
                     "protocol": f"1 warm-up + {a.repeats} timed select_kv calls, device-synchronised",
                 })
                 records.append(rec)

@@ -60,7 +60,7 @@ def _brute_errs(eng, acts, i: int, ts: list[float], eps: float) -> torch.Tensor:
     hook = mlp.register_forward_hook(lambda m, a, out: seen.append((a[0].clone(), out.clone())))
     try:
         with torch.inference_mode():
-            run_layers(eng.model, acts.ids[:ERR_TOKENS])
+            run_layers(eng.model, acts.ids[:ERR_TOKENS].to(eng.device))  # the samples stay on the CPU
             x, y = seen[0]  # (1, T, d) each
             errs = [0.0]
             for t in ts:
