@@ -122,9 +122,10 @@ def _naive_step(dims, weights, theta, eps, slots):
     return head.double() @ rms(x, norm.double())
 
 
-def test_the_graph_peers_step_is_grouped_query_attention_written_out():
-    """The peer's grouped SDPA (query groups as the query length) against the step head by head,
-    on odd dims (2 layers, 3 query heads per KV head, 7 slots)."""
+@pytest.mark.parametrize("attend", ["grouped", "gqa"])
+def test_the_graph_peers_step_is_grouped_query_attention_written_out(attend):
+    """The peer's SDPA forms (query groups as the query length; enable_gqa) against the step head
+    by head, on odd dims (2 layers, 3 query heads per KV head, 7 slots)."""
     import torch
 
     from sparsedecode.account.dims import ModelDims
@@ -132,7 +133,7 @@ def test_the_graph_peers_step_is_grouped_query_attention_written_out():
 
     dims = ModelDims(name="odd", n_layers=2, d=48, d_ff=80, n_heads=6, n_kv_heads=2, head_dim=8, vocab=37)
     cfg = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
-    forward, weights = graph_forward(dims, cfg, 7, torch.float32, torch.device("cpu"), seed=3)
+    forward, weights = graph_forward(dims, cfg, 7, torch.float32, torch.device("cpu"), seed=3, attend=attend)
     before = [layer[9].clone() for layer in weights[3]]
     got = forward()[0].double()
     want = _naive_step(dims, weights, 10000.0, 1e-5, 7)  # it sets the last slot itself

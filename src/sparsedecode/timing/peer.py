@@ -8,8 +8,10 @@ documents for fast decoding, `torch.compile(mode="reduce-overhead")` (CUDA graph
 `impl = "graph"`: the step a performance engineer writes by hand in plain PyTorch (what
 gpt-fast-style decoders do): per layer RMSNorm, `F.linear` for q, k, v, o, gate, up and down,
 RoPE, the new key and value written into a static cache, `F.scaled_dot_product_attention` over
-it (each KV head's query group as the query length, so no key is copied for GQA), the LM head;
-the whole step captured once in a CUDA graph and replayed. CUDA only.
+it, the LM head; the whole step captured once in a CUDA graph and replayed. CUDA only. Its
+attention takes the fastest of SDPA's forms at the cell's shape, timed on one layer before the
+capture (`ATTENDS`: each KV head's query group as the query length, or `enable_gqa`, under the
+flash, memory-efficient and cuDNN backends), as a careful engineer would; the record says which.
 
 Both: random weights of the same config as our engine's (bytes per step do not depend on
 values), the cache filled with seeded normal keys and values, the same warm-up, repeats and
@@ -19,6 +21,7 @@ the same block and context.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import statistics
 import time
@@ -63,10 +66,11 @@ def run_peer_cell(spec, log=None) -> dict:
     if spec.impl == "graph":
         if not cuda:
             raise InputError(f"the graph peer captures a CUDA graph: {dev} is not a CUDA device")
-        step, one_time = _graph_step(dims, dict(km.config), n + 1, dt, dev, spec.seed, say)
+        step, one_time, attention = _graph_step(dims, dict(km.config), n + 1, dt, dev, spec.seed, say)
         step_ms = time_blocks(step, spec.warmup, spec.repeats, spec.steps, cuda)
-        return _record(spec, km.name, dims, dt, dev, step_ms, one_time, attention="sdpa",
-                       compile_mode="", runtime="CUDA graph", cache=f"static, {n + 1} slots")
+        rec = _record(spec, km.name, dims, dt, dev, step_ms, one_time, attention=f"sdpa {attention['form']}",
+                      compile_mode="", runtime="CUDA graph", cache=f"static, {n + 1} slots")
+        return {**rec, "peer_attention": attention}
     from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
     t = time.perf_counter()
@@ -107,13 +111,57 @@ def run_peer_cell(spec, log=None) -> dict:
                    cache="StaticCache")
 
 
+ATTENDS = ("grouped", "gqa")  # how the peer lays the query heads out for SDPA (graph_forward)
+BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+
+def _fastest_attention(dims, slots: int, dt, dev, say) -> tuple[str, str, dict]:
+    """(attend, backend, {form: us}) of the fastest SDPA form at one layer's decode shape (q of one
+    token, `slots` keys), each timed over 20 calls by CUDA events; forms a backend refuses are left
+    out of the table."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kvh, g, hd = dims.n_kv_heads, dims.n_heads // dims.n_kv_heads, dims.head_dim
+    kc = torch.randn(1, kvh, slots, hd, device=dev, dtype=dt)
+    vc = torch.randn_like(kc)
+    qs = {"grouped": torch.randn(1, kvh, g, hd, device=dev, dtype=dt),
+          "gqa": torch.randn(1, kvh * g, 1, hd, device=dev, dtype=dt)}
+    table = {}
+    for attend in ATTENDS:
+        for backend in BACKENDS:
+            try:
+                with sdpa_kernel([getattr(SDPBackend, backend)]):
+                    q, gqa = qs[attend], attend == "gqa"
+                    call = lambda q=q, gqa=gqa: F.scaled_dot_product_attention(q, kc, vc, enable_gqa=gqa)  # noqa: E731
+                    call()
+                    torch.cuda.synchronize(dev)
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(20):
+                        call()
+                    b.record()
+                    torch.cuda.synchronize(dev)
+            except RuntimeError:
+                continue
+            table[f"{attend}/{backend}"] = a.elapsed_time(b) / 20 * 1e3
+    if not table:
+        raise InputError(f"no SDPA backend runs a {slots}-key decode attention on {dev}")
+    best = min(table, key=table.__getitem__)
+    say(f"hand-written step's attention: {best} ({table[best]:.1f} us a layer)")
+    attend, backend = best.split("/")
+    return attend, backend, table
+
+
 def _graph_step(dims, config: dict, slots: int, dt, dev, seed: int, say):
     """The hand-written dense step (module doc) over a cache of `slots` positions, the new token
-    at the last one, captured in a CUDA graph: (replay, one_time)."""
+    at the last one, captured in a CUDA graph: (replay, one_time, attention)."""
     import torch
 
     t = time.perf_counter()
-    forward, _ = graph_forward(dims, config, slots, dt, dev, seed)
+    attend, backend, table = _fastest_attention(dims, slots, dt, dev, say)
+    forward, _ = graph_forward(dims, config, slots, dt, dev, seed, attend=attend, backend=backend)
     one_time = {"load_s": time.perf_counter() - t, "prefill_s": 0.0, "calibrate_s": 0.0, "select_s": 0.0}
     t = time.perf_counter()
     side = torch.cuda.Stream(dev)
@@ -128,14 +176,17 @@ def _graph_step(dims, config: dict, slots: int, dt, dev, seed: int, say):
     torch.cuda.synchronize(dev)
     one_time["capture_s"] = time.perf_counter() - t
     say(f"hand-written step captured in {one_time['capture_s']:.1f} s")
-    return graph.replay, one_time
+    return graph.replay, one_time, {"form": f"{attend}/{backend}", "us_per_layer": table}
 
 
-def graph_forward(dims, config: dict, slots: int, dt, dev, seed: int):
+def graph_forward(dims, config: dict, slots: int, dt, dev, seed: int, *, attend: str = "grouped",
+                  backend: str | None = None):
     """The hand-written step's forward, uncaptured, and its weights: (forward, (emb, head, norm,
     layers)), each layer (wq, wk, wv, wo, wg, wu, wd, norm1, norm2, k_cache, v_cache) with the
     caches (1, kv_heads, slots, head_dim) and the token at slot slots - 1. Plain RoPE at the
-    config's theta (a scaled RoPE reads the same bytes)."""
+    config's theta (a scaled RoPE reads the same bytes). attend: 'grouped' (each KV head's query
+    group as SDPA's query length, no key copied) or 'gqa' (one query per head, `enable_gqa`);
+    backend: an `SDPBackend` name SDPA is held to, or None for its own choice."""
     import torch
     import torch.nn.functional as F
 
@@ -165,15 +216,26 @@ def graph_forward(dims, config: dict, slots: int, dt, dev, seed: int):
         x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
+    if attend not in ATTENDS:
+        raise InputError(f"attend must be one of {', '.join(ATTENDS)}, got {attend!r}")
+    grouped = attend == "grouped"
+    if backend is None:
+        held = contextlib.nullcontext
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        held = lambda: sdpa_kernel([getattr(SDPBackend, backend)])  # noqa: E731
+
     def forward():
         x = emb[tok]  # (1, d)
         for wq, wk, wv, wo, wg, wu, wd, n1, n2, kc, vc in layers:
             a = F.rms_norm(x, (d,), n1, eps)
-            q = rope(F.linear(a, wq).view(1, kvh, g, hd))  # each KV head's query group as its query length
+            q = rope(F.linear(a, wq).view(1, kvh, g, hd) if grouped else F.linear(a, wq).view(1, h, 1, hd))
             k = rope(F.linear(a, wk).view(1, kvh, 1, hd))
             kc.index_copy_(2, slot, k)
             vc.index_copy_(2, slot, F.linear(a, wv).view(1, kvh, 1, hd))
-            o = F.scaled_dot_product_attention(q, kc, vc)  # (1, kvh, g, hd): every slot is in the past
+            with held():  # every slot is in the past: no mask
+                o = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=not grouped)
             x = x + F.linear(o.reshape(1, h * hd), wo)
             a = F.rms_norm(x, (d,), n2, eps)
             x = x + F.linear(F.silu(F.linear(a, wg)) * F.linear(a, wu), wd)
