@@ -287,8 +287,15 @@ class Engine:
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
         if (ACT_SITE in sites) != (self.linear_needed_by == "CATS thresholds") and self.gate is None:
+            before = self.linear_needed_by
             self.linear_needed_by = "CATS thresholds" if ACT_SITE in sites else None  # the dense MLP beside CATS
-            self.set_kernels(self.kernels_asked)  # gemv.dense resolved again (and checked)
+            try:
+                self._resolved(self.kernels_asked)  # refused before anything is laid out again
+            except InputError:
+                self.linear_needed_by = before
+                raise
+            self.thresholds = None  # laid out anew below: set_kernels must not put the old file back
+            self.set_kernels(self.kernels_asked)  # gemv.dense resolved again
         if self.thresholds is None or set(self.thresholds.sites) != sites:
             self._dense_projections()  # from the dense model: nothing of an earlier file stays
         # else the same sites are sparse already: their thresholds are set in place below, and
