@@ -11,7 +11,8 @@ RoPE, the new key and value written into a static cache, `F.scaled_dot_product_a
 it, the LM head; the whole step captured once in a CUDA graph and replayed. CUDA only. Its
 attention takes the fastest of SDPA's forms at the cell's shape, timed on one layer before the
 capture (`ATTENDS`: each KV head's query group as the query length, or `enable_gqa`, under the
-flash, memory-efficient and cuDNN backends), as a careful engineer would; the record says which.
+flash, memory-efficient, cuDNN and math backends), as a careful engineer would; the record says
+which.
 
 Both: random weights of the same config as our engine's (bytes per step do not depend on
 values), the cache filled with seeded normal keys and values, the same warm-up, repeats and
@@ -112,7 +113,7 @@ def run_peer_cell(spec, log=None) -> dict:
 
 
 ATTENDS = ("grouped", "gqa")  # how the peer lays the query heads out for SDPA (graph_forward)
-BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
 def _fastest_attention(dims, slots: int, dt, dev, say) -> tuple[str, str, dict]:
