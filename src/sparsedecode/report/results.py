@@ -45,8 +45,8 @@ def _campaign_table(root: Path, t: dict) -> tuple[str, str]:
         raise InputError(f"table {t.get('title')!r}: group {t.get('group')!r} is not in {t['records']} "
                          f"(groups: {', '.join(groups)})")
     want = set(t.get("contexts") or [])
-    lines = ["| context | mode | ms/token | speedup [95%] | byte bound | % of bound |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| context | mode | ms/token | speedup [95%] | byte bound | % of bound | % of measured ceiling |",
+             "|---|---|---|---|---|---|---|"]
     for r in groups[t["group"]]["rows"]:
         if want and r["context"] not in want:
             continue
@@ -54,9 +54,32 @@ def _campaign_table(root: Path, t: dict) -> tuple[str, str]:
         speed = "" if sp is None else f"{sp['value']:.3f}× [{sp['low']:.3f}, {sp['high']:.3f}]"
         bound = "" if r["byte_bound"] is None or r["mode"] == "dense" else f"{r['byte_bound']:.3f}"
         frac = "" if r["fraction_of_bound"] is None else f"{100 * r['fraction_of_bound']:.1f}"
+        ceil = "" if r["fraction_of_ceiling"] is None else f"{100 * r['fraction_of_ceiling']:.1f}"
         lines.append(f"| {fmt_ctx(r['context'])} | {r['mode_spec'] or r['cell']} | {r['ms_per_token']:.3f} | "
-                     f"{speed} | {bound} | {frac} |")
+                     f"{speed} | {bound} | {frac} | {ceil} |")
     return "\n".join(lines), f"Rebuilt by `sparsedecode report {t['records']} --out /tmp/report`."
+
+
+def _dense_steps_table(root: Path, t: dict) -> tuple[str, str]:
+    """The report's "Dense steps": every dense step of each context beside the fastest of ours."""
+    from sparsedecode.report.timing_markdown import fmt_ctx
+    from sparsedecode.report.timing_report import build_report
+    from sparsedecode.timing.cells import load_cells
+
+    rep = build_report(load_cells(root / t["records"]))
+    if not rep["dense_steps"]:
+        raise InputError(f"table {t.get('title')!r}: {t['records']} has no context with two dense steps")
+    pct = lambda x: "" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    lines = ["| context | dense step | impl | ms/token | % of measured ceiling | % of peak "
+             "| fastest of ours over it [95%] |", "|---|---|---|---|---|---|---|"]
+    for d in rep["dense_steps"]:
+        sp = d["fastest_ours_speedup"]
+        over = "(the fastest of ours)" if d["fastest_ours"] else (
+            "" if sp is None else f"{sp['value']:.3f}× [{sp['low']:.3f}, {sp['high']:.3f}]")
+        lines.append(f"| {fmt_ctx(d['context'])} | {d['dense_step'] or d['group']} | {d['impl']} "
+                     f"| {d['ms_per_token']:.3f} | {pct(d['fraction_of_ceiling'])} | {pct(d['fraction_of_peak'])} "
+                     f"| {over} |")
+    return "\n".join(lines), f"Rebuilt by `sparsedecode report {t['records']} --out /tmp/report` (its Dense steps)."
 
 
 def _dispatch_table(root: Path, t: dict) -> tuple[str, str]:
@@ -177,7 +200,7 @@ def _generate_table(root: Path, t: dict) -> tuple[str, str]:
 
 KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table,
          "serve_probe": _serve_probe_table, "step_check": _step_check_table,
-         "generate": _generate_table}
+         "generate": _generate_table, "dense_steps": _dense_steps_table}
 
 
 def render(manifest: str | Path) -> str:
