@@ -67,3 +67,4 @@ def test_a_cell_records_its_kernel_options_whole(tmp_path, capsys):
     # what ran, resolved: gemv.dense's default is off on the CPU
     assert KernelOptions.from_dict(rec["kernels"]) == KernelOptions.parse("gemv.pdl=false,gemv.dense=false")
     assert rec["spec"]["kernels"] == "gemv.pdl=false"
+    assert rec["dense_step"] == "F.linear" and "dense step: F.linear" in r.stdout  # CPU: eager F.linear

@@ -69,6 +69,7 @@ def test_the_transformers_peer_is_a_cell_the_reports_read(tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
     assert rec["impl"] == "transformers" and rec["cache"] == "StaticCache" and rec["label"] == "CPU transformers"
+    assert rec["dense_step"] == "transformers forward" and "dense step: transformers forward" in r.stdout
     (cell,) = load_cells(tmp_path).cells
     assert cell.mode == "dense" and cell.context == 64 and cell.ms_per_token == pytest.approx(rec["ms_per_token"])
 

@@ -93,7 +93,7 @@ def cell(
         typer.echo(f"{rec['model_name']} {rec['mode_spec']} n={rec['context']} ({rec['label']}, "
                    f"{rec['attention']}): {rec['ms_per_token']:.3f} ms/token, "
                    f"{rec['tokens_per_sec']:.1f} tok/s, {rec['achieved_gbps']:.3g} GB/s, "
-                   f"byte bound {rec['byte_bound']:.3f}x")
+                   f"byte bound {rec['byte_bound']:.3f}x; dense step: {rec.get('dense_step') or 'n/a'}")
 
 
 @bench_app.command("ceiling")
