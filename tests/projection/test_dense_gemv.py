@@ -97,6 +97,7 @@ def test_dense_gemv_asked_for_is_refused_beside_cats(monkeypatch):
     assert eng.kernels.gemv.dense is True
     with pytest.raises(InputError, match="CATS thresholds run the dense nn.Linear .* drop gemv.dense=true"):
         eng.sparsify(_cats(eng))
+    assert eng.linear_needed_by is None and eng.kernels.gemv.dense is True  # refused: the engine as it was
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,

@@ -77,8 +77,7 @@ class RuntimeGate:
         from sparsedecode.kv.select import get_selector
 
         table.check_engine(engine)
-        engine.linear_needed_by = "the runtime gate's configurations"  # it swaps nn.Linear and sparse modules
-        engine.set_kernels(engine.kernels_asked)  # a default gemv.dense turns off; one asked for is refused
+        engine.need_linear("the runtime gate's configurations")  # it swaps nn.Linear and sparse modules
         ev = table.admissibility
         if not ev:
             raise InputError("the gate table carries no admissibility evidence: write it with sparsedecode "

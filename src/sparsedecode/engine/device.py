@@ -97,4 +97,5 @@ def dict_tag_guards_off() -> None:
         cfg.use_recursive_dict_tags_for_guards = False
 
 
-__all__ = ["DTYPES", "check_dtype", "resolve_device", "resolve_dtype", "use_compile_cache"]
+__all__ = ["DTYPES", "check_dtype", "dict_tag_guards_off", "resolve_device", "resolve_dtype",
+           "use_compile_cache"]

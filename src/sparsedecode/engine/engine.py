@@ -287,15 +287,12 @@ class Engine:
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
         if (ACT_SITE in sites) != (self.linear_needed_by == "CATS thresholds") and self.gate is None:
-            before = self.linear_needed_by
-            self.linear_needed_by = "CATS thresholds" if ACT_SITE in sites else None  # the dense MLP beside CATS
+            old, self.thresholds = self.thresholds, None  # laid out anew below: set_kernels must not put it back
             try:
-                self._resolved(self.kernels_asked)  # refused before anything is laid out again
+                self.need_linear("CATS thresholds" if ACT_SITE in sites else None)  # the dense MLP beside CATS
             except InputError:
-                self.linear_needed_by = before
+                self.thresholds = old
                 raise
-            self.thresholds = None  # laid out anew below: set_kernels must not put the old file back
-            self.set_kernels(self.kernels_asked)  # gemv.dense resolved again
         if self.thresholds is None or set(self.thresholds.sites) != sites:
             self._dense_projections()  # from the dense model: nothing of an earlier file stays
         # else the same sites are sparse already: their thresholds are set in place below, and
@@ -332,6 +329,17 @@ class Engine:
         set_attention_options_(self.model, kernels.attention)
         self._graph = None
         self._graphs.clear()
+
+    def need_linear(self, by: str | None) -> None:
+        """Say what installed needs the nn.Linear modules (`by`, e.g. "CATS thresholds"; None:
+        nothing) and resolve gemv.dense again from the options asked for. A gemv.dense=true asked
+        for is refused there, and the engine stays as it was."""
+        before, self.linear_needed_by = self.linear_needed_by, by
+        try:
+            self.set_kernels(self.kernels_asked)
+        except InputError:
+            self.linear_needed_by = before
+            raise
 
     def _resolved(self, kernels: KernelOptions) -> KernelOptions:
         """gemv.dense None read as on on CUDA with Triton when nothing installed needs the nn.Linear

@@ -78,6 +78,11 @@ def _mean(values) -> float | None:
 # ---- bytes per step --------------------------------------------------------------------------
 
 
+def _share(gbps: float | None, of: float | None) -> float | None:
+    """gbps as a share of a bandwidth (the peak, the measured ceiling); None where either is."""
+    return None if gbps is None or of is None else gbps / of
+
+
 def _account_bytes(cc: CampaignCells, c: PaperCell) -> tuple[float | None, float | None]:
     """(bytes per step, byte bound) from the byte account at the nominal keeps, or Nones."""
     if cc.dims is None:
@@ -144,8 +149,8 @@ def _row(cc: CampaignCells, group: str, cell: str, context: int, peak: float | N
         "bytes_per_step": _mean(b for b, _, _ in info),
         "bytes_source": sorted({s for _, _, s in info}),
         "achieved_gbps": gbps,
-        "fraction_of_peak": None if peak is None or gbps is None else gbps / peak,
-        "fraction_of_ceiling": None if ceiling is None or gbps is None else gbps / ceiling,
+        "fraction_of_peak": _share(gbps, peak),
+        "fraction_of_ceiling": _share(gbps, ceiling),
         "peak_memory_bytes": max((x.peak_memory_bytes for x in xs if x.peak_memory_bytes), default=None),
         "one_time_s": {k: _mean(x.one_time.get(k) for x in xs)
                        for k in sorted({k for x in xs for k in x.one_time})},
@@ -444,8 +449,7 @@ def _dense_steps(cc: CampaignCells, peak: float | None, ceiling: float | None) -
             rows.append({"context": n, "group": k[0], "cell": k[1], "impl": impl[k],
                          "dense_step": xs[0].dense_step, "runtime": xs[0].runtime, "ms_per_token": ms[k],
                          "blocks": sorted(steps[k]), "fastest_ours": k == best,
-                         "fraction_of_peak": None if peak is None or gbps is None else gbps / peak,
-                         "fraction_of_ceiling": None if ceiling is None or gbps is None else gbps / ceiling,
+                         "fraction_of_peak": _share(gbps, peak), "fraction_of_ceiling": _share(gbps, ceiling),
                          "fastest_ours_speedup": est})
     return rows
 
