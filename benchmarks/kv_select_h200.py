@@ -51,6 +51,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the timed calls, one more under torch.profiler: its kernel table "
                          "(by device time) goes to DIR/profile_<cell>.txt")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="run the first (cold) call of each cell under cProfile: the Python functions "
+                         "by cumulative time go to DIR/cold_<cell>.txt (where a fresh process's first "
+                         "selection spends its time: JIT, module loads, allocations)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     contexts = parse_token_list(a.contexts)
@@ -70,9 +74,12 @@ def main() -> None:
         for method in a.methods.split(","):
             for keep in keeps:
                 times, phases = [], []
-                for _ in range(a.repeats + 1):  # the first call warms up (allocations, kernels)
+                for i in range(a.repeats + 1):  # the first call warms up (allocations, kernels)
                     eng.pos = n
-                    s = eng.select_kv(method, keep, a.new)
+                    if i == 0 and a.profile_first:
+                        s = _cold(eng, method, keep, a.new, a.out / f"cold_{method}{keep:g}_{n}.txt")
+                    else:
+                        s = eng.select_kv(method, keep, a.new)
                     times.append(s.select_s)
                     phases.append(s.phases)
                 sel = eng.kv
@@ -93,6 +100,22 @@ def main() -> None:
                 print(f"n={n} {method} keep {keep:g}: budget {sel.budget}, select {med * 1e3:.1f} ms "
                       f"(first {times[0] * 1e3:.1f} ms), prefill {prefill_s:.2f} s", flush=True)
     (a.out / "kv_select_records.json").write_text(json.dumps(records, indent=1))
+
+
+def _cold(eng, method: str, keep: float, new: int, path: Path):
+    """The first selection under cProfile; its 40 costliest functions (cumulative) to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    s = eng.select_kv(method, keep, new)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+    path.write_text(f"first select_kv: {s.select_s:.3f} s, phases {s.phases}\n\n{buf.getvalue()}")
+    return s
 
 
 def _profile(eng, method: str, keep: float, new: int, path: Path) -> None:

@@ -150,6 +150,21 @@ def render_markdown(rep: dict) -> str:
                        f"| {_f(d['fraction_of_ceiling'] and 100 * d['fraction_of_ceiling'], '.1f')} "
                        f"| {_f(d['fraction_of_peak'] and 100 * d['fraction_of_peak'], '.1f')} | {mark} |")
         out.append("")
+    if rep.get("step_profiles"):
+        out += ["## Where the step goes", "", "Profiled steps (`profile` in the spec; CUPTI kernel times on CUDA), "
+                "mean over the blocks that profiled them. The time above the step's bytes at the measured "
+                "ceiling splits into gaps (no kernel running), fixed kernels (no weight or KV bytes; the two "
+                "largest kinds named) and the streaming kernels' time past the byte time.", "",
+                "| context | group | cell | step µs | bytes at ceiling µs | above µs | gaps µs "
+                "| fixed kernels µs (largest) | streaming past bytes µs | kernels a step |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in rep["step_profiles"]:
+            largest = ", ".join(f"{k} {us:.0f}" for k, us in p["largest_fixed"])
+            out.append(f"| {fmt_ctx(p['context'])} | {p['group']} | {p['cell']} | {p['step_us']:.0f} "
+                       f"| {_f(p['byte_us'], '.0f')} | {_f(p['above_us'], '.0f')} | {p['gap_us']:.0f} "
+                       f"| {p['fixed_us']:.0f} ({largest}) | {_f(p['streaming_past_us'], '.0f')} "
+                       f"| {p['launches']:.0f} |")
+        out.append("")
     out += ["## Failed cells", ""]
     if rep["failed"]:
         out += ["| record | group | cell | context | block | error |", "|---|---|---|---|---|---|"]

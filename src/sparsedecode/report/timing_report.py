@@ -41,6 +41,7 @@ from sparsedecode.report.timing_markdown import fmt_ctx, render_markdown  # noqa
 from sparsedecode.timing import stats
 from sparsedecode.timing.cells import CampaignCells
 from sparsedecode.timing.paper import PaperCell
+from sparsedecode.timing.profile import KINDS as STEP_KINDS
 
 # Nominal peak memory bandwidth in GB/s; every substring must occur in the
 # normalized GPU name, first match wins (vendor data sheets).
@@ -54,6 +55,9 @@ PEAK_GBPS: tuple[tuple[tuple[str, ...], float, str], ...] = (
     (("a6000",), 768.0, "RTX A6000"),
 )
 _BOUND_OF_MODE = {"proj": "projection", "sel": "kv", "window": "kv", "both": "both"}
+
+
+_STREAMING = {kind for kind, streams, _ in STEP_KINDS if streams}
 
 
 def nominal_peak(gpu: str) -> tuple[float | None, str]:
@@ -454,6 +458,37 @@ def _dense_steps(cc: CampaignCells, peak: float | None, ceiling: float | None) -
     return rows
 
 
+def _step_profiles(cc: CampaignCells, ceiling: float | None) -> list[dict]:
+    """Where each profiled cell's step goes (`timing.profile`, issue 26 item 2), mean over the
+    blocks that profiled it: the profiled step, its bytes at the measured ceiling, and the time
+    above that split into gaps (no kernel running), fixed kernels (no weight or KV bytes; the
+    two largest kinds named) and the streaming kernels' time past the byte time."""
+    by: dict[tuple, list] = {}
+    for c in cc.cells:
+        x = cc.extra(c)
+        if x.profile:
+            by.setdefault((c.context, c.group, c.cell), []).append(x)
+    rows = []
+    for (n, group, cell), xs in sorted(by.items()):
+        ps = [x.profile for x in xs]
+        mean = lambda k, ps=ps: float(np.mean([p[k] for p in ps]))  # noqa: E731
+        kinds: dict[str, float] = {}
+        for p in ps:
+            for k, us in p["kinds_us"].items():
+                kinds[k] = kinds.get(k, 0.0) + us / len(ps)
+        byte_us = (float(np.mean([x.bytes_per_step for x in xs])) / (ceiling * 1e9) * 1e6
+                   if ceiling and all(x.bytes_per_step for x in xs) else None)
+        step, streaming = mean("step_us"), mean("streaming_us")
+        fixed = sorted(((k, us) for k, us in kinds.items() if k not in _STREAMING), key=lambda kv: -kv[1])
+        rows.append({"context": n, "group": group, "cell": cell, "blocks": len(ps), "clock": ps[0].get("clock"),
+                     "step_us": step, "byte_us": byte_us, "above_us": None if byte_us is None else step - byte_us,
+                     "gap_us": mean("gap_us"), "fixed_us": mean("fixed_us"), "largest_fixed": fixed[:2],
+                     "streaming_us": streaming,
+                     "streaming_past_us": None if byte_us is None else streaming - byte_us,
+                     "launches": mean("launches"), "kinds_us": kinds})
+    return rows
+
+
 def _ceiling(cc: CampaignCells, ceiling) -> tuple[float | None, str]:
     """The measured ceiling in GB/s and where it came from: a 'bandwidth_ceiling' record
     (`sparsedecode bench ceiling`), the given one or the campaign folder's ceiling.json."""
@@ -501,6 +536,7 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None, ceiling=None
         "groups": groups,
         "attention_paths": _attention_clusters(cc, groups),
         "dense_steps": _dense_steps(cc, peak, ceiling_gbps),
+        "step_profiles": _step_profiles(cc, ceiling_gbps),
         "failed": [{"path": str(f.path), "group": f.group, "cell": f.cell, "context": f.context,
                     "block": f.block, "error": f.error} for f in cc.failed],
         "missing": [{"path": str(m.path), "group": m.group, "cell": m.cell, "context": m.context,

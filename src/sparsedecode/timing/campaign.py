@@ -99,7 +99,7 @@ def plan(spec: CampaignSpec) -> list[CellSpec]:
                     mode=mode, attention=g.attention, warmup=spec.warmup, repeats=spec.repeats,
                     steps=spec.steps, fill=spec.fill, compile_mode=spec.compile_mode,
                     text=spec.text or None, calib_tokens=spec.calib_tokens, obs=spec.obs, seed=spec.seed,
-                    kernels=v, impl=g.impl, campaign=spec.name, block=block, group=group, order=len(cells)))
+                    kernels=v, impl=g.impl, profile=spec.profile if g.impl == "ours" else 0, campaign=spec.name, block=block, group=group, order=len(cells)))
     return cells
 
 
@@ -142,6 +142,8 @@ def cell_argv(cell: CellSpec, out: Path, python: str | None = None) -> list[str]
         argv += ["--kernels", cell.kernels]
     if cell.impl != "ours":
         argv += ["--impl", cell.impl]
+    if cell.profile:
+        argv += ["--profile", str(cell.profile)]
     return argv + ["--out", str(out)]
 
 

@@ -132,7 +132,8 @@ class CellSpec:
     file for the token stream and the calibration text; calib_tokens: projection
     calibration tokens; obs: the selection's observation window; kernels: kernel options
     that differ from the defaults, as `--kernels` reads them ('' = the defaults; stored in
-    canonical form); impl: 'ours', or a peer (`timing.peer`): 'transformers', 'graph' (hand-written, CUDA graph). campaign,
+    canonical form); impl: 'ours', or a peer (`timing.peer`): 'transformers', 'graph' (hand-written, CUDA graph);
+    profile: steps to run under torch.profiler after the timed ones (0 = none; `timing.profile`). campaign,
     block, group, cell (default: the mode's cell id) and order are campaign bookkeeping."""
 
     model: str
@@ -153,6 +154,7 @@ class CellSpec:
     seed: int = 0
     kernels: str = ""
     impl: str = "ours"
+    profile: int = 0
     campaign: str = ""
     block: int = 0
     group: str = ""
@@ -169,10 +171,18 @@ class CellSpec:
             if getattr(self, name) not in choices:
                 raise InputError(f"{name} '{getattr(self, name)}' is not one of {', '.join(choices)}")
         for name, low in (("context", 1), ("warmup", 0), ("repeats", 1), ("steps", 1),
-                          ("calib_tokens", 1), ("obs", 1), ("seed", 0), ("block", 0), ("order", 0)):
+                          ("calib_tokens", 1), ("obs", 1), ("seed", 0), ("block", 0), ("order", 0),
+                          ("profile", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InputError(f"{name} must be an integer >= {low}, got {v!r}")
+        if self.profile >= self.generated:
+            raise InputError(f"profile {self.profile} steps: a cell decodes {self.generated} tokens "
+                             "(warmup + repeats x steps) and profiles after one unprofiled step; "
+                             f"profile at most {self.generated - 1}")
+        if self.profile and self.impl != "ours":
+            raise InputError(f"profile: only our own step is profiled, not the '{self.impl}' peer; "
+                             "drop profile from that cell or grid")
 
     @property
     def parsed(self) -> Mode:
@@ -331,6 +341,15 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     sync()
     one_time["capture_s"] = time.perf_counter() - t
     step_ms = _time_steps(eng, ids[n:], spec, cuda)
+    profiled = None
+    if spec.profile:  # the same positions again: the profiled steps read what the timed ones read
+        from sparsedecode.timing.profile import profile_steps
+
+        eng.seek(n, ids[n])
+        toks = iter(ids[n:])
+        profiled = profile_steps(lambda: eng.decode_step(next(toks)), spec.profile, cuda, None)
+        say(f"profiled {spec.profile} steps: {profiled['step_us']:.0f} us a step, "
+            f"{profiled['gap_us']:.0f} us of it gaps")
 
     tps = [1e3 / ms for ms in step_ms]
     med = statistics.median(step_ms)
@@ -384,6 +403,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "one_time": one_time,
         "selection": selection,  # the KV selection's first and warm cost by phase; None without one
         "calibration": calibration,
+        "profile": profiled,  # `timing.profile`: the step's kernels by kind; None unless asked
         "spec": asdict(spec),
     }
     return stamp(rec)

@@ -65,6 +65,7 @@ _EXTRAS: dict[str, tuple[type, ...]] = {
     "dtype": (str,),
     "impl": (str,),
     "dense_step": (str,),
+    "profile": (dict,),
 }
 
 
@@ -94,6 +95,7 @@ class CellExtras:
     obs: int | None = None  # the selection's observation window (the cell spec's obs)
     impl: str | None = None  # whose step: ours, or a peer (timing.peer)
     dense_step: str | None = None  # what runs the projections that hold no threshold
+    profile: dict | None = None  # the step under torch.profiler (timing.profile), when asked
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,7 @@ def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtra
         obs=_spec_obs(obj),
         impl=x["impl"],
         dense_step=x["dense_step"],
+        profile=x["profile"],
     )
     return cell, extras
 

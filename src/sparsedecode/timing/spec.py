@@ -35,6 +35,7 @@ _TOP: dict[str, tuple[tuple[type, ...], object]] = {
     "text": ((str,), ""),
     "calib_tokens": ((int, str), 2048),
     "obs": ((int,), 64),
+    "profile": ((int,), 0),
 }
 _GRID: dict[str, tuple[tuple[type, ...], object]] = {
     "group": ((str,), None),
@@ -80,6 +81,7 @@ class CampaignSpec:
     text: str = ""
     calib_tokens: int = 2048
     obs: int = 64
+    profile: int = 0  # steps each cell of ours runs under torch.profiler after its timed ones
 
     @property
     def generated(self) -> int:

@@ -1,0 +1,149 @@
+"""Where a decode step's time goes: its kernels under torch.profiler, by kind, against the time
+its bytes take at the measured ceiling (issue 26, build item 2; ByteCross §4.4, App. D).
+
+A timed step takes longer than its bytes would at the ceiling. The excess splits three ways,
+and a profiled cell records each of them:
+
+    step - byte time = gaps                        (no kernel running: launch and host gaps)
+                     + fixed kernels                (norms, rope, copies, elementwise: no weight or KV bytes)
+                     + (streaming kernels - byte time)   (GEMVs and attention moving bytes slower than the ceiling)
+
+On CUDA the step's kernels come from CUPTI (CUDA graph replays included); the step time is the
+span from the first kernel's start to the last one's end over the profiled steps, and busy
+time is the union of the kernel intervals (programmatic dependent launches may overlap).
+On CPU there are no kernels: each op's self time (its time outside the ops it calls:
+`aten::mm`, `aten::bmm`, ...) stands in for them, and their sum for the busy time; the gap is
+then the host's time outside any op (Python, dispatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# (kind, streams bytes?, names), first match wins, lower-cased: a kernel name matches a fragment
+# it contains; a CPU op ('aten::...') matches its own name exactly, or a prefix ending in '*'.
+KINDS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
+    ("sparse GEMV", True, ("_sparse_gemv_kernel", "_cats_up_kernel")),
+    ("attention", True, ("_split_kernel", "_merge_kernel", "flash", "fmha", "attention", "sdpa",
+                         "aten::bmm", "aten::_scaled_dot_product*", "aten::_softmax", "softmax")),
+    ("selection", False, ("_lse_kernel", "_colsum_kernel", "topk", "sort")),
+    ("rope/cache write", False, ("_rope_cache_kernel", "rope", "aten::index_copy_", "aten::index_put_",
+                                 "aten::scatter_", "index_copy", "scatter")),
+    ("dense GEMV/GEMM", True, ("gemv", "gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk",
+                               "triton_tem_fused_mm", "aten::mm", "aten::addmm", "aten::mv")),
+    ("norm", False, ("rsqrt", "rms_norm", "aten::mean", "aten::pow")),
+    ("copy", False, ("memcpy", "memset", "aten::copy_", "aten::fill_", "aten::zero_", "aten::clone",
+                     "aten::_to_copy", "aten::cat", "aten::contiguous")),
+    ("elementwise", False, ("triton_poi", "triton_red", "triton_per", "elementwise", "vectorized",
+                            "aten::mul", "aten::add", "aten::silu", "aten::neg", "aten::div", "aten::div_",
+                            "aten::sub", "aten::embedding", "aten::index", "aten::where", "aten::exp",
+                            "aten::mul_", "aten::add_")),
+    ("views/dispatch", False, ("aten::as_strided", "aten::view", "aten::transpose", "aten::t", "aten::slice",
+                               "aten::matmul", "aten::linear", "aten::result_type", "aten::reshape",
+                               "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::empty",
+                               "aten::empty_strided", "aten::resolve_conj", "aten::resolve_neg",
+                               "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::to",
+                               "aten::_local_scalar_dense", "aten::item", "aten::lift_fresh")),
+)
+OTHER = "other"
+
+
+def _matches(low: str, frag: str) -> bool:
+    if not frag.startswith("aten::"):
+        return frag in low
+    return low.startswith(frag[:-1]) if frag.endswith("*") else low == frag
+
+
+def kernel_kind(name: str) -> tuple[str, bool]:
+    """(kind, whether it streams weight or KV bytes) of a kernel or op name; ('other', False)
+    when nothing in `KINDS` matches."""
+    low = name.lower()
+    for kind, streams, frags in KINDS:
+        if any(_matches(low, f) for f in frags):
+            return kind, streams
+    return OTHER, False
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def summarize(kernels: list[tuple[str, float, float]], steps: int, byte_us: float | None,
+              span_us: float | None = None, top: int = 25) -> dict:
+    """The profile record from `kernels` as (name, start µs, end µs) over `steps` steps: per step
+    the span, busy and gap µs, µs by kind, the `top` kernels by time, and against `byte_us` (the
+    step's bytes at the ceiling, per step) the excess split into gaps, fixed kernels and the
+    streaming kernels' time past the byte time. `span_us` overrides the span (CPU: host time)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not kernels:
+        raise RuntimeError("the profiler saw no kernels in the profiled steps")
+    if span_us is None:  # device kernels on one timeline: span and covered time
+        step = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / steps
+        busy = _union([(s, e) for _, s, e in kernels]) / steps
+    else:  # host ops: the host time per step, and the ops' self times
+        step, busy = span_us, sum(e - s for _, s, e in kernels) / steps
+    by_name: dict[str, list[float]] = {}
+    for name, s, e in kernels:
+        by_name.setdefault(name, []).append(e - s)
+    table, kinds, streaming = [], {}, 0.0
+    for name, ds in by_name.items():
+        kind, streams = kernel_kind(name)
+        us = sum(ds) / steps
+        kinds[kind] = kinds.get(kind, 0.0) + us
+        streaming += us if streams else 0.0
+        table.append({"name": name[:160], "kind": kind, "launches": len(ds) / steps, "us": us})
+    table.sort(key=lambda k: -k["us"])
+    out = {"steps": steps, "step_us": step, "busy_us": busy, "gap_us": max(step - busy, 0.0),
+           "launches": len(kernels) / steps, "kinds_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+           "streaming_us": streaming, "fixed_us": sum(kinds.values()) - streaming, "kernels": table[:top]}
+    if byte_us is not None:
+        out["byte_us"] = byte_us
+        out["excess_us"] = step - byte_us
+        out["streaming_excess_us"] = streaming - byte_us
+    return out
+
+
+def profile_steps(step: Callable[[], object], steps: int, cuda: bool, byte_us: float | None) -> dict:
+    """Run `step` `steps` times under torch.profiler (after one unprofiled call) and summarize
+    its kernels (`summarize`); on CPU its leaf ops and the host time per step."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        host_us = (time.perf_counter() - t) * 1e6 / steps
+    events = prof.events()
+    if cuda:
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        rec = summarize(kernels, steps, byte_us)
+    else:
+        ops = [(e.name, e.time_range.start, e.time_range.start + e.self_cpu_time_total) for e in events
+               if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0]
+        rec = summarize(ops, steps, byte_us, span_us=host_us)
+    rec["clock"] = "CUPTI kernel times" if cuda else "host time; CPU op self times"
+    rec["host_us"] = host_us
+    return rec
+
+
+__all__ = ["KINDS", "kernel_kind", "profile_steps", "summarize"]
