@@ -29,6 +29,7 @@ TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidde
     ("aten::to", "views/dispatch", False),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention", True),
     ("some_new_kernel", "other", False),
+    ("triton_red_fused__to_copy_embedding_pow_sparse_gemv_sum_view_0", "elementwise", False),
 ])
 def test_kernel_kinds(name, kind, streams):
     assert kernel_kind(name) == (kind, streams)
@@ -55,9 +56,14 @@ def test_summary_splits_the_step_into_gaps_fixed_and_streaming():
     assert rec["kernels"][0]["launches"] == 1.0
 
 
-def test_overlapping_kernels_count_once_in_busy_time():
-    rec = summarize([("a", 0.0, 10.0), ("b", 5.0, 12.0), ("c", 20.0, 21.0)], steps=1, byte_us=None)
+def test_overlapping_kernels_count_once_and_a_waiting_launch_owns_only_its_own_time():
+    # b launched early (PDL) while a ran: a owns 0-10, b only 10-12; d lies wholly inside a's run
+    ks = [("b", 5.0, 12.0), ("a", 0.0, 10.0), ("d", 2.0, 3.0), ("c", 20.0, 21.0)]
+    rec = summarize(ks, steps=1, byte_us=None)
     assert rec["busy_us"] == pytest.approx(13.0) and rec["gap_us"] == pytest.approx(8.0)
+    own = {k["name"]: (k["us"], k["launched_us"]) for k in rec["kernels"]}
+    assert own == {"a": (10.0, 10.0), "b": (2.0, 7.0), "c": (1.0, 1.0), "d": (0.0, 1.0)}
+    assert sum(rec["kinds_us"].values()) == pytest.approx(rec["busy_us"])
     assert "excess_us" not in rec
 
 

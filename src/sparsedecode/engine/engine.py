@@ -574,7 +574,8 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     from `sparsedecode dispatch table`) decodes each request under the admissible
     configuration of least predicted cost (`dispatch.runtime.RuntimeGate`). `kernels` (a
     `kernels.options.KernelOptions`; default: the defaults) is what every kernel launches with
-    (`Engine.set_kernels`)."""
+    (`Engine.set_kernels`). On CUDA, load also pays what the first KV selection would
+    (`kv.apply.warm_selection`: Triton's setup, the score and sort kernels' first launch)."""
     if gate is not None and thresholds is not None:
         raise InputError("a gate chooses each request's configuration: give gate or thresholds, not both")
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
@@ -598,6 +599,10 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
         eos.append(tokenizer.eos_token_id)
     eng = Engine(model, args, tokenizer=tokenizer, source_path=ckpt.source, device=dev, dtype=dt,
                  attention=attention, name=ckpt.name, init=init, eos_ids=eos, compile=compile, kernels=kernels)
+    if dev.type == "cuda":  # a CUDA process's first selection would pay Triton's setup and kernel loads
+        from sparsedecode.kv.apply import warm_selection
+
+        warm_selection(eng)
     if thresholds is not None:
         eng.sparsify(thresholds)
     if gate is not None:

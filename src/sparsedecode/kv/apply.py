@@ -188,4 +188,30 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
     return sel
 
 
-__all__ = ["KVSelection", "clear_kv", "observation_queries", "select_kv"]
+WARM_KEYS = 8192  # keys of the load-time warm-up: past 4,096, where torch.sort leaves its small-segment path
+
+
+def warm_selection(engine) -> float:
+    """Pay at load what a CUDA process's first scored selection would pay (issue 26, item 4):
+    Triton's one-time setup (it hashes its own library for the cache key: about 0.35 s on the
+    H200) and the first launch of the score, sort and gather kernels (CUDA loads kernels lazily).
+    Runs SnapKV's select and gather on random queries and keys of the model's shapes; touches no
+    cache and no state of `engine`. Seconds taken; 0.0 off CUDA, where nothing is compiled."""
+    if engine.device.type != "cuda":
+        return 0.0
+    a = engine.args
+    t0 = time.perf_counter()
+    selector = get_selector("snapkv")
+    gen = torch.Generator(engine.device).manual_seed(0)
+    q = torch.randn(1, a.n_heads, selector.window, a.head_dim, device=engine.device, dtype=engine.dtype,
+                    generator=gen)  # (B, Hq, W, D)
+    k, v = (torch.randn(1, a.n_kv_heads, WARM_KEYS, a.head_dim, device=engine.device, dtype=engine.dtype,
+                        generator=gen) for _ in range(2))  # (B, Hkv, T, D)
+    with torch.no_grad():
+        idx = selector.select(q, k, WARM_KEYS, 0.3, 0)
+        selector.gather(k, v, idx, check=False)
+    torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - t0
+
+
+__all__ = ["KVSelection", "WARM_KEYS", "clear_kv", "observation_queries", "select_kv", "warm_selection"]

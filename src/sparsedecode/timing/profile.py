@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 # (kind, streams bytes?, names), first match wins, lower-cased: a kernel name matches a fragment
 # it contains; a CPU op ('aten::...') matches its own name exactly, or a prefix ending in '*'.
+# Inductor's kernels (triton_poi/red/per_fused_<ops>) are named after the ops they fuse, so the
+# dense GEMV/GEMM fragments come last: a fused norm of `sparse_gemv`'s input is not a GEMV.
 KINDS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("sparse GEMV", True, ("_sparse_gemv_kernel", "_cats_up_kernel")),
     ("attention", True, ("_split_kernel", "_merge_kernel", "flash", "fmha", "attention", "sdpa",
@@ -29,8 +31,6 @@ KINDS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
     ("selection", False, ("_lse_kernel", "_colsum_kernel", "topk", "sort")),
     ("rope/cache write", False, ("_rope_cache_kernel", "rope", "aten::index_copy_", "aten::index_put_",
                                  "aten::scatter_", "index_copy", "scatter")),
-    ("dense GEMV/GEMM", True, ("gemv", "gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk",
-                               "triton_tem_fused_mm", "aten::mm", "aten::addmm", "aten::mv")),
     ("norm", False, ("rsqrt", "rms_norm", "aten::mean", "aten::pow")),
     ("copy", False, ("memcpy", "memset", "aten::copy_", "aten::fill_", "aten::zero_", "aten::clone",
                      "aten::_to_copy", "aten::cat", "aten::contiguous")),
@@ -44,6 +44,8 @@ KINDS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
                                "aten::empty_strided", "aten::resolve_conj", "aten::resolve_neg",
                                "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::to",
                                "aten::_local_scalar_dense", "aten::item", "aten::lift_fresh")),
+    ("dense GEMV/GEMM", True, ("gemv", "gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk",
+                               "triton_tem_fused_mm", "aten::mm", "aten::addmm", "aten::mv")),
 )
 OTHER = "other"
 
@@ -77,10 +79,26 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _exclusive(kernels: list[tuple[str, float, float]], timeline: bool):
+    """(name, own µs, launched µs) of each kernel. On a timeline a kernel owns the part of its
+    interval that no kernel started before it still covers: a programmatic dependent launch
+    (PDL) starts while its predecessor runs and waits for it, and that wait is the
+    predecessor's time, not its own. Host ops (timeline False) own their self time."""
+    if not timeline:
+        return [(n, e - s, e - s) for n, s, e in kernels]
+    out, reach = [], float("-inf")
+    for n, s, e in sorted(kernels, key=lambda k: (k[1], k[2])):
+        out.append((n, max(e - max(s, reach), 0.0), e - s))
+        reach = max(reach, e)
+    return out
+
+
 def summarize(kernels: list[tuple[str, float, float]], steps: int, byte_us: float | None,
               span_us: float | None = None, top: int = 25) -> dict:
     """The profile record from `kernels` as (name, start µs, end µs) over `steps` steps: per step
-    the span, busy and gap µs, µs by kind, the `top` kernels by time, and against `byte_us` (the
+    the span, busy and gap µs, µs by kind (each kernel's own time, `_exclusive`: the kinds add up
+    to the busy time), the `top` kernels by own time (`launched_us`: start to end, waits
+    included), and against `byte_us` (the
     step's bytes at the ceiling, per step) the excess split into gaps, fixed kernels and the
     streaming kernels' time past the byte time. `span_us` overrides the span (CPU: host time)."""
     if steps < 1:
@@ -92,16 +110,17 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, byte_us: floa
         busy = _union([(s, e) for _, s, e in kernels]) / steps
     else:  # host ops: the host time per step, and the ops' self times
         step, busy = span_us, sum(e - s for _, s, e in kernels) / steps
-    by_name: dict[str, list[float]] = {}
-    for name, s, e in kernels:
-        by_name.setdefault(name, []).append(e - s)
+    by_name: dict[str, list[tuple[float, float]]] = {}
+    for name, own, whole in _exclusive(kernels, timeline=span_us is None):
+        by_name.setdefault(name, []).append((own, whole))
     table, kinds, streaming = [], {}, 0.0
-    for name, ds in by_name.items():
+    for name, ts in by_name.items():
         kind, streams = kernel_kind(name)
-        us = sum(ds) / steps
+        us = sum(t for t, _ in ts) / steps
         kinds[kind] = kinds.get(kind, 0.0) + us
         streaming += us if streams else 0.0
-        table.append({"name": name[:160], "kind": kind, "launches": len(ds) / steps, "us": us})
+        table.append({"name": name[:160], "kind": kind, "launches": len(ts) / steps, "us": us,
+                      "launched_us": sum(w for _, w in ts) / steps})
     table.sort(key=lambda k: -k["us"])
     out = {"steps": steps, "step_us": step, "busy_us": busy, "gap_us": max(step - busy, 0.0),
            "launches": len(kernels) / steps, "kinds_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
