@@ -465,12 +465,13 @@ def test_kernel_compiles_for_hopper(dtype, D, G):
     split = dict(HKV=8, G=G, D=D, NUM_SPLITS=66, BLOCK_G=16, BLOCK_N=block_n,
                  BLOCK_D=triton.next_power_of_2(D), BLOCK_GM=block_gm, TILE_S=tile_s,
                  START_T=False, END_T=True, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                 DOT_F32=False, ROPE=False, HALF=D // 2)
+                 DOT_F32=False, ROPE=False, HALF=D // 2, COMPACT=False)
     split_types = dict(Q=ty, K=ty, V=ty, Out=ty, Count="*i32", Start="*i64", End="*i64", qk_scale="fp32",
-                       Knew=ty, Vnew=ty, Cos=ty, Sin=ty)
+                       Knew=ty, Vnew=ty, Cos=ty, Sin=ty, Shift="*i64", KF=ty, VF=ty)
     kernels = [
         (da._split_kernel, dict(split, FUSED=True), split_types, num_stages),
         (da._split_kernel, dict(split, FUSED=True, ROPE=True), split_types, num_stages),  # rope_attention
+        (da._split_kernel, dict(split, FUSED=True, ROPE=True, COMPACT=True), split_types, num_stages),  # compact
         (da._split_kernel, dict(split, FUSED=False), split_types, num_stages),
         (merge._merge_kernel, dict(HQ=8 * G, D=D, NUM_SPLITS=66, BLOCK_S=128, TILE_S=16, BLOCK_N=block_n,
                                 BLOCK_D=triton.next_power_of_2(D), START_T=False, END_T=True),

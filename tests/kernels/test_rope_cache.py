@@ -84,6 +84,7 @@ def attention_cases(device: str, dtypes) -> list[str]:
                 err = (a.float() - b.float()).abs().max().item()
                 if a.shape != b.shape or err > tol:
                     fails.append(f"{what} {name}: max error {err} > {tol}")
+    fails += compact_cases(device, dtypes)
     traced = torch.compile(lambda *a: (rope_attention(*a)[0], a[6][:, :, a[5]].clone()), backend="aot_eager",
                            fullgraph=True)
     q, k, v, cos, sin, pos, kc, vc = make(1, 8, 2, 64, 100, torch.float32, device, seed=3)
@@ -92,6 +93,38 @@ def attention_cases(device: str, dtypes) -> list[str]:
     out, row = traced(q, k, v, cos, sin, pos, kc, vc)
     if not (torch.allclose(out, want, atol=1e-5) and torch.allclose(row, want_caches[0][:, :, pos])):
         fails.append("rope_attention under torch.compile: the cache write must land and be seen by the read after it")
+    return fails
+
+
+def compact_cases(device: str, dtypes) -> list[str]:
+    """`rope_attention(..., compact=(k_buf, v_buf, offset))` against its reference: the output,
+    the LSE, every row of the buffers and of the caches. The buffers start random past the
+    kept entries and at the token's slot, so reading past the slot, or the stale row at it, is
+    caught; the angles must be those of the position, not of the slot."""
+    fails = []
+    for dtype in dtypes:
+        ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 10 if dtype == torch.float16 else 22)
+        for B, Hq, Hkv, D, T, slots, p, off, splits in ((1, 8, 2, 64, 300, 90, 250, 190, 3),
+                                                        (2, 6, 3, 16, 130, 40, 100, 61, None),
+                                                        (1, 32, 8, 128, 400, 200, 333, 140, 5),
+                                                        (1, 4, 4, 32, 64, 8, 20, 20, 1)):
+            q, k, v, cos, sin, _, kc, vc = make(B, Hq, Hkv, D, T, dtype, device, seed=D + p)
+            g = torch.Generator().manual_seed(p)
+            kb, vb = (torch.randn(B, Hkv, slots, D, generator=g).to(device, dtype) for _ in range(2))
+            pos, offset = torch.tensor([p], device=device), torch.tensor([off], device=device)
+            want = [t.clone() for t in (kb, vb, kc, vc)]
+            ref, ref_lse = rope_attention_ref(q, k, v, cos, sin, pos, want[2], want[3], compact=(want[0], want[1], offset))
+            got, lse = rope_attention(q, k, v, cos, sin, pos, kc, vc, num_splits=splits, compact=(kb, vb, offset))
+            what = f"rope_attention compact {dtype} B={B} Hq={Hq} Hkv={Hkv} D={D} pos={p} offset={off}"
+            for name, a, b, tol in (("out", got, ref, 2 * ulp * ref.abs().max().item() + 1e-5),
+                                    ("lse", lse, ref_lse, 1e-4 * ref_lse.abs().max().item()),
+                                    ("k_buf", kb, want[0], 2 * ulp * want[0].abs().max().item()),
+                                    ("v_buf", vb, want[1], 0.0),
+                                    ("k_cache", kc, want[2], 2 * ulp * want[2].abs().max().item()),
+                                    ("v_cache", vc, want[3], 0.0)):
+                err = (a.float() - b.float()).abs().max().item()
+                if a.shape != b.shape or err > tol:
+                    fails.append(f"{what} {name}: max error {err} > {tol}")
     return fails
 
 
@@ -160,6 +193,26 @@ def test_kernel_on_cuda():
 def test_rope_attention_on_cuda():
     fails = attention_cases("cuda", (torch.bfloat16, torch.float16, torch.float32))
     assert not fails, "\n".join(fails)
+
+
+def test_compact_reference_writes_both_and_reads_the_buffer():
+    """With a compact buffer the reference's entry lands at slot pos - offset of the buffer and at
+    pos of the cache, and its attention is `split_k_ref` over the buffer's first slot + 1 rows."""
+    from sparsedecode.kernels.decode_attention import split_k_ref
+
+    q, k, v, cos, sin, pos, kc, vc = make(1, 8, 2, 16, 40, torch.float32, seed=4)  # pos = 38
+    kb, vb = torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    offset = torch.tensor([30])
+    kc0, vc0 = kc.clone(), vc.clone()
+    q_rot = rope_cache_ref(q, k, v, cos, sin, pos, kc0, vc0)
+    got = rope_attention_ref(q, k, v, cos, sin, pos, kc, vc, compact=(kb, vb, offset))
+    torch.testing.assert_close(kc, kc0)
+    assert torch.equal(kb[:, :, 8], kc0[:, :, 38]) and torch.equal(vb[:, :, 8], vc0[:, :, 38])
+    torch.testing.assert_close(got, split_k_ref(q_rot, kb, vb, 9))
+    with pytest.raises(InputError, match="compact buffers"):
+        rope_attention_ref(q, k, v, cos, sin, pos, kc, vc, compact=(kb[..., :8], vb, offset))
+    with pytest.raises(InputError, match="compact offset"):
+        rope_attention_ref(q, k, v, cos, sin, pos, kc, vc, compact=(kb, vb, offset.float()))
 
 
 def test_rope_attention_reference_is_rope_then_attention():

@@ -71,6 +71,37 @@ def test_a_decode_step_passes_the_layer_options_down(read, one_launch, monkeypat
                 cache.read_compact(cache.k[:, :, :8].clone(), cache.v[:, :, :8].clone(), torch.tensor([0]))
         logits = model(ids[:, 5:], torch.tensor([5]))
     assert torch.isfinite(logits).all()
-    name = {"window": "window_attention", "compact": "decode_attention"}.get(
-        read, "rope_attention" if one_launch else "decode_attention")
+    name = "window_attention" if read == "window" else "rope_attention" if one_launch else "decode_attention"
     assert seen == [(name, opts)] * LAYERS
+
+
+def test_the_one_launch_compact_step_is_the_compiled_steps_math(monkeypatch):
+    """A decode step over compact buffers (a KV selection) through the one-launch path, with its
+    reference standing in for the kernel, gives the logits, buffers and cache rows of the plain
+    path (RoPE, both writes, split-K over the buffer): the slot is pos - offset, the angles pos's."""
+    ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for one_launch in (False, True):
+        model = tiny()
+        with monkeypatch.context() as m:
+            m.setattr(decoder, "rope_cache_usable", lambda x, one=one_launch: one)
+            m.setattr(decoder, "rope_attention", rope_attention_ref)
+            m.setattr(decoder, "rope_cache", rope_cache_ref)
+            with torch.no_grad():
+                model(ids[:, :11], torch.arange(11), start=0)
+                offset = torch.tensor([5])
+                bufs = []
+                for layer in model.layers:  # keep positions 0, 2 and 5..10 in slots 0..5 (offset 5: slot 6 is next)
+                    cache = layer.self_attn.cache
+                    keep = torch.tensor([0, 2, 7, 8, 9, 10])
+                    kb, vb = torch.zeros(1, 2, 9, 8), torch.zeros(1, 2, 9, 8)
+                    kb[:, :, :6], vb[:, :, :6] = cache.k[:, :, keep], cache.v[:, :, keep]
+                    cache.read_compact(kb, vb, offset)
+                    bufs.append((kb, vb, cache))
+                logits = model(ids[:, 11:], torch.tensor([11]))
+        out[one_launch] = (logits, [(kb.clone(), vb.clone(), c.k.clone(), c.v.clone()) for kb, vb, c in bufs])
+    torch.testing.assert_close(out[True][0], out[False][0])
+    for got, want in zip(out[True][1], out[False][1], strict=True):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    assert out[True][1][0][0][:, :, 6].abs().sum() > 0  # the new entry landed at slot 11 - 5

@@ -264,6 +264,7 @@ if triton is not None:
         FUSED: tl.constexpr, BLOCK_GM: tl.constexpr, TILE_S: tl.constexpr,
         START_T: tl.constexpr, END_T: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         Knew, Vnew, Cos, Sin, stride_knb, stride_vnb, zero, ROPE: tl.constexpr, HALF: tl.constexpr,
+        Shift, KF, VF, stride_fb, stride_fh, stride_ft, COMPACT: tl.constexpr,
     ):
         # Scores use tl.dot with the G query heads padded to BLOCK_G >= 16 rows. The
         # alternative, a broadcast multiply + sum, materialises G*BLOCK_N*D products in
@@ -275,8 +276,15 @@ if triton is not None:
         split = tl.program_id(1)
         b = pid_bh // HKV
         h = pid_bh % HKV
-        lo_all, hi_all = _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int,
-                                      T, START_T, END_T)
+        if COMPACT:  # `rope_attention` on a compact buffer: End holds the token's position, Shift the
+            # buffer's offset; the token goes to slot End - Shift, and the range ends after it
+            angle = tl.load(End).to(tl.int32)
+            lo_all = 0
+            hi_all = tl.minimum(angle - tl.load(Shift).to(tl.int32) + 1, T)
+        else:
+            lo_all, hi_all = _valid_range(Start, End, b, stride_start, stride_end, start_int, end_int,
+                                          T, START_T, END_T)
+            angle = hi_all - 1
         length = tl.maximum(hi_all - lo_all, 0)
         chunk, n_active = _splits_of(length, NUM_SPLITS, BLOCK_N)  # split s is active iff s < n_active
         offs_g = tl.arange(0, BLOCK_G)
@@ -302,7 +310,7 @@ if triton is not None:
                 # entry repeated down the rows): nothing waits for them before the loop, so the warp
                 # issues the pipelined K, V loads first. With 1-D rows, converting them to q's layout
                 # before the loop made it wait (sm_90 PTX: bar.sync before the first cp.async).
-                rows = pos.to(tl.int64) * D + 0 * offs_g[:, None]  # (BLOCK_G, 1)
+                rows = angle.to(tl.int64) * D + 0 * offs_g[:, None]  # (BLOCK_G, 1): the token's angles
                 in_d = (offs_g[:, None] >= 0) & mask_d[None, :]
                 c_t = tl.load(Cos + rows + offs_d[None, :], mask=in_d, other=0.0)
                 s_t = tl.load(Sin + rows + offs_d[None, :], mask=in_d, other=0.0)
@@ -371,6 +379,10 @@ if triton is not None:
                     first = (offs_g == 0)[:, None] & mask_d[None, :]  # one row of each
                     tl.store(k_base + pos * stride_kt + 0 * offs_g[:, None] + offs_d[None, :], k_new, mask=first)
                     tl.store(v_base + pos * stride_vt + 0 * offs_g[:, None] + offs_d[None, :], vn_t, mask=first)
+                    if COMPACT:  # the full cache receives every entry too, at the token's position
+                        f = b64 * stride_fb + h.to(tl.int64) * stride_fh + angle.to(tl.int64) * stride_ft
+                        tl.store(KF + f + 0 * offs_g[:, None] + offs_d[None, :], k_new, mask=first)
+                        tl.store(VF + f + 0 * offs_g[:, None] + offs_d[None, :], vn_t, mask=first)
             lse = (m + tl.log2(l_sum)) * 0.6931471805599453  # natural log
             o = acc / l_sum[:, None]
             row = (b64 * HKV * G + heads) * NUM_SPLITS + split  # (BLOCK_G,)
@@ -425,10 +437,12 @@ def _launch(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, start_t: Tensor | None, end_t: Tensor | None,
     counters: Tensor | None, start_int: int, end_int: int, scale: float, num_splits: int,
     block_n: int, num_warps: int, num_stages: int, fused_merge: bool, programs_per_sm: int,
-    min_split_keys: int, rope: tuple | None = None,
+    min_split_keys: int, rope: tuple | None = None, full: tuple | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The split kernel (and the merge kernel unless fused_merge); rope = (k_new, v_new, cos, sin)
-    for `rope_attention` (q then holds the unrotated (B, Hq * D) queries)."""
+    for `rope_attention` (q then holds the unrotated (B, Hq * D) queries); full = (shift, k_full,
+    v_full) where k_cache, v_cache are a compact buffer (end_t then holds the token's position,
+    and the fused merge is required)."""
     # The host-side choices below (split count from the SM count and the unpacked
     # AttentionOptions, tile config; 0 = default) run eagerly at trace and capture time and are
     # static for a given shape.
@@ -458,6 +472,8 @@ def _launch(
     flags = dict(START_T=start_t is not None, END_T=end_t is not None)
     block_gm, block_s, tile_s = _merge_blocks(G, D, num_splits)
     k_new, v_new, cos, sin = rope if rope is not None else (q, q, q, q)
+    shift, k_full, v_full = full if full is not None else (l_part, q, q)
+    f_strides = (k_full.stride(0), k_full.stride(1), k_full.stride(2)) if full is not None else (0, 0, 0)
     _split_kernel[(B * Hkv, num_splits)](
         q, k_cache, v_cache, o_part, l_part, out, lse, counters if fused_merge else l_part,
         *bounds, scale * LOG2E,
@@ -469,7 +485,9 @@ def _launch(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
         Knew=k_new, Vnew=v_new, Cos=cos, Sin=sin, stride_knb=k_new.stride(0), stride_vnb=v_new.stride(0), zero=0,
-        ROPE=rope is not None, HALF=D // 2, num_warps=num_warps, num_stages=num_stages, **flags,
+        ROPE=rope is not None, HALF=D // 2, Shift=shift, KF=k_full, VF=v_full, stride_fb=f_strides[0],
+        stride_fh=f_strides[1], stride_ft=f_strides[2], COMPACT=full is not None,
+        num_warps=num_warps, num_stages=num_stages, **flags,
     )
     if not fused_merge:
         _merge_kernel[(B * Hq,)](

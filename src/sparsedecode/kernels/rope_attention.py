@@ -53,19 +53,70 @@ def _(q, k, v, cos, sin, pos, k_cache, v_cache, *rest):
     return q.new_empty(B, q.shape[1] // D, D), q.new_empty(B, q.shape[1] // D, dtype=torch.float32)
 
 
+@torch.library.custom_op("sparsedecode::rope_split_k_decode_compact",
+                         mutates_args=("k_buf", "v_buf", "k_cache", "v_cache"))
+def _rope_split_k_compact_op(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_buf: Tensor, v_buf: Tensor,
+    offset: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float, num_splits: int, block_n: int,
+    num_warps: int, num_stages: int, programs_per_sm: int, min_split_keys: int,
+) -> tuple[Tensor, Tensor]:
+    # Writes the new entry at slot pos - offset of the buffers and at pos of the caches (declared),
+    # reads the buffers' [0, pos - offset + 1).
+    return _launch(q, k_buf, v_buf, None, pos, None, 0, 1, scale, num_splits, block_n, num_warps, num_stages,
+                   True, programs_per_sm, min_split_keys, rope=(k, v, cos, sin), full=(offset, k_cache, v_cache))
+
+
+@_rope_split_k_compact_op.register_fake
+def _(q, k, v, cos, sin, pos, k_buf, v_buf, *rest):
+    B, D = q.shape[0], k_buf.shape[-1]
+    return q.new_empty(B, q.shape[1] // D, D), q.new_empty(B, q.shape[1] // D, dtype=torch.float32)
+
+
 def rope_attention_ref(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,
                        v_cache: Tensor, scale: float | None = None, *,
-                       options: AttentionOptions = DEFAULT.attention) -> tuple[Tensor, Tensor]:
-    """`rope_attention` in plain PyTorch: `rope_cache_ref`, then `split_k_ref` over [0, pos + 1)."""
+                       options: AttentionOptions = DEFAULT.attention,
+                       compact: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """`rope_attention` in plain PyTorch: `rope_cache_ref`, then `split_k_ref` over [0, pos + 1);
+    with `compact` = (k_buf, v_buf, offset), the entry also goes to slot pos - offset of the
+    buffers, and the attention reads the buffers' [0, pos - offset + 1)."""
     _check_options(options)
     q_rot = rope_cache_ref(q, k, v, cos, sin, pos, k_cache, v_cache)  # (B, Hq, D); the caches hold the entry
-    return split_k_ref(q_rot, k_cache, v_cache, pos, scale=scale, end_offset=1, options=options)
+    if compact is None:
+        return split_k_ref(q_rot, k_cache, v_cache, pos, scale=scale, end_offset=1, options=options)
+    k_buf, v_buf, offset = _check_compact(compact, k_cache)
+    p = pos.reshape(1).long()
+    slot = p - offset.reshape(1).long()
+    k_buf.index_copy_(2, slot, k_cache.index_select(2, p))
+    v_buf.index_copy_(2, slot, v_cache.index_select(2, p))
+    return split_k_ref(q_rot, k_buf, v_buf, slot, scale=scale, end_offset=1, options=options)
+
+
+def _check_compact(compact, k_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(k_buf, v_buf, offset) of a compact buffer beside the cache k_cache (B, Hkv, T, D)."""
+    if not isinstance(compact, tuple) or len(compact) != 3:
+        raise InputError("compact must be a (k_buf, v_buf, offset) tuple")
+    k_buf, v_buf, offset = compact
+    B, Hkv, _, D = k_cache.shape
+    if (k_buf.shape != v_buf.shape or k_buf.dim() != 4 or k_buf.shape[:2] != (B, Hkv) or k_buf.shape[3] != D
+            or k_buf.dtype != k_cache.dtype or k_buf.device != k_cache.device):
+        raise InputError(f"compact buffers {tuple(k_buf.shape)} and {tuple(v_buf.shape)} must both be "
+                         f"({B}, {Hkv}, slots, {D}) {k_cache.dtype} on {k_cache.device}, like the cache")
+    if offset.numel() != 1 or offset.dtype not in (torch.int32, torch.int64) or offset.device != k_cache.device:
+        raise InputError(f"the compact offset must be a 1-element integer tensor on {k_cache.device}")
+    return k_buf, v_buf, offset
+
+
+def _check_full_strides(k_cache: Tensor, v_cache: Tensor) -> None:
+    if k_cache.stride() != v_cache.stride():  # the kernel stores both at one set of strides
+        raise InputError(f"k_cache and v_cache must share strides beside a compact buffer, got "
+                         f"{k_cache.stride()} and {v_cache.stride()}")
 
 
 def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor,
                    v_cache: Tensor, scale: float | None = None, num_splits: int | None = None,
                    config: tuple[int, int, int] | None = None, *,
-                   options: AttentionOptions = DEFAULT.attention) -> tuple[Tensor, Tensor]:
+                   options: AttentionOptions = DEFAULT.attention,
+                   compact: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """One decode token per sequence, RoPE to attention output in one launch: q (B, Hq * D) and
     k (B, Hkv * D) as the projection left them are rotated by the angles of position pos (a
     1-element integer tensor, read on the device) in the tables cos, sin (T, D) of
@@ -78,6 +129,13 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, po
     the cache dtype. `num_splits`, `config` and `options` as in `split_k_attention`. Returns
     (out (B, Hq, D), lse (B, Hq) float32) as `split_k_attention` does. CUDA, or CPU under
     TRITON_INTERPRET=1; `rope_attention_ref` elsewhere.
+
+    `compact` = (k_buf, v_buf, offset): decode reads a KV selection's compact buffer (B, Hkv,
+    slots, D) instead of the cache (ByteCross App. A: the kept entries gathered once, each step
+    appending its own). The entry then goes to slot pos - offset of the buffers as well as to
+    position pos of the caches (a later turn can score it), and the queries attend over the
+    buffers' [0, pos - offset + 1); the angles stay those of pos. Still one launch, where the
+    compiled step took two (the rotation with both writes, then the attention).
     """
     B, Hq, Hkv, D = check_rope(q, k, v, cos, sin, pos, k_cache, v_cache)
     if Hq % Hkv:
@@ -88,6 +146,12 @@ def rope_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, po
                          "use rope_attention_ref")
     block_n, num_warps, num_stages = config or (0, 0, 0)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    if compact is not None:
+        k_buf, v_buf, offset = _check_compact(compact, k_cache)
+        _check_full_strides(k_cache, v_cache)
+        return _rope_split_k_compact_op(q, k, v, cos, sin, pos.reshape(1), k_buf, v_buf, offset.reshape(1), k_cache,
+                                        v_cache, float(scale), num_splits or 0, block_n, num_warps, num_stages,
+                                        options.programs_per_sm, options.min_split_keys or 0)
     return _rope_split_k_op(q, k, v, cos, sin, pos.reshape(1), k_cache, v_cache, float(scale), num_splits or 0,
                             block_n, num_warps, num_stages, options.programs_per_sm, options.min_split_keys or 0)
 

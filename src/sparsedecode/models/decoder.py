@@ -151,12 +151,14 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if start is None and L == 1 and self.cache.compact is None and tables is not None and rope_cache_usable(q):
-            if self.backend == "split_k" and self.cache.window is None and host_len is None and self.observe is None:
-                # one launch: RoPE, the cache write and the attention (docs/kernels/decode_attention.md#rope-in-attention)
-                y, _ = rope_attention(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables, pos, self.cache.k,
-                                      self.cache.v, options=self.kernel_options)
-                return y.reshape(B, 1, self.n_heads * self.head_dim)
+        one = start is None and L == 1 and tables is not None and rope_cache_usable(q)
+        if one and self.backend == "split_k" and self.cache.window is None and host_len is None and self.observe is None:
+            # one launch: RoPE, the cache write (and the compact buffer's) and the attention
+            # (docs/kernels/decode_attention.md#rope-in-attention)
+            y, _ = rope_attention(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables, pos, self.cache.k,
+                                  self.cache.v, options=self.kernel_options, compact=self.cache.compact)
+            return y.reshape(B, 1, self.n_heads * self.head_dim)
+        if one and self.cache.compact is None:
             # one launch: RoPE of q and k, k and v into the cache (kernels.rope_cache)
             q1 = rope_cache(q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1), *tables, pos, self.cache.k,
                             self.cache.v)  # (B, Hq, D)
