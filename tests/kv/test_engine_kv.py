@@ -39,7 +39,11 @@ def test_keep_one_is_dense_exactly():
     eng.prefill(PROMPT)
     sel = eng.select_kv("snapkv", 1.0, max_new=3, window=16)
     assert sel.mode == "dense" and sel.budget == len(PROMPT)
-    assert torch.equal(decode(eng, [3, 4, 5]), dense)
+    got = decode(eng, [3, 4, 5])
+    if eng.device.type == "cpu":
+        assert torch.equal(got, dense)
+    else:  # the default CUDA dense step adds its GEMVs' split-K partials with atomics, in any order
+        torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunks", [[150], [100, 30, 20], [140, 10]])
