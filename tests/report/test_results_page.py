@@ -63,3 +63,18 @@ def test_a_step_check_says_which_cells_moved(tmp_path):
     (tmp_path / "records/after_f7b6ec2/cells/short/dense_2048_b0.json").unlink()
     with pytest.raises(InputError, match="in 'before' but not in 'after'"):
         render(m)
+
+
+def test_a_step_profile_table_needs_profiled_cells(tmp_path):
+    import shutil
+
+    src = ROOT / "benchmarks/records/h200/campaigns/h200_step_check/after_f7b6ec2/cells"
+    shutil.copytree(src, tmp_path / "records/c/cells")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    m = docs / "results.toml"
+    m.write_text('[[table]]\ntitle = "t"\nconditions = "c"\nkind = "step_profile"\nrecords = "records/c"\n')
+    with pytest.raises(InputError, match="no profiled cells"):
+        render(m)
+    page = render(ROOT / "docs/results.toml")
+    assert "| 2K | short | proj50 |" in page and "sparse GEMV" in page.split("Where each step")[1]

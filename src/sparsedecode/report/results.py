@@ -82,6 +82,20 @@ def _dense_steps_table(root: Path, t: dict) -> tuple[str, str]:
     return "\n".join(lines), f"Rebuilt by `sparsedecode report {t['records']} --out /tmp/report` (its Dense steps)."
 
 
+def _step_profile_table(root: Path, t: dict) -> tuple[str, str]:
+    """The report's "Where the step goes": each profiled cell's time above its bytes at the ceiling."""
+    from sparsedecode.report.timing_markdown import step_profile_table
+    from sparsedecode.report.timing_report import build_report
+    from sparsedecode.timing.cells import load_cells
+
+    rep = build_report(load_cells(root / t["records"]))
+    if not rep["step_profiles"]:
+        raise InputError(f"table {t.get('title')!r}: {t['records']} has no profiled cells "
+                         "(`profile = N` in its campaign file)")
+    return ("\n".join(step_profile_table(rep["step_profiles"])),
+            f"Rebuilt by `sparsedecode report {t['records']} --out /tmp/report` (its Where the step goes).")
+
+
 def _dispatch_table(root: Path, t: dict) -> tuple[str, str]:
     import io
     from contextlib import redirect_stdout
@@ -200,7 +214,7 @@ def _generate_table(root: Path, t: dict) -> tuple[str, str]:
 
 KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table,
          "serve_probe": _serve_probe_table, "step_check": _step_check_table,
-         "generate": _generate_table, "dense_steps": _dense_steps_table}
+         "generate": _generate_table, "dense_steps": _dense_steps_table, "step_profile": _step_profile_table}
 
 
 def render(manifest: str | Path) -> str:

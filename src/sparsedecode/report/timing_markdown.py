@@ -154,17 +154,8 @@ def render_markdown(rep: dict) -> str:
         out += ["## Where the step goes", "", "Profiled steps (`profile` in the spec; CUPTI kernel times on CUDA), "
                 "mean over the blocks that profiled them. The time above the step's bytes at the measured "
                 "ceiling splits into gaps (no kernel running), fixed kernels (no weight or KV bytes; the two "
-                "largest kinds named) and the streaming kernels' time past the byte time.", "",
-                "| context | group | cell | step µs | bytes at ceiling µs | above µs | gaps µs "
-                "| fixed kernels µs (largest) | streaming past bytes µs | kernels a step |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        for p in rep["step_profiles"]:
-            largest = ", ".join(f"{k} {us:.0f}" for k, us in p["largest_fixed"])
-            out.append(f"| {fmt_ctx(p['context'])} | {p['group']} | {p['cell']} | {p['step_us']:.0f} "
-                       f"| {_f(p['byte_us'], '.0f')} | {_f(p['above_us'], '.0f')} | {p['gap_us']:.0f} "
-                       f"| {p['fixed_us']:.0f} ({largest}) | {_f(p['streaming_past_us'], '.0f')} "
-                       f"| {p['launches']:.0f} |")
-        out.append("")
+                "largest kinds named) and the streaming kernels' time past the byte time; the last column "
+                "is the streaming kernels' time by kind.", "", *step_profile_table(rep["step_profiles"]), ""]
     out += ["## Failed cells", ""]
     if rep["failed"]:
         out += ["| record | group | cell | context | block | error |", "|---|---|---|---|---|---|"]
@@ -200,3 +191,20 @@ def render_markdown(rep: dict) -> str:
 
 
 __all__ = ["fmt_ctx", "render_markdown"]
+
+
+def step_profile_table(profiles: list[dict]) -> list[str]:
+    """The rows of "Where the step goes" (`timing_report._step_profiles`), header first."""
+    from sparsedecode.report.timing_report import streaming_kinds
+
+    out = ["| context | group | cell | step µs | bytes at ceiling µs | above µs | gaps µs "
+           "| fixed kernels µs (largest) | streaming past bytes µs | kernels a step | streaming kernels µs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in profiles:
+        largest = ", ".join(f"{k} {us:.0f}" for k, us in p["largest_fixed"])
+        streams = ", ".join(f"{k} {us:.0f}" for k, us in streaming_kinds(p))
+        out.append(f"| {fmt_ctx(p['context'])} | {p['group']} | {p['cell']} | {p['step_us']:.0f} "
+                   f"| {_f(p['byte_us'], '.0f')} | {_f(p['above_us'], '.0f')} | {p['gap_us']:.0f} "
+                   f"| {p['fixed_us']:.0f} ({largest}) | {_f(p['streaming_past_us'], '.0f')} "
+                   f"| {p['launches']:.0f} | {streams} |")
+    return out

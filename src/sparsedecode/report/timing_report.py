@@ -489,6 +489,11 @@ def _step_profiles(cc: CampaignCells, ceiling: float | None) -> list[dict]:
     return rows
 
 
+def streaming_kinds(profile_row: dict) -> list[tuple[str, float]]:
+    """(kind, µs) of a step profile's streaming kernels (GEMVs, attention), largest first."""
+    return sorted(((k, us) for k, us in profile_row["kinds_us"].items() if k in _STREAMING), key=lambda kv: -kv[1])
+
+
 def _ceiling(cc: CampaignCells, ceiling) -> tuple[float | None, str]:
     """The measured ceiling in GB/s and where it came from: a 'bandwidth_ceiling' record
     (`sparsedecode bench ceiling`), the given one or the campaign folder's ceiling.json."""
