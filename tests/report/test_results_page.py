@@ -27,11 +27,16 @@ def test_readme_result_rows_come_from_the_results_page(marker):
     assert len(rows) > 1 and all(r in page for r in rows), [r for r in rows if r not in page]
 
 
+def _manifest(root: Path, body: str) -> Path:
+    """root/docs/results.toml holding `body`: a manifest whose paths are relative to root."""
+    (root / "docs").mkdir(exist_ok=True)
+    m = root / "docs/results.toml"
+    m.write_text(body)
+    return m
+
+
 def test_a_bad_manifest_is_refused(tmp_path):
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    m = docs / "results.toml"
-    m.write_text('[[table]]\ntitle = "t"\nconditions = "c"\nkind = "magic"\nrecords = "x"\n')
+    m = _manifest(tmp_path, '[[table]]\ntitle = "t"\nconditions = "c"\nkind = "magic"\nrecords = "x"\n')
     with pytest.raises(InputError, match="kind 'magic'"):
         render(m)
     m.write_text('[[table]]\nkind = "campaign"\n')
@@ -52,11 +57,8 @@ def test_a_step_check_says_which_cells_moved(tmp_path):
     rec["tokens_per_sec"] /= 1.1
     rec["ms_per_token"] *= 1.1
     slow.write_text(json.dumps(rec))
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    m = docs / "results.toml"
-    m.write_text('[[table]]\ntitle = "t"\nconditions = "c"\nkind = "step_check"\n'
-                 'records = { before = "records/before_b93fd89", after = "records/after_f7b6ec2" }\n')
+    m = _manifest(tmp_path, '[[table]]\ntitle = "t"\nconditions = "c"\nkind = "step_check"\n'
+                  'records = { before = "records/before_b93fd89", after = "records/after_f7b6ec2" }\n')
     rows = {r.split("|")[2].strip(): r for r in render(m).splitlines() if r.startswith("| 2K")}
     assert rows["proj0.5"].endswith("| no |") and "| 3.082 |" in rows["proj0.5"], rows
     assert rows["dense"].endswith("| yes |"), rows
@@ -70,11 +72,8 @@ def test_a_step_profile_table_needs_profiled_cells(tmp_path):
 
     src = ROOT / "benchmarks/records/h200/campaigns/h200_step_check/after_f7b6ec2/cells"
     shutil.copytree(src, tmp_path / "records/c/cells")
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    m = docs / "results.toml"
-    m.write_text('[[table]]\ntitle = "t"\nconditions = "c"\nkind = "step_profile"\nrecords = "records/c"\n')
+    m = _manifest(tmp_path, '[[table]]\ntitle = "t"\nconditions = "c"\nkind = "step_profile"\nrecords = "records/c"\n')
     with pytest.raises(InputError, match="no profiled cells"):
         render(m)
-    page = render(ROOT / "docs/results.toml")
+    page = (ROOT / "docs/results.md").read_text(encoding="utf-8")  # what render makes (the first test)
     assert "| 2K | short | proj50 |" in page and "sparse GEMV" in page.split("Where each step")[1]

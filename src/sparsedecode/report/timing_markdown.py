@@ -190,21 +190,20 @@ def render_markdown(rep: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["fmt_ctx", "render_markdown"]
-
-
 def step_profile_table(profiles: list[dict]) -> list[str]:
     """The rows of "Where the step goes" (`timing_report._step_profiles`), header first."""
-    from sparsedecode.report.timing_report import streaming_kinds
-
     out = ["| context | group | cell | step µs | bytes at ceiling µs | above µs | gaps µs "
            "| fixed kernels µs (largest) | streaming past bytes µs | kernels a step | streaming kernels µs |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in profiles:
         largest = ", ".join(f"{k} {us:.0f}" for k, us in p["largest_fixed"])
-        streams = ", ".join(f"{k} {us:.0f}" for k, us in streaming_kinds(p))
+        streams = ", ".join(f"{k} {us:.0f}" for k, us in p["streaming_kinds"])
         out.append(f"| {fmt_ctx(p['context'])} | {p['group']} | {p['cell']} | {p['step_us']:.0f} "
                    f"| {_f(p['byte_us'], '.0f')} | {_f(p['above_us'], '.0f')} | {p['gap_us']:.0f} "
                    f"| {p['fixed_us']:.0f} ({largest}) | {_f(p['streaming_past_us'], '.0f')} "
                    f"| {p['launches']:.0f} | {streams} |")
     return out
+
+
+__all__ = ["fmt_ctx", "render_markdown", "step_profile_table"]
+

@@ -462,7 +462,8 @@ def _step_profiles(cc: CampaignCells, ceiling: float | None) -> list[dict]:
     """Where each profiled cell's step goes (`timing.profile`, issue 26 item 2), mean over the
     blocks that profiled it: the profiled step, its bytes at the measured ceiling, and the time
     above that split into gaps (no kernel running), fixed kernels (no weight or KV bytes; the
-    two largest kinds named) and the streaming kernels' time past the byte time."""
+    two largest kinds named) and the streaming kernels' time past the byte time, with those
+    kernels' (kind, µs) largest first."""
     by: dict[tuple, list] = {}
     for c in cc.cells:
         x = cc.extra(c)
@@ -479,19 +480,16 @@ def _step_profiles(cc: CampaignCells, ceiling: float | None) -> list[dict]:
         byte_us = (float(np.mean([x.bytes_per_step for x in xs])) / (ceiling * 1e9) * 1e6
                    if ceiling and all(x.bytes_per_step for x in xs) else None)
         step, streaming = mean("step_us"), mean("streaming_us")
-        fixed = sorted(((k, us) for k, us in kinds.items() if k not in _STREAMING), key=lambda kv: -kv[1])
+        ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
+        fixed = [(k, us) for k, us in ranked if k not in _STREAMING]
         rows.append({"context": n, "group": group, "cell": cell, "blocks": len(ps), "clock": ps[0].get("clock"),
                      "step_us": step, "byte_us": byte_us, "above_us": None if byte_us is None else step - byte_us,
                      "gap_us": mean("gap_us"), "fixed_us": mean("fixed_us"), "largest_fixed": fixed[:2],
+                     "streaming_kinds": [(k, us) for k, us in ranked if k in _STREAMING],
                      "streaming_us": streaming,
                      "streaming_past_us": None if byte_us is None else streaming - byte_us,
                      "launches": mean("launches"), "kinds_us": kinds})
     return rows
-
-
-def streaming_kinds(profile_row: dict) -> list[tuple[str, float]]:
-    """(kind, µs) of a step profile's streaming kernels (GEMVs, attention), largest first."""
-    return sorted(((k, us) for k, us in profile_row["kinds_us"].items() if k in _STREAMING), key=lambda kv: -kv[1])
 
 
 def _ceiling(cc: CampaignCells, ceiling) -> tuple[float | None, str]:
