@@ -161,9 +161,13 @@ def campaign_plan_crossing(
     spacing: Annotated[str, typer.Option("--spacing", help="Tokens between contexts (App. E: at most 8K).")] = "8K",
     half_width: Annotated[str, typer.Option("--half-width", help="Contexts cover the prediction plus and minus this.")] = "24K",
     blocks: Annotated[int, typer.Option("--blocks", help="Blocks of the crossing campaign (at least 3).")] = 3,
+    proj: Annotated[str | None, typer.Option("--proj", help="The pair's projection mode, e.g. proj0.7 (default: the sweep's).")] = None,
+    sel: Annotated[str | None, typer.Option("--sel", help="The pair's selection mode, e.g. sel0.5 (default: the sweep's).")] = None,
+    keep_campaign: Annotated[str | None, typer.Option("--keep-campaign", help="Keep-ratio campaign folder: the cost of a keep the sweep lacks (App. D).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Predict a crossing from a sweep (App. D) and write the campaign that measures it (App. E)."""
+    """Predict a crossing from a sweep (App. D) and write the campaign that measures it (App. E).
+    A keep the sweep lacks (--proj/--sel) takes its kernel cost from --keep-campaign."""
     from sparsedecode.account.units import parse_tokens
     from sparsedecode.records import write_record
     from sparsedecode.timing.cell import model_window
@@ -181,7 +185,7 @@ def campaign_plan_crossing(
     step, half = parse_tokens(spacing, "--spacing"), parse_tokens(half_width, "--half-width")
     if step > 8192:
         raise InputError(f"--spacing {spacing}: a crossing campaign spaces its contexts at most 8K apart (App. E)")
-    pred = predict_crossing(folder, group)
+    pred = predict_crossing(folder, group, proj=proj, sel=sel, keep_folder=keep_campaign)
     cell = one_cell_record(folder)
     _, window = model_window(pred["model"], "random")
     generated = cell.get("generated", 64)

@@ -5,6 +5,12 @@ campaign that will measure it, its contexts spaced around the prediction.
     sparsedecode campaign plan-crossing benchmarks/records/h200/campaigns/h200_sweep --group sweep \\
         --prediction P.json --spec examples/campaigns/h200_crossing_8b_p50_s30.toml
 
+A pair whose keep the sweep lacks takes that keep's kernel cost from the keep-ratio campaign
+(App. D: "its cost at 32K from the keep-ratio campaign and the context dependence of the swept
+cell of the same branch"):
+
+    sparsedecode campaign plan-crossing SWEEP --proj proj0.7 --sel sel0.3 --keep-campaign KEEP ...
+
 The prediction is committed before the campaign runs, so the commit order shows it was made
 first; `report` on the crossing campaign then sets it beside the measured crossing (Table 2).
 """
@@ -18,43 +24,188 @@ from sparsedecode.errors import InputError
 KIND = "crossing_prediction"
 
 
-def predict_crossing(folder, group: str) -> dict:
+METHOD = "App. D: t_b = t_D B_b / B_D + c_b, t_D interpolated log-log, c_b linear, over the group's contexts"
+SHIFTED = ("App. D, a keep the sweep lacks: its cost at {n} tokens from the keep-ratio campaign, its context "
+           "dependence from the swept cell of the same branch, c_b'(n) = c_b'({n}) + c_b(n) - c_b({n}) "
+           "(an additive shift, so a cost near zero stays near zero); B_b' from the byte account at the "
+           "keep campaign's realized keep")
+
+
+def predict_crossing(folder, group: str, *, proj: str | None = None, sel: str | None = None,
+                     keep_folder=None) -> dict:
     """The 'crossing_prediction' record of `group` in the campaign `folder` (its proj and sel
-    cells, the dense cells of the same blocks); InputError when the group cannot predict one."""
-    from sparsedecode.records import stamp
+    cells, the dense cells of the same blocks); InputError when the group cannot predict one.
+
+    `proj`/`sel` (mode specs such as 'proj0.7', 'sel0.5') ask for a pair the sweep may lack: a
+    keep it did not sweep takes its kernel cost from the keep-ratio campaign `keep_folder`
+    (ByteCross App. D), see `_shifted`."""
     from sparsedecode.report.timing_report import build_report
     from sparsedecode.timing.cells import load_cells
 
-    cc = load_cells(folder)
-    rep = build_report(cc)
-    groups = {g["name"]: g for g in rep["groups"]}
-    if group not in groups:
-        raise InputError(f"{folder}: no group '{group}' (groups: {', '.join(groups)})")
-    cross = groups[group]["crossing"]
+    if keep_folder is not None and not Path(keep_folder).is_dir():
+        raise InputError(f"--keep-campaign {keep_folder}: no such folder (a keep-ratio campaign's folder)")
+    rep = build_report(load_cells(folder))
+    g = _group_of(rep, group, folder)
+    cross = g["crossing"]
     if cross is None or cross["proj"] is None or cross["sel"] is None:
         raise InputError(f"{folder}: group '{group}' needs one proj and one sel cell to predict a crossing"
                          + (f" ({cross['note']})" if cross else ""))
-    pred = cross["predicted"]
-    if pred.get("tokens") is None:
-        raise InputError(f"{folder}: group '{group}': {pred['note']}")
-    spec = {r["cell"]: r["mode_spec"] for r in groups[group]["rows"]}
-    byte = cross["byte_crossover"]
+    spec = {r["cell"]: r["mode_spec"] for r in g["rows"]}
+    swept = {"proj": spec[cross["proj"]], "sel": spec[cross["sel"]]}
+    want = {"proj": _branch_spec(proj, "proj") or swept["proj"], "sel": _branch_spec(sel, "sel") or swept["sel"]}
+    if want == swept:
+        pred = cross["predicted"]
+        if pred.get("tokens") is None:
+            raise InputError(f"{folder}: group '{group}': {pred['note']}")
+        byte = cross["byte_crossover"]
+        return _record(folder, group, rep, want, pred, None if byte is None else byte["tokens"], METHOD, {})
+    if keep_folder is None:
+        lacking = " and ".join(want[b] for b in ("proj", "sel") if want[b] != swept[b])
+        raise InputError(f"{folder}: the sweep's pair is {swept['proj']}/{swept['sel']}; {lacking} needs its "
+                         "kernel cost from a keep-ratio campaign: pass --keep-campaign DIR (App. D)")
+    return _shifted(folder, group, rep, g, cross, swept, want, keep_folder)
+
+
+def _group_of(rep: dict, group: str, folder) -> dict:
+    groups = {g["name"]: g for g in rep["groups"]}
+    if group not in groups:
+        raise InputError(f"{folder}: no group '{group}' (groups: {', '.join(groups)})")
+    return groups[group]
+
+
+def _branch_spec(text: str | None, kind: str) -> str | None:
+    from sparsedecode.timing.cell import parse_mode
+
+    if text is None:
+        return None
+    mode = parse_mode(text)
+    if mode.kind != kind:
+        raise InputError(f"--{kind} {text}: give a {kind} mode such as {'proj0.7' if kind == 'proj' else 'sel0.5'}")
+    return mode.spec
+
+
+def _record(folder, group, rep, want, pred, byte_tokens, method, extra) -> dict:
+    from sparsedecode.records import stamp
+
     return stamp({
         "kind": KIND,
         "source": str(folder),
         "group": group,
         "model": rep["model"],
         "gpu": rep["gpu"],
-        "proj": spec[cross["proj"]],
-        "sel": spec[cross["sel"]],
+        "proj": want["proj"],
+        "sel": want["sel"],
         "predicted_tokens": pred["tokens"],
-        "byte_crossover_tokens": None if byte is None else byte["tokens"],
+        "byte_crossover_tokens": byte_tokens,
         "contexts": pred["contexts"],
         "dense_ms": pred["dense_ms"],
         "cost_proj_ms": pred["cost_proj_ms"],
         "cost_sel_ms": pred["cost_sel_ms"],
-        "method": "App. D: t_b = t_D B_b / B_D + c_b, t_D interpolated log-log, c_b linear, over the group's contexts",
+        "method": method,
+        **extra,
     })
+
+
+def _shifted(folder, group, rep, g, cross, swept, want, keep_folder) -> dict:
+    """The prediction of a pair with a keep the sweep lacks (App. D): for that branch, c_b'(n) =
+    c_b'(n0) + c_b(n) - c_b(n0), c_b'(n0) the keep campaign's cost at its context n0 and c_b the
+    swept cell of the same branch; its bytes B_b'(n) from the byte account at the realized keep
+    of the keep campaign's cell (the KV read fraction round(keep n) / n, as the budget keeps)."""
+    import numpy as np
+
+    from sparsedecode.account import crossover
+    from sparsedecode.report.timing_report import build_report
+    from sparsedecode.timing import stats
+    from sparsedecode.timing.cell import parse_mode, timed_step_bytes
+    from sparsedecode.timing.cells import load_cells
+
+    cc = load_cells(folder)
+    if cc.dims is None:
+        raise InputError(f"{folder}: {cc.dims_note}; a keep the sweep lacks takes its bytes from the account")
+    kcc = load_cells(keep_folder)
+    krep = build_report(kcc)
+    if (krep["model"], krep["gpu"]) != (rep["model"], rep["gpu"]):
+        raise InputError(f"--keep-campaign {keep_folder}: {krep['model']} on {krep['gpu']}, the sweep is "
+                         f"{rep['model']} on {rep['gpu']}; each GPU takes its costs from its own campaigns (App. D)")
+    rows = g["rows"]
+    dense = {r["context"]: r for r in rows if r["mode"] == "dense"}
+    by = {b: {r["context"]: r for r in rows if r["cell"] == cross[b] and r["kernel_cost_ms"] is not None}
+          for b in ("proj", "sel")}
+    ctx = sorted(n for n in dense if n in by["proj"] and n in by["sel"])
+    if len(ctx) < 2:
+        raise InputError(f"{folder}: group '{group}': dense, proj and sel cells with kernel costs share "
+                         "fewer than two contexts")
+    n = np.array(ctx, dtype=float)
+    t_d = np.array([dense[c]["ms_per_token"] for c in ctx])
+    b_d = np.array([dense[c]["bytes_per_step"] for c in ctx])
+    cost = {b: np.array([by[b][c]["kernel_cost_ms"]["value"] for c in ctx]) for b in by}
+    byt = {b: np.array([by[b][c]["bytes_per_step"] for c in ctx]) for b in by}
+    subst, keeps = {}, {}
+    for b in ("proj", "sel"):
+        if want[b] == swept[b]:
+            keeps[b] = None
+            continue
+        k = _keep_row(krep, want[b], keep_folder)
+        n0 = k["context"]
+        if not n[0] <= n0 <= n[-1]:
+            raise InputError(f"--keep-campaign {keep_folder}: {want[b]} ran at {n0} tokens, outside the sweep's "
+                             f"{ctx[0]}..{ctx[-1]}")
+        swept_at = float(np.interp(n0, n, cost[b]))
+        cost[b] = k["kernel_cost_ms"]["value"] + cost[b] - swept_at
+        mode, size = parse_mode(want[b]), _itemsize(kcc)
+        rp = (k["realized_projection_keep"] or mode.proj_keep) if b == "proj" else 1.0
+        kv = [1.0 if b == "proj" else min(np.floor(mode.kv_keep * c + 0.5) / c, 1.0) for c in ctx]
+        byt[b] = np.array([timed_step_bytes(cc.dims, c, rp, f, size, size) for c, f in zip(ctx, kv, strict=True)])
+        keeps[b] = rp if b == "proj" else mode.kv_keep
+        subst[b] = {"mode_spec": want[b], "swept": swept[b], "context": n0,
+                    "cost_keep_campaign_ms": k["kernel_cost_ms"]["value"], "cost_swept_ms": swept_at,
+                    "realized_keep": rp if b == "proj" else None}
+
+    def ratio(b):
+        return lambda x: np.interp(x, n, byt[b]) / np.interp(x, n, b_d)
+
+    tokens = stats.predicted_crossing(n, t_d, cost["proj"], cost["sel"], ratio("proj"), ratio("sel"))
+    if np.isnan(tokens):
+        raise InputError(f"{folder}: {want['proj']}/{want['sel']}: no cost-aware crossing: the predicted "
+                         f"difference does not change sign inside the sweep ({ctx[0]}..{ctx[-1]})")
+    rp = keeps["proj"] if keeps["proj"] is not None else _mean_of(rows, cross["proj"], "realized_projection_keep")
+    rkv = keeps["sel"] if keeps["sel"] is not None else _mean_of(rows, cross["sel"], "kv_read_fraction")
+    try:
+        byte = crossover(cc.dims, min(rp, 1.0), min(rkv, 1.0))
+    except InputError:
+        byte = float("inf")
+    pred = {"tokens": float(tokens), "contexts": ctx, "dense_ms": t_d.tolist(),
+            "cost_proj_ms": cost["proj"].tolist(), "cost_sel_ms": cost["sel"].tolist()}
+    n0 = next(s["context"] for s in subst.values())
+    return _record(folder, group, rep, want, pred, None if np.isinf(byte) else float(byte),
+                   SHIFTED.format(n=n0), {"keep_campaign": str(keep_folder), "substituted": subst})
+
+
+def _keep_row(krep: dict, mode_spec: str, folder) -> dict:
+    rows = [r for g in krep["groups"] for r in g["rows"] if r["mode_spec"] == mode_spec]
+    costed = [r for r in rows if r["kernel_cost_ms"] is not None]
+    if not costed:
+        have = sorted({r["mode_spec"] for g in krep["groups"] for r in g["rows"] if r["kernel_cost_ms"]})
+        raise InputError(f"--keep-campaign {folder}: no kernel cost of {mode_spec} (costed modes: "
+                         f"{', '.join(have) or 'none'})")
+    if len({r["context"] for r in costed}) > 1:
+        raise InputError(f"--keep-campaign {folder}: {mode_spec} ran at several contexts "
+                         f"({sorted({r['context'] for r in costed})}); a keep-ratio campaign holds one")
+    return costed[0]
+
+
+def _mean_of(rows: list[dict], cell: str, key: str) -> float:
+    vals = [r[key] for r in rows if r["cell"] == cell and r[key] is not None]
+    return sum(vals) / len(vals) if vals else 1.0
+
+
+def _itemsize(cc) -> int:
+    """Bytes per weight and cache element of the campaign's cells (one dtype, or InputError)."""
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    dtypes = {cc.extra(c).dtype or "bfloat16" for c in cc.cells}
+    if len(dtypes) != 1 or not dtypes <= set(sizes):
+        raise InputError(f"{cc.folder}: cells of dtypes {sorted(dtypes)}; one of {', '.join(sizes)} is needed")
+    return sizes[dtypes.pop()]
 
 
 def crossing_contexts(predicted: float, spacing: int, half_width: int, window: int | None) -> list[int]:
