@@ -232,8 +232,9 @@ def crossing_spec(pred: dict, name: str, contexts: list[int], blocks: int, cell:
         raise InputError(f"--blocks {blocks}: a crossing interval over block resamples wants at least 3")
     head = (f"# The crossing of {pred['proj']} and {pred['sel']} on {pred['model']} dims, measured around its\n"
             f"# cost-aware prediction of {pred['predicted_tokens']:.0f} tokens (App. D), which\n"
-            f"# `sparsedecode campaign plan-crossing {pred['source']} --group {pred['group']}` wrote and\n"
-            "# committed before this campaign ran (ByteCross App. E: contexts at most 8K apart).\n#\n"
+            f"# `sparsedecode campaign plan-crossing {pred['source']} --group {pred['group']}{_pair_flags(pred)}`\n"
+            "# wrote and "
+            "committed before this campaign ran (ByteCross App. E: contexts at most 8K apart).\n#\n"
             f"#   sparsedecode campaign run <this file> --out DIR\n\n")
     ctx = ", ".join(str(n) for n in contexts)
     return head + "\n".join([
@@ -244,6 +245,13 @@ def crossing_spec(pred: dict, name: str, contexts: list[int], blocks: int, cell:
         f'modes = ["{pred["proj"]}", "{pred["sel"]}"]', 'pairs = "crossing"',
         f'attention = "{cell.get("attention", "split_k")}"', "",
     ])
+
+
+def _pair_flags(pred: dict) -> str:
+    """The plan-crossing flags that name a pair the sweep lacks (empty for the swept pair)."""
+    if not pred.get("substituted"):
+        return ""
+    return f" --proj {pred['proj']} --sel {pred['sel']} --keep-campaign {pred['keep_campaign']}"
 
 
 def one_cell_record(folder) -> dict:
