@@ -211,9 +211,52 @@ def _generate_table(root: Path, t: dict) -> tuple[str, str]:
     return "\n".join(lines), f"Measured by `{t.get('command', 'sparsedecode generate --json')}`, once per row, in one device call."
 
 
+def _crossings_table(root: Path, t: dict) -> tuple[str, str]:
+    """Table 2 on our records: each crossing campaign beside its committed prediction."""
+    from sparsedecode.report.crossings import crossings_table
+
+    folders = _list(t, "records")
+    return crossings_table([root / f for f in folders]).replace(str(root) + "/", ""), (
+        "Rebuilt by `sparsedecode report results`; each row is the crossing of "
+        + ", ".join(f"`sparsedecode report {f}`" for f in folders) + ".")
+
+
+def _keep_costs_table(root: Path, t: dict) -> tuple[str, str]:
+    """Kernel cost against keep (App. D) beside the paper's A100 keep campaign."""
+    from sparsedecode.report.crossings import keep_costs_table
+
+    paper = t.get("paper")
+    return keep_costs_table(root / t["records"], root / paper if paper else None), (
+        f"Rebuilt by `sparsedecode report results` from `{t['records']}`" + (f" and `{paper}`." if paper else "."))
+
+
+def _composition_table(root: Path, t: dict) -> tuple[str, str]:
+    """Table 4: composition under ΔPPL budgets, a quality grid priced with timing campaigns."""
+    from sparsedecode.report import composition
+
+    timing = _list(t, "records")
+    if not isinstance(t.get("quality"), str):
+        raise InputError(f"table {t.get('title')!r}: 'quality' names the grid (an `eval grid` folder or grid_ppl.json)")
+    rep = composition.build(root / t["quality"], [root / f for f in timing], t.get("context"),
+                            tuple(t.get("budgets", composition.BUDGETS)))
+    return composition.markdown(rep).replace(str(root) + "/", ""), (
+        f"Rebuilt by `sparsedecode report results`: quality `{t['quality']}` (context {rep['context']}), "
+        f"timing {', '.join(f'`{f}`' for f in timing)} (the first that times a setting prices it).")
+
+
+def _list(t: dict, key: str) -> list[str]:
+    v = t.get(key)
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+        raise InputError(f"table {t.get('title')!r}: '{key}' must be a folder or a list of folders")
+    return v
+
+
 KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table,
          "serve_probe": _serve_probe_table, "step_check": _step_check_table,
-         "generate": _generate_table, "dense_steps": _dense_steps_table, "step_profile": _step_profile_table}
+         "generate": _generate_table, "dense_steps": _dense_steps_table, "step_profile": _step_profile_table,
+         "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table}
 
 
 def render(manifest: str | Path) -> str:

@@ -220,6 +220,8 @@ def _crossing(cc: CampaignCells, group: str, rows: list[dict]) -> dict | None:
     sel, why_s = _one_cell(cells, "sel")
     if not any(c.mode == "proj" for c in cells) or not any(c.mode == "sel" for c in cells):
         return None
+    if len({c.cell for c in cells if c.mode == "proj"}) > 1 or len({c.cell for c in cells if c.mode == "sel"}) > 1:
+        return None  # several keeps of a branch (a keep-ratio campaign): no one pair crosses
     out: dict = {"proj": proj, "sel": sel, "rows": [], "measured": None, "note": "",
                  "byte_crossover": None, "predicted": None}
     if proj is None or sel is None:
