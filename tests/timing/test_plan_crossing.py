@@ -88,6 +88,11 @@ def test_the_report_sets_the_committed_prediction_beside_the_measurement(tmp_pat
     assert g["crossing"]["committed"]["tokens"] == pytest.approx(49152.0, rel=1e-6)
     assert g["crossing"]["measured"]["value"] == pytest.approx(49152.0)
     assert "prediction committed before the campaign ran: 48K" in render_markdown(rep)
+    pytest.importorskip("matplotlib")
+    from sparsedecode.report.figures import fig4_advantage
+
+    drawn = fig4_advantage(rep, tmp_path / "fig4.png")  # Figure 4 marks the committed prediction too
+    assert "prediction committed before the run 48.0K" in drawn.get("labels", []), drawn
 
 
 # -- a keep the sweep lacks (App. D): its cost at 32K from the keep-ratio campaign ---------------

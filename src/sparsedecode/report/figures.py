@@ -131,6 +131,10 @@ def fig4_advantage(rep: dict, out: str | Path) -> dict:
         if p.get("tokens"):
             ax.plot([p["tokens"]], [0.0], "D", color="C1",
                     label=f"predicted crossing {p['tokens'] / 1024:.1f}K")
+        c = x.get("committed")
+        if c and c.get("tokens"):
+            ax.axvline(c["tokens"], color="C1", linestyle="--", linewidth=1,
+                       label=f"prediction committed before the run {c['tokens'] / 1024:.1f}K")
         m = x["measured"]
         if m and not math.isnan(m["value"]):
             ax.axvline(m["value"], color="C0", linewidth=1,
@@ -145,7 +149,8 @@ def fig4_advantage(rep: dict, out: str | Path) -> dict:
         ax.set_ylabel("selection advantage t_proj − t_sel (ms)")
         ax.set_title(_title(rep, f"group {g['name']}: {x['proj']} − {x['sel']}"), fontsize=9)
         ax.legend(fontsize=7)
-    return _save(plt, fig, Path(out))
+    labels = [t for ax in axes for t in ax.get_legend_handles_labels()[1]]
+    return {**_save(plt, fig, Path(out)), "labels": labels}
 
 
 def fig5_attention(rep: dict, out: str | Path) -> dict:
