@@ -16,6 +16,12 @@ reader needs (device, model, what the speedup divides) and where its numbers com
     records = ["data/bytecross/sweep_a100"]
     args = ["--select-seconds", "0.24"]
 
+Other kinds: "dense_steps", "step_profile", "serve_load", "serve_probe", "step_check",
+"generate"; and the paper's tables on our records: "crossings" (Table 2: `records` lists
+crossing campaign folders), "keep_costs" (kernel cost against keep: `records` a keep-ratio
+campaign, `paper` the paper's keep_a100) and "composition" (Table 4: `quality` a grid, `records`
+the timing campaigns that price it, optional `context` and `budgets`).
+
 Paths are relative to the manifest's folder's parent (the repository root for docs/). The
 page says, under every table, the command that rebuilds it; a test regenerates the page and
 fails when it differs from the committed one.
