@@ -1,7 +1,11 @@
-"""Passkey and multi-key retrieval of qwen2.5-coder-0.5b on CPU at 4K tokens, dense beside
-snapkv 0.2 and 0.3 and window 0.3 (ByteCross App. A 'Retrieval tests'; the README's retrieval table).
+"""Passkey, multi-key and two-turn retrieval of qwen2.5-coder-0.5b, dense beside snapkv 0.2
+and 0.3 and window 0.3 (ByteCross App. A 'Retrieval tests', App. G; Table 3): on CPU at 4K
+tokens (docs/quality.md), and on the H200 at 16K and 32K (issue 27; the results page).
 
-    PYTHONPATH=src python benchmarks/retrieval_qwen.py --out benchmarks/records/cpu/retrieval
+    PYTHONPATH=src python benchmarks/retrieval_qwen.py --out benchmarks/records/cpu/retrieval \
+        --tests passkey,multikey
+    PYTHONPATH=src python benchmarks/retrieval_qwen.py --out runs/retrieval_32k --context 32760 \
+        --device cuda --dtype bfloat16 --configs dense,snapkv0.2,snapkv0.3,window0.3
     PYTHONPATH=src python benchmarks/retrieval_qwen.py --out /tmp/smoke --model smollm2-135m \\
         --context 512 --trials 1
 
@@ -26,7 +30,7 @@ from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many
 from sparsedecode.records import stamp, write_record
 from sparsedecode.report.retrieval_table import load_retrieval_records, retrieval_table
 
-TESTS = ("passkey", "multikey")
+TESTS = ("passkey", "multikey", "two_turn")
 # name: (method, keep, selector fields beyond the observation window). snapkv0.2max pools the
 # scores with a width-7 max instead of ByteCross's average (App. A), a diagnostic of the
 # multi-key misses at 20% (is a code's digit run split by the averaging?).
@@ -44,11 +48,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tests", default=",".join(TESTS), help="which tests run, in this order")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="which configurations run")
     a = ap.parse_args()
-    a.tests = [t.strip() for t in a.tests.split(",") if t.strip()]
+    a.tests = [t.strip().replace("-", "_") for t in a.tests.split(",") if t.strip()]
     if not a.tests or set(a.tests) - set(TESTS):
         ap.error(f"--tests takes a comma list of {', '.join(TESTS)}; got {a.tests}")
-    cells = [(t, c) for t in a.tests for c in CONFIGS if not (a.out / f"{t}_{c}.json").exists()]
+    a.configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    if not a.configs or set(a.configs) - set(CONFIGS):
+        ap.error(f"--configs takes a comma list of {', '.join(CONFIGS)}; got {a.configs}")
+    cells = [(t, c) for t in a.tests for c in a.configs if not (a.out / f"{t}_{c}.json").exists()]
     if cells:
         run(a, cells)
     print(retrieval_table(load_retrieval_records(a.out)))
@@ -65,12 +73,12 @@ def run(a, cells) -> None:
             kv = CONFIGS[name]
             flags = "" if kv is None else f" --kv {kv[0]} --kv-keep {kv[1]:g}"
             flags += "".join(f" --kv-param {k}={v}" for k, v in ({} if kv is None else kv[2]).items())
-            print(f"sparsedecode eval {test} -m {a.model} --context {a.context} --trials {a.trials}{flags} "
+            print(f"sparsedecode eval {test.replace('_', '-')} -m {a.model} --context {a.context} --trials {a.trials}{flags} "
                   f"--device {a.device} --dtype {a.dtype} --out {a.out / f'{test}_{name}.json'}", flush=True)
             configs.append(SparsityConfig(kv=None if kv is None else KVConfig(kv[0], kv[1], {"window": OBS, **kv[2]})))
         t0 = time.perf_counter()
         recs = evaluate_retrieval_many(eng, test, configs, context=a.context, depths=DEPTHS, trials=a.trials,
-                                       text_path=wikitext_path("test") if test == "multikey" else None,
+                                       text_path=wikitext_path("test") if test != "passkey" else None,
                                        progress=True)
         seconds = round(time.perf_counter() - t0, 2)
         for name, rec in zip(names, recs, strict=True):
