@@ -77,3 +77,64 @@ def test_a_step_profile_table_needs_profiled_cells(tmp_path):
         render(m)
     page = (ROOT / "docs/results.md").read_text(encoding="utf-8")  # what render makes (the first test)
     assert "| 2K | short | proj50 |" in page and "sparse GEMV" in page.split("Where each step")[1]
+
+
+def _retrieval_folder(folder: Path, names: list[str], **change) -> dict[str, dict]:
+    """folder/ holding copies of the committed 4K CPU retrieval records `names`, their fields
+    replaced by `change` (e.g. context, device): what another run's folder looks like."""
+    import json
+
+    folder.mkdir(parents=True)
+    recs = {}
+    for name in names:
+        rec = json.loads((ROOT / f"benchmarks/records/cpu/retrieval/{name}.json").read_text())
+        recs[name] = {**rec, **change}
+        (folder / f"{name}.json").write_text(json.dumps(recs[name]))
+    return recs
+
+
+def test_a_retrieval_table_leads_each_row_with_its_context_device_and_dtype(tmp_path):
+    import json
+
+    _retrieval_folder(tmp_path / "r4k", ["passkey_dense", "passkey_snapkv0.2", "passkey_window0.3"])
+    gpu = _retrieval_folder(tmp_path / "r32k", ["passkey_dense", "passkey_snapkv0.2"], context=32760,
+                            device="cuda:0", dtype="bfloat16", env={"gpu": "NVIDIA H200"})
+    sel = gpu["passkey_snapkv0.2"]  # one placement lost: 9/10, no longer matching dense
+    sel["placements"][0]["configured"]["verdict"] = "miss"
+    sel["configured"] = {**sel["configured"], "correct": 9, "miss": 1}
+    sel["matches_dense"] = False
+    (tmp_path / "r32k/passkey_snapkv0.2.json").write_text(json.dumps(sel))
+    two = {**sel, "test": "two_turn", "config": {**sel["config"], "variant": "kept"}}
+    (tmp_path / "r32k/two_turn_snapkv0.2.json").write_text(json.dumps(two))
+    m = _manifest(tmp_path, '[[table]]\ntitle = "T3"\nconditions = "c"\nkind = "retrieval"\n'
+                  'records = ["r4k", "r32k"]\n')
+    page = render(m)
+    rows = [r for r in page.splitlines() if r.startswith("| 4,096 |") or r.startswith("| 32,760 |")]
+    assert [r.split(" | ")[:5] for r in rows] == [
+        ["| 4,096", "CPU", "float32", "passkey", "dense"], ["| 4,096", "CPU", "float32", "passkey", "snapkv 0.2"],
+        ["| 4,096", "CPU", "float32", "passkey", "window 0.3"], ["| 32,760", "H200", "bfloat16", "passkey", "dense"],
+        ["| 32,760", "H200", "bfloat16", "passkey", "snapkv 0.2"], ["| 32,760", "H200", "bfloat16", "two_turn", "dense"],
+        ["| 32,760", "H200", "bfloat16", "two_turn", "snapkv 0.2 (kept)"]]
+    assert "| snapkv 0.2 | 2/2 | 2/2 | 2/2 | 2/2 | 2/2 | 10/10 | 0 | 0 | yes |" in rows[1]
+    assert "| window 0.3 | 0/2 | 0/2 | 0/2 | 2/2 | 2/2 | 4/10 | 0 | 6 | no | 4/10 |" in rows[2]
+    assert "| snapkv 0.2 | 1/2 | 2/2 | 2/2 | 2/2 | 2/2 | 9/10 | 0 | 1 | no |" in rows[4]
+    assert rows[5].endswith("| 10/10 | 0 | 0 | | | |"), "a test's dense row is the dense half of its records"
+    assert "`r4k`, `r32k`" in page and str(tmp_path) not in page
+
+
+def test_a_retrieval_table_names_a_missing_or_empty_folder(tmp_path):
+    m = _manifest(tmp_path, '[[table]]\ntitle = "T3"\nconditions = "c"\nkind = "retrieval"\nrecords = "runs/r16k"\n')
+    with pytest.raises(InputError, match="runs/r16k: no such folder"):
+        render(m)
+    (tmp_path / "runs/r16k").mkdir(parents=True)
+    (tmp_path / "runs/r16k/ppl.json").write_text('{"kind": "ppl_eval"}')
+    with pytest.raises(InputError, match="runs/r16k: no retrieval_eval records"):
+        render(m)
+
+
+def test_a_retrieval_table_is_one_models(tmp_path):
+    _retrieval_folder(tmp_path / "a", ["passkey_dense"])
+    _retrieval_folder(tmp_path / "b", ["passkey_dense"], model={"name": "smollm2-135m"}, context=512)
+    m = _manifest(tmp_path, '[[table]]\ntitle = "T3"\nconditions = "c"\nkind = "retrieval"\nrecords = ["a", "b"]\n')
+    with pytest.raises(InputError, match="qwen2.5-coder-0.5b, smollm2-135m; a retrieval table is one model's"):
+        render(m)

@@ -19,8 +19,18 @@ reader needs (device, model, what the speedup divides) and where its numbers com
 Other kinds: "dense_steps", "step_profile", "serve_load", "serve_probe", "step_check",
 "generate"; and the paper's tables on our records: "crossings" (Table 2: `records` lists
 crossing campaign folders), "keep_costs" (kernel cost against keep: `records` a keep-ratio
-campaign, `paper` the paper's keep_a100) and "composition" (Table 4: `quality` a grid, `records`
-the timing campaigns that price it, optional `context` and `budgets`).
+campaign, `paper` the paper's keep_a100), "composition" (Table 4: `quality` a grid, `records`
+the timing campaigns that price it, optional `context` and `budgets`) and "retrieval" (Table 3:
+`records` a folder or a list of folders of one model's `retrieval_eval` records, from
+`sparsedecode eval passkey|multikey|two-turn --out`, typically one run at one context on one
+device each; one row per test and configuration led by its context, device and dtype, so a
+4K CPU run and 16K/32K H200 runs share one table):
+
+    [[table]]
+    title = "Long-context retrieval (Table 3), qwen2.5-coder-0.5b"
+    conditions = "5 depths x 2 trials; dense beside SnapKV and the window at the same keep"
+    kind = "retrieval"
+    records = ["benchmarks/records/cpu/retrieval"]
 
 Paths are relative to the manifest's folder's parent (the repository root for docs/). The
 page says, under every table, the command that rebuilds it; a test regenerates the page and
@@ -250,6 +260,22 @@ def _composition_table(root: Path, t: dict) -> tuple[str, str]:
         f"timing {', '.join(f'`{f}`' for f in timing)} (the first that times a setting prices it).")
 
 
+def _retrieval_table(root: Path, t: dict) -> tuple[str, str]:
+    """Table 3 on our records: passkey, multi-key and two-turn retrieval, one model's folders of
+    `retrieval_eval` records, rows led by each record's context, device and dtype."""
+    from sparsedecode.report.retrieval_table import load_retrieval_records, retrieval_table
+
+    folders = _list(t, "records")
+    records = [r for f in folders for r in load_retrieval_records(root / f)]
+    models = sorted({r["model"]["name"] for r in records})
+    if len(models) > 1:
+        raise InputError(f"table {t.get('title')!r}: records of {', '.join(models)}; a retrieval table is "
+                         "one model's (give each model its own table)")
+    return retrieval_table(records, settings=True), (
+        "Rebuilt by `sparsedecode report results` from the records of `sparsedecode eval "
+        "passkey|multikey|two-turn --out` in " + ", ".join(f"`{f}`" for f in folders) + ".")
+
+
 def _list(t: dict, key: str) -> list[str]:
     v = t.get(key)
     if isinstance(v, str):
@@ -262,7 +288,8 @@ def _list(t: dict, key: str) -> list[str]:
 KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load": _serve_load_table,
          "serve_probe": _serve_probe_table, "step_check": _step_check_table,
          "generate": _generate_table, "dense_steps": _dense_steps_table, "step_profile": _step_profile_table,
-         "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table}
+         "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table,
+         "retrieval": _retrieval_table}
 
 
 def render(manifest: str | Path) -> str:
