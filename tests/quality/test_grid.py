@@ -14,6 +14,7 @@ import torch
 
 import sparsedecode
 import sparsedecode.projection.calibrate as calibrate
+import sparsedecode.quality.grid as grid_module
 import sparsedecode.quality.perplexity as perplexity
 from sparsedecode.cli import main
 from sparsedecode.cli.eval import ppl as ppl_command
@@ -231,6 +232,22 @@ def test_grid_refuses_records_made_with_other_options(capsys, monkeypatch, model
     code, _, err = _cli(capsys, *base, *SHORT)
     assert code == 2 and "stray.json was made with text.tokens = 2999, this grid runs text.tokens = 3000" in err
     assert len(fake.calls) == 4  # nothing was scored by any refused run
+
+
+def test_reclaim_reaches_run_grid(capsys, monkeypatch, model, text, tmp_path):
+    """--reclaim is how a user takes over claims of a worker on another host that died
+    (several workers on one folder: tests/quality/test_grid_claims.py)."""
+    seen = []
+
+    def run_grid(*args, **kw):
+        seen.append(kw["reclaim"])
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(grid_module, "run_grid", run_grid)
+    for extra in ((), ("--reclaim",)):
+        with pytest.raises(RuntimeError, match="stop"):
+            _cli(capsys, "--kv-keeps", "", "--text-file", text, "--out", str(tmp_path / "g"), *SHORT, *extra)
+    assert seen == [False, True]
 
 
 def test_bad_options_fail_before_loading(capsys, monkeypatch, tmp_path):

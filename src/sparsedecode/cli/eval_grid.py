@@ -8,7 +8,9 @@ App. H and the admissibility verdict of §5.1 and §5.3 (issue 7).
         --multikey mk.json --budget 0.5
 
 `eval grid` scores dense once (DIR/dense.json), then every other setting beside it, one
-'ppl_eval' record each (quality/grid.py); a rerun resumes. `eval admit` reads a ppl_eval
+'ppl_eval' record each (quality/grid.py); a rerun resumes, and the same command started
+several times at once shares the settings out (claims in DIR/.claims; --reclaim when a
+worker on another host died holding one). `eval admit` reads a ppl_eval
 record and the passkey and multi-key 'retrieval_eval' records of one configuration and
 says whether it is admissible (quality/admit.py); its exit status is 0 when it is, 3 when
 it is not, 2 on bad input.
@@ -33,6 +35,7 @@ def grid(
     proj_keeps: Annotated[str, typer.Option("--proj-keeps", help="Projection keeps, comma-separated (uniform TEAL, calibrated once and cached); 1 is the branch off.")] = "0.7,0.6,0.5",
     kv_keeps: Annotated[str, typer.Option("--kv-keeps", help="KV keeps, comma-separated; 1 is the branch off, '' a projection-only grid.")] = "0.5,0.3,0.2",
     kv: Annotated[str, typer.Option("--kv", help="KV branch: snapkv (the paper's grid) or window.")] = "snapkv",
+    reclaim: Annotated[bool, typer.Option("--reclaim", help="Take over every claim already in DIR/.claims (a setting another process said it was scoring): for a worker on another host that died. Claims of this host's dead processes are taken over without it.")] = False,
     model: ev.ModelOpt = "smollm2-135m",
     protocol: ev.ProtocolOpt = "decode",
     chunks: ev.ChunksOpt = 128,
@@ -91,7 +94,7 @@ def grid(
                        dense=shared, **run)
 
     recs, done_now = g.run_grid(folder, grid_settings, want, score_dense, score, obs=obs,
-                                progress=not json_out)
+                                progress=not json_out, reclaim=reclaim)
     rows = [g.row(r, s.name) for s, r in zip(grid_settings, recs, strict=True)]
     p = recs[0]["protocol_params"]
     what = (f"{p['chunks']} chunks of {p['chunk']:,} tokens" if protocol == "chunked" else

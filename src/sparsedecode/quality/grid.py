@@ -17,19 +17,29 @@ device type or bootstrap, or a record whose configuration is not the setting its
 says (another KV observation window), is refused with the field that differs, so a
 folder never mixes runs that cannot be compared.
 
-This module holds the settings, those checks, the loop over settings (`run_grid`, given
+One batch-1 decode step leaves a GPU mostly idle, so several processes may work on one
+folder at once (the same command started N times, on one GPU or on hosts sharing the
+filesystem): each claims a setting before scoring it (`DIR/.claims/<record>.claim`,
+created atomically, deleted when the record is written or the process fails), skips the
+settings others hold, and waits for them at the end; dense is scored first, by one process.
+
+This module holds the settings, those checks, the claims, the loop over settings (`run_grid`, given
 the functions that score dense and one setting) and the table; `sparsedecode eval grid`
 (cli/eval_grid.py) supplies the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from sparsedecode.account.units import check_keep
@@ -172,6 +182,129 @@ def check_folder(folder: str | os.PathLike, want: dict) -> None:
             check_identity(rec, want, str(p))
 
 
+# -- claims: several processes on one folder -------------------------------------------
+CLAIMS = ".claims"
+
+
+def _holder(path: Path) -> dict | None:
+    """The claim at `path` ({host, pid, started}); {} while it is being written or cannot be
+    read, None when there is none."""
+    try:
+        h = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return h if isinstance(h, dict) else {}
+
+
+def _alive(h: dict) -> bool:
+    """False only for a claim made on this host by a pid that no longer runs: another host's
+    processes cannot be seen from here, so their claims always count as live."""
+    if h.get("host") != platform.node() or not isinstance(h.get("pid"), int):
+        return True
+    try:
+        os.kill(h["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _who(h: dict) -> str:
+    return f"pid {h.get('pid')} on {h.get('host')} since {h.get('started')}"
+
+
+@dataclass
+class Claims:
+    """The settings of one grid folder that processes are scoring now (App. H's 16 settings
+    shared by N workers): `DIR/.claims/<record file>.claim`, created with O_EXCL so exactly
+    one process gets it, holding its host, pid and start time, and deleted by its holder once
+    the record is written or the scoring fails. A claim made on this host by a pid that no
+    longer runs is taken over; with `reclaim`, so is every claim present at the start (the
+    way out when a worker on another host died)."""
+
+    dir: Path
+    reclaim: bool = False
+    say: Callable[[str], None] = print
+    mine: dict[str, dict] = field(default_factory=dict, init=False)
+    found: dict[str, dict | None] = field(default_factory=dict, init=False)
+
+    def __post_init__(self):
+        if self.reclaim and self.dir.is_dir():
+            self.found = {p.name: _holder(p) for p in self.dir.glob("*.claim")}
+            for p in self.dir.glob("*.claim.*"):  # left by a process killed while taking over
+                p.unlink(missing_ok=True)
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}.claim"
+
+    def holder(self, name: str) -> dict | None:
+        return _holder(self.path(name))
+
+    def take(self, name: str) -> bool:
+        """Claim record file `name`; False while another live process holds it."""
+        path = self.path(name)
+        while True:
+            me = {"host": platform.node(), "pid": os.getpid(),
+                  "started": datetime.now(timezone.utc).isoformat(timespec="microseconds")}
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileNotFoundError:  # no .claims yet, or a finishing process removed it
+                self.dir.mkdir(exist_ok=True)
+                continue
+            except FileExistsError:
+                h = self.holder(name)
+                if h is None:  # released meanwhile
+                    continue
+                why = ("that process is no longer running" if not _alive(h) else
+                       "--reclaim" if self.reclaim and self.found.get(path.name) == h else None)
+                if why is None:
+                    return False
+                if self._remove(path, h):
+                    self.say(f"taking over {path} ({_who(h)}): {why}")
+                continue
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            self.mine[name] = me
+            return True
+
+    def _remove(self, path: Path, h: dict) -> bool:
+        """Delete the claim `h` at `path`. Of several processes taking over one claim, only
+        the one that hard-links it to a name made from its content (`os.link` refuses a name
+        that exists) deletes it, and only when the link shows `h`, not a newer claim."""
+        digest = hashlib.sha1(json.dumps(h, sort_keys=True).encode()).hexdigest()[:12]
+        tomb = path.with_name(f"{path.name}.{digest}")
+        try:
+            os.link(path, tomb)
+        except (FileNotFoundError, FileExistsError):  # gone, or being taken over right now
+            return False
+        try:
+            if _holder(tomb) != h:
+                return False
+            path.unlink()
+            return True
+        finally:
+            tomb.unlink()
+
+    def release(self, name: str) -> None:
+        """Delete this process's claim of `name`, unless another process has taken it over."""
+        me = self.mine.pop(name, None)
+        path = self.path(name)
+        if me is not None and _holder(path) == me:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Remove `.claims` once no claim is left in it."""
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()
+
+
 # -- the loop ------------------------------------------------------------------------
 def _write(path: Path, rec: dict) -> dict:
     from sparsedecode.records import stamp, write_record
@@ -181,58 +314,107 @@ def _write(path: Path, rec: dict) -> dict:
     return rec
 
 
+def _read(path: Path, s: Setting, want: dict, obs: int) -> dict:
+    """The finished record of setting `s`, refused unless it belongs to this grid."""
+    from sparsedecode.records import read_record
+
+    rec = read_record(path)
+    check_identity(rec, want, str(path))
+    check_config(rec, s, obs, str(path))
+    return rec
+
+
 def run_grid(folder: str | os.PathLike, grid: list[Setting], want: dict,
              score_dense: Callable[[], dict],
              score: Callable[[Setting, dict], dict], *, obs: int,
-             progress: bool = False) -> tuple[list[dict], list[str]]:
+             progress: bool = False, reclaim: bool = False, poll: float = 5.0,
+             timeout: float | None = None) -> tuple[list[dict], list[str]]:
     """Records of every setting of `grid` in `folder`, scoring only the missing ones.
 
     score_dense() returns the dense setting's 'ppl_eval' record; score(setting, dense) one
     setting's record given the dense record's `dense` entry (per-window NLLs) to pair with.
     Each new record gets its wall time (`seconds`), is stamped and written atomically before
     the next setting starts. `want` holds the identity fields (see `identity`) every record
-    must share; `obs` is the KV observation window of the settings. Returns the records in
-    grid order and the names of the settings scored now.
-    """
-    from sparsedecode.records import read_record
+    must share; `obs` is the KV observation window of the settings.
 
+    Several processes may run this on one folder at once (App. H's grid split over workers):
+    each claims a setting (`Claims`) before scoring it and skips the settings others hold;
+    dense comes first, since every other setting pairs with it. Once nothing is left to
+    claim, the settings others hold are polled for every `poll` seconds, and taken over if
+    their claim is released without a record or goes stale; `reclaim` takes over the claims
+    present at the start. After `timeout` seconds of waiting (None: no limit) TimeoutError.
+    Returns the records in grid order and the names of the settings this process scored.
+    """
     folder = Path(folder)
     check_folder(folder, want)
     if not grid or grid[0].name != "dense":
         raise InputError("a grid starts with its dense setting")
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / (DENSE_FILE if s.name == "dense" else s.file) for s in grid]
-    have = {}  # every finished setting is checked before anything is scored
-    for s, path in zip(grid, paths, strict=True):
-        if path.exists():
-            have[s] = read_record(path)
-            check_config(have[s], s, obs, str(path))
+    paths = {s: folder / (DENSE_FILE if s.name == "dense" else s.file) for s in grid}
+    # every finished setting is checked before anything is scored
+    have = {s: _read(p, s, want, obs) for s, p in paths.items() if p.exists()}
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(grid), desc="grid", unit="setting", file=sys.stderr)
-    recs, scored = [], []
-    try:
-        for s, path in zip(grid, paths, strict=True):
+        bar = tqdm(total=len(grid), initial=len(have), desc="grid", unit="setting", file=sys.stderr)
+    say = (lambda m: bar.write(m, file=sys.stderr)) if bar is not None else (lambda m: print(m, file=sys.stderr))
+    claims = Claims(folder / CLAIMS, reclaim, say)
+    scored: list[str] = []
+
+    def done(s: Setting) -> bool:
+        """Whether `s` has its record now, scoring it when no other process holds it."""
+        path = paths[s]
+        try:  # released in any case: an interrupted process leaves no claim behind
+            if not path.exists() and not claims.take(path.name):
+                return False
+            if path.exists():  # finished by another process before this one could claim it
+                have[s] = _read(path, s, want, obs)
+                return True
             if bar is not None:
                 bar.set_postfix_str(s.name)
-            rec = have.get(s)
-            if rec is None:
-                t0 = time.perf_counter()
-                rec = score_dense() if s.name == "dense" else score(s, recs[0]["dense"])
-                if recs and rec["configured"]["starts"] != recs[0]["dense"]["starts"]:
-                    raise InputError(f"setting {s.name} was scored on other windows than {DENSE_FILE}")
-                rec["seconds"] = round(time.perf_counter() - t0, 2)
-                rec = _write(path, rec)
-                scored.append(s.name)
-            recs.append(rec)
+            t0 = time.perf_counter()
+            rec = score_dense() if s.name == "dense" else score(s, have[grid[0]]["dense"])
+            if s.name != "dense" and rec["configured"]["starts"] != have[grid[0]]["dense"]["starts"]:
+                raise InputError(f"setting {s.name} was scored on other windows than {DENSE_FILE}")
+            rec["seconds"] = round(time.perf_counter() - t0, 2)
+            have[s] = _write(path, rec)
+            scored.append(s.name)
+            return True
+        finally:
+            claims.release(path.name)
+
+    noted: set[tuple[str, str]] = set()
+    waited = 0.0
+    try:
+        while True:
+            for s in grid:
+                if s not in have and not done(s) and s is grid[0]:
+                    break  # every other setting pairs with dense: wait for it
+                if bar is not None:
+                    bar.update(len(have) - bar.n)
+            todo = [s for s in grid if s not in have]
+            if not todo:
+                break
+            held = {s.name: (claims.path(paths[s].name), claims.holder(paths[s].name)) for s in todo}
+            for name, (path, h) in held.items():
+                if h and (name, str(h)) not in noted:
+                    noted.add((name, str(h)))
+                    say(f"waiting for {name}: {path} says {_who(h)} is scoring it (if that process "
+                        "is gone, stop this one and rerun with --reclaim)")
+            if timeout is not None and waited >= timeout:
+                raise TimeoutError(f"waited {waited:.0f} s for {', '.join(held)}, claimed in "
+                                   f"{', '.join(str(p) for p, _ in held.values())}; if those processes "
+                                   "are gone, rerun with --reclaim")
             if bar is not None:
-                bar.update(1)
+                bar.set_postfix_str(f"waiting for {todo[0].name}")
+            time.sleep(poll)
+            waited += poll
     finally:
         if bar is not None:
             bar.close()
-    return recs, scored
+        claims.close()
+    return [have[s] for s in grid], scored
 
 
 # -- the table -------------------------------------------------------------------------
@@ -298,7 +480,7 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 __all__ = [
-    "DENSE_FILE", "IDENTITY", "Setting", "check_config", "check_folder", "check_identity",
+    "CLAIMS", "DENSE_FILE", "IDENTITY", "Claims", "Setting", "check_config", "check_folder", "check_identity",
     "expected_config", "identity", "markdown", "parse_keeps", "row", "run_grid", "settings",
     "text_table", "write_text",
 ]
