@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -428,6 +432,67 @@ def test_e2e_failures_are_recorded_then_kept_in_failed(e2e):
     c = e2e["cells"][5]
     assert (kept[broken]["cell"], kept[broken]["block"], kept[broken]["context"]) == (c.cell, c.block, c.context)
     assert "Traceback" in kept[broken]["traceback"]
+
+
+def _cell_pids(out: Path) -> list[int]:
+    """Live `bench cell` processes writing into `out` whose record is not written yet (Linux /proc)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = [a.decode() for a in cmdline.read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if "cell" in argv and "--out" in argv[:-1]:
+            record = Path(argv[argv.index("--out") + 1])
+            if str(out) in str(record) and not record.exists():
+                pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat_ = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat_.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads processes from /proc")
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_sigterm_stops_a_background_campaign_and_its_cell(tiny, tmp_path, executor):
+    """A campaign started as a background job (SIGINT ignored, as `cmd &` in a script leaves it)
+    and ended by SIGTERM (a lease or a scheduler's end): it stops its running cell, which leaves
+    no record and no process, says it was interrupted (exit 130), and a resume finishes the rest.
+    On Ray too, whose own SIGTERM handler would exit and leave the cell running."""
+    if executor == "ray":
+        pytest.importorskip("ray")
+    spec = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+
+    def as_background_job():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-m", "sparsedecode", "campaign", "run", str(spec), "--out", str(out),
+                             "--executor", executor, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=as_background_job,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
+    running, deadline = [], time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = list((out / "cells").rglob("*.json")) if (out / "cells").exists() else []
+        running = _cell_pids(out)
+        if done and running:
+            break
+        time.sleep(0.05)
+    assert done and running, "no cell was running after the first record"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    summary = json.loads(stdout)
+    assert summary["interrupted"] and summary["ok"] >= 1 and summary["pending"] >= 1 and summary["failed"] == 0
+    assert not [p for p in running if _alive(p)], "a cell process outlived its campaign"
+    assert len(list((out / "cells").rglob("*.json"))) == summary["ok"]  # the stopped cell left no record
+    again = run_campaign(spec, out, progress=False, echo=lambda line: None)
+    assert (again.skipped, again.ok + again.skipped, again.failed, again.interrupted) == (summary["ok"], 8, 0, False)
 
 
 # -- the Ray executor on a local Ray --------------------------------------------------------

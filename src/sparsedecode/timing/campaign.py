@@ -30,8 +30,12 @@ that much wall time (a device lease that ends), leaving the rest pending.
 Resume: a cell whose record says 'ok' is skipped; a 'failed' record is moved to
 DIR/failed/ (kept, never deleted) and its cell runs again; a cell that fails
 gets a 'failed' record and the campaign goes on. Ctrl-C stops the running cell
-without a record, so it runs again on resume. DIR/spec.toml keeps a copy of the
-spec, and a different spec is refused in an existing DIR.
+without a record, so it runs again on resume. SIGTERM does the same: a batch
+scheduler ending a job, a lease running out, or `kill` on a campaign started in
+the background (where the shell has SIGINT ignored, so Ctrl-C semantics cannot
+reach it) stops the running cells and leaves no cell process behind on the GPU.
+DIR/spec.toml keeps a copy of the spec, and a different spec is refused in an
+existing DIR.
 """
 
 from __future__ import annotations
@@ -283,13 +287,18 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
         summary.pending = len(todo) - max_cells
         todo = todo[:max_cells]
     stop_at = None if stop_after is None else time.monotonic() + stop_after
-    if executor == "local":
-        if todo and spec.device.startswith("cuda"):
-            _measure_ceiling(spec, folder, python, echo or print)
-        _run_local(spec, folder, todo, summary, python=python, progress=progress, echo=echo, gpus=gpus,
-                   stop_at=stop_at)
-    else:
-        _run_ray(spec, folder, todo, summary, python=python, progress=progress, echo=echo)
+    with _TermAsInterrupt():
+        if executor == "local":
+            if todo and spec.device.startswith("cuda"):
+                try:
+                    _measure_ceiling(spec, folder, python, echo or print)
+                except KeyboardInterrupt:  # stopped before any cell: every one stays pending
+                    summary.interrupted, summary.pending = True, summary.pending + len(todo)
+                    return summary
+            _run_local(spec, folder, todo, summary, python=python, progress=progress, echo=echo, gpus=gpus,
+                       stop_at=stop_at)
+        else:
+            _run_ray(spec, folder, todo, summary, python=python, progress=progress, echo=echo)
     return summary
 
 
@@ -318,7 +327,11 @@ def _launch(argv: list[str], log: Path, env: dict | None = None, running: set | 
         if running is not None:
             running.add(proc)
         try:
-            return proc.wait()
+            while True:  # short waits: Ray's cancel raises in the task's thread between bytecodes
+                try:
+                    return proc.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    continue
         except BaseException:
             _stop(proc)
             raise
@@ -328,13 +341,39 @@ def _launch(argv: list[str], log: Path, env: dict | None = None, running: set | 
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # no-op for a child that already stopped
+    """Stop a cell process: SIGINT (what Ctrl-C gave it already), then SIGTERM, then SIGKILL;
+    it leaves no record. A campaign started as a background job has SIGINT ignored, and so has
+    its child: it gets SIGTERM at once."""
+    first = () if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else ((signal.SIGINT, 2.0),)  # inherited
+    for sig, grace in (*first, (signal.SIGTERM, 8.0), (signal.SIGKILL, None)):
+        if proc.poll() is not None:
+            return
+        proc.send_signal(sig)
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            continue
+
+
+class _TermAsInterrupt:
+    """While a campaign runs, SIGTERM raises KeyboardInterrupt in the main thread, so it stops
+    the campaign as Ctrl-C does (the running cells stopped, no record, the summary says
+    interrupted). Outside the main thread signals cannot be set, and this does nothing."""
+
+    def __enter__(self):
+        self.old = None
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+        return False
 
 
 def _log_path(folder: Path, cell: CellSpec) -> Path:
@@ -442,10 +481,25 @@ def _run_ray(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, pyth
         import ray
     except ModuleNotFoundError:
         raise InputError("the ray executor needs Ray: pip install 'ray[default]', or use --executor local") from None
+    if not ray.is_initialized():
+        # A local Ray's processes are this process's children. Ray cancels a running task with
+        # SIGINT, so they must not inherit an ignored SIGINT (a campaign run as a background job).
+        ignored = (threading.current_thread() is threading.main_thread()
+                   and signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+        if ignored:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            ray.init()  # RAY_ADDRESS (e.g. ray://head:10001) joins an existing cluster, else a local one
+        finally:
+            if ignored:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with _TermAsInterrupt():  # ray.init installs its own SIGTERM handler, which would just exit
+        _ray_cells(ray, spec, folder, todo, summary, python=python, progress=progress, echo=echo)
+
+
+def _ray_cells(ray, spec, folder: Path, todo: list[CellSpec], summary: Summary, *, python, progress, echo):
     from tqdm.auto import tqdm
 
-    if not ray.is_initialized():
-        ray.init()  # RAY_ADDRESS (e.g. ray://head:10001) joins an existing cluster, else a local one
     gpus = 0 if spec.device == "cpu" else 1
     if spec.device == "auto" and not ray.cluster_resources().get("GPU"):
         gpus = 0
@@ -463,14 +517,20 @@ def _run_ray(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, pyth
         refs[task.remote(cell_argv(cell, record_path(folder, cell), python), str(log))] = cell
     try:
         while refs:
-            done, _ = ray.wait(list(refs), num_returns=1)
+            done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)  # short: signals run between waits
+            if not done:
+                continue
             cell = refs.pop(done[0])
             rc = ray.get(done[0])
             _tally(summary, cell, _settle(folder, cell, rc, starts[cell.order]), echo)
             bar.update()
     except KeyboardInterrupt:
+        # Not force=True: that ends a worker at once and orphans the cell process it launched,
+        # which would run on (on the GPU) after the campaign says it stopped. Without force a
+        # running task gets KeyboardInterrupt, and `_launch` stops its cell before it returns.
         for ref in refs:
-            ray.cancel(ref, force=True)
+            ray.cancel(ref)
+        ray.wait(list(refs), num_returns=len(refs), timeout=30)
         summary.interrupted = True
         summary.pending += len(refs)
     finally:
