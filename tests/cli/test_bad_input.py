@@ -107,6 +107,12 @@ CASES = [
     ("campaign run {t}/cpu.toml --out {t}/run --max-cells -1", 2, "--max-cells"),
     ("campaign run {t}/cpu.toml --out {t}/run --executor foo", 2, "foo"),
     ("campaign run {t}/cpu.toml --out {t}/exists.safetensors", 2, "--out"),
+    ("campaign run {t}/cpu.toml --out {t}/run --stop-after 0", 2, "--stop-after must be > 0"),
+    ("campaign run {t}/cpu.toml", 2, "--out-root"),
+    ("campaign run {t}/cpu.toml --out {t}/a --out-root {t}/b", 2, "--out-root"),
+    ("campaign run {t}/cpu.toml {t}/cpu.toml --out {t}/run", 2, "use --out-root"),
+    ("campaign run {t}/cpu.toml {t}/cpu.toml --out-root {t}/runs", 2, "share the name"),
+    ("campaign run {t}/cpu.toml {t}/none.toml --out-root {t}/runs", 2, "none.toml"),
     ("campaign status {t}/no_campaign", 2, "no_campaign"),
     # bench cell
     ("bench cell --model smollm2-135m --mode foo --context 256 --out {t}/c1.json", 2, "mode 'foo'"),

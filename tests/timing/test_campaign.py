@@ -422,6 +422,31 @@ def test_e2e_resume_leaves_finished_records_untouched(e2e):
     assert (r3.ok, r3.failed, r3.skipped, r3.retried) == (2, 0, 6, 2)
 
 
+def test_several_specs_run_as_one_chain_into_out_root(tiny, tmp_path):
+    """`campaign run A B --out-root DIR`: each spec into DIR/NAME, one after another, with
+    --max-cells counted over the chain (a spec the budget does not reach is 'not started'),
+    and a rerun of the chain resumes both folders."""
+    one = '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense", "sel0.5"]\n'
+    a = tmp_path / "a.toml"
+    b = tmp_path / "b.toml"
+    a.write_text(toml(tiny, 'name = "chain_a"\nblocks = 1', one))
+    b.write_text(toml(tiny, 'name = "chain_b"\nblocks = 1', one))
+    root = tmp_path / "runs"
+    cmd = ["campaign", "run", str(a), str(b), "--out-root", str(root), "--json"]
+    first = CliRunner().invoke(app, [*cmd, "--max-cells", "1"])
+    assert first.exit_code == 0, first.output
+    rows = json.loads(first.stdout)["campaigns"]
+    assert [(r["folder"], r["started"]) for r in rows] == [(str(root / "chain_a"), True), (str(root / "chain_b"), False)]
+    assert (rows[0]["ok"], rows[0]["pending"]) == (1, 1)
+    second = CliRunner().invoke(app, cmd)
+    assert second.exit_code == 0, second.output
+    rows = json.loads(second.stdout)["campaigns"]
+    assert [(r["ok"], r["skipped"], r["failed"]) for r in rows] == [(1, 1, 0), (2, 0, 0)]
+    for name in ("chain_a", "chain_b"):
+        assert sorted(p.name for p in (root / name / "cells" / "g").glob("*.json")) == ["dense_64_b0.json",
+                                                                                    "sel50_64_b0.json"]
+
+
 def test_e2e_failures_are_recorded_then_kept_in_failed(e2e):
     out = e2e["out"]
     kept = {p.name.split(".")[0]: json.loads(p.read_text()) for p in (out / "failed").rglob("*.json")}
@@ -459,14 +484,18 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads processes from /proc")
 @pytest.mark.parametrize("executor", ["local", "ray"])
-def test_sigterm_stops_a_background_campaign_and_its_cell(tiny, tmp_path, executor):
+def test_sigterm_stops_a_background_campaign_and_its_cell(tmp_path, executor):
     """A campaign started as a background job (SIGINT ignored, as `cmd &` in a script leaves it)
     and ended by SIGTERM (a lease or a scheduler's end): it stops its running cell, which leaves
     no record and no process, says it was interrupted (exit 130), and a resume finishes the rest.
     On Ray too, whose own SIGTERM handler would exit and leave the cell running."""
     if executor == "ray":
         pytest.importorskip("ray")
-    spec = write_spec(tmp_path, toml(tiny))
+    slow = tmp_path / "slow" / "config.json"  # 32 layers, 302 steps: a cell long enough to be caught running
+    slow.parent.mkdir()
+    slow.write_text(json.dumps({**TINY, "num_hidden_layers": 32, "max_position_embeddings": 2048}))
+    spec = write_spec(tmp_path, toml(str(slow), "steps = 150\nblocks = 1",
+                                     '[[grid]]\ngroup = "sweep"\ncontexts = [704, 768]\nmodes = ["dense", "sel0.5"]\n'))
     out = tmp_path / "run"
 
     def as_background_job():
@@ -492,7 +521,7 @@ def test_sigterm_stops_a_background_campaign_and_its_cell(tiny, tmp_path, execut
     assert not [p for p in running if _alive(p)], "a cell process outlived its campaign"
     assert len(list((out / "cells").rglob("*.json"))) == summary["ok"]  # the stopped cell left no record
     again = run_campaign(spec, out, progress=False, echo=lambda line: None)
-    assert (again.skipped, again.ok + again.skipped, again.failed, again.interrupted) == (summary["ok"], 8, 0, False)
+    assert (again.skipped, again.ok + again.skipped, again.failed, again.interrupted) == (summary["ok"], 4, 0, False)
 
 
 # -- the Ray executor on a local Ray --------------------------------------------------------

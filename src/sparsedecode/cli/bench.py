@@ -204,30 +204,76 @@ def campaign_plan_crossing(
 
 @campaign_app.command("run")
 def campaign_run(
-    spec: Annotated[str, typer.Argument(help="Campaign spec (TOML).")],
-    out: Annotated[str, typer.Option("--out", "-o", help="Campaign folder: spec.toml, cells/, failed/, logs/.")],
+    specs: Annotated[list[str], typer.Argument(help="Campaign spec (TOML); several run one after another (with --out-root).")],
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
+    out_root: Annotated[str | None, typer.Option("--out-root", help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
     executor: Annotated[str, typer.Option("--executor", help="local (one process after another) or ray.")] = "local",
-    max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop.")] = None,
+    max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop (over all the specs).")] = None,
     gpus: Annotated[str | None, typer.Option("--gpus", help="Local executor on several GPUs: ids like 0,1; block b runs whole on GPU b mod their count.")] = None,
-    stop_after: Annotated[float | None, typer.Option("--stop-after", help="Start no cell after this many seconds (the rest stays pending for a resume).")] = None,
+    stop_after: Annotated[float | None, typer.Option("--stop-after", help="Start no cell after this many seconds (over all the specs; the rest stays pending for a resume).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run every pending cell of a campaign; finished cells are skipped, failed ones retried."""
-    from sparsedecode.cli.common import check_out_dir
-    from sparsedecode.timing.campaign import run_campaign
+    """Run every pending cell of a campaign; finished cells are skipped, failed ones retried.
+    Several specs with --out-root run as one chain (a device lease, a batch job): Ctrl-C or
+    SIGTERM stops the chain, a failed cell does not."""
+    import time
 
-    check_out_dir(out, "--out")
-    summary = run_campaign(spec, out, executor=executor, max_cells=max_cells, progress=not json_out,
-                           echo=(lambda line: None) if json_out else None,
-                           gpus=gpus.split(",") if gpus is not None else None, stop_after=stop_after)
+    from sparsedecode.cli.common import check_out_dir
+    from sparsedecode.timing.campaign import load_spec, run_campaign
+
+    if stop_after is not None and stop_after <= 0:
+        raise InputError(f"--stop-after must be > 0 seconds, got {stop_after:g}")
+    folders = _campaign_folders(specs, out, out_root, load_spec)
+    for f in folders:
+        check_out_dir(str(f), "--out" if out is not None else "--out-root")
+    start, done = time.monotonic(), 0
+    rows = []
+    for i, (spec, folder) in enumerate(zip(specs, folders, strict=True)):
+        left = None if stop_after is None else stop_after - (time.monotonic() - start)
+        cells = None if max_cells is None else max_cells - done
+        if i and ((left is not None and left <= 0) or cells == 0):
+            rows.append((spec, folder, None))  # not started: the budget went to earlier specs
+            continue
+        summary = run_campaign(spec, folder, executor=executor, max_cells=cells, progress=not json_out,
+                               echo=(lambda line: None) if json_out else None,
+                               gpus=gpus.split(",") if gpus is not None else None, stop_after=left)
+        done += summary.ok + summary.failed
+        rows.append((spec, folder, summary))
+        if summary.interrupted:
+            break
+    ran = [s for _, _, s in rows if s is not None]
     if json_out:
-        emit_json(summary.to_dict())
+        if out is not None:
+            emit_json(ran[0].to_dict())
+        else:
+            emit_json({"campaigns": [{"spec": sp, "folder": str(f), "started": s is not None,
+                                      **(s.to_dict() if s is not None else {})} for sp, f, s in rows]})
     else:
-        typer.echo(summary.line())
-    if summary.interrupted:
+        for _, f, s in rows:
+            typer.echo(s.line() if out is not None else f"{f}: " + (s.line() if s is not None else "not started"))
+    if any(s.interrupted for s in ran):
         raise typer.Exit(130)
-    if summary.failed:
+    if any(s.failed for s in ran):
         raise typer.Exit(1)
+
+
+def _campaign_folders(specs: list[str], out: str | None, out_root: str | None, load_spec) -> list[Path]:
+    """The folder of each spec: --out for one spec, or --out-root/NAME for each; every spec is
+    read (and a bad one refused) before any cell runs."""
+    if (out is None) == (out_root is None):
+        raise InputError("give --out DIR (one spec) or --out-root DIR (one folder per spec, DIR/NAME)")
+    if out is not None and len(specs) > 1:
+        raise InputError(f"--out names one campaign folder and {len(specs)} specs were given; "
+                         "use --out-root DIR to run them one after another into DIR/NAME")
+    if out is not None:
+        load_spec(specs[0])
+        return [Path(out)]
+    names = [load_spec(s).name for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InputError(f"specs share the name {', '.join(twice)}: under --out-root each campaign "
+                         "needs its own folder, so give each spec its own `name`")
+    return [Path(out_root) / n for n in names]
 
 
 @campaign_app.command("status")
