@@ -204,9 +204,9 @@ def campaign_plan_crossing(
 
 @campaign_app.command("run")
 def campaign_run(
-    specs: Annotated[list[str], typer.Argument(help="Campaign spec (TOML); several run one after another (with --out-root).")],
+    specs: Annotated[list[str], typer.Argument(metavar="SPEC", help="Campaign spec (TOML); several run one after another (with --out-root).")],
     out: Annotated[str | None, typer.Option("--out", "-o", help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
-    out_root: Annotated[str | None, typer.Option("--out-root", help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
+    out_root: Annotated[str | None, typer.Option("--out-root", metavar="DIR", help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
     executor: Annotated[str, typer.Option("--executor", help="local (one process after another) or ray.")] = "local",
     max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop (over all the specs).")] = None,
     gpus: Annotated[str | None, typer.Option("--gpus", help="Local executor on several GPUs: ids like 0,1; block b runs whole on GPU b mod their count.")] = None,
