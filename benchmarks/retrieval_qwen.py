@@ -12,9 +12,10 @@ tokens (docs/quality.md), and on the H200 at 16K and 32K (issue 27; the results 
 Prints the README's table, rebuilt from the records, at the end (alone when every record
 exists). One 'retrieval_eval' record per test x configuration, `{test}_{config}.json` under --out,
 the same record `sparsedecode eval passkey|multikey ... --out FILE` writes (the command of
-each cell is printed); a record that exists is skipped, so an interrupted run resumes (a
-test's pending configurations run together: one dense prefill per placement serves them
-all). The model loads once.
+each cell is printed); a record that exists is skipped, and a test stopped midway resumes
+after the placements its partial files (`.NAME.partial.jsonl` beside each record) hold, so an
+interrupted run loses at most one placement (a test's pending configurations run together: one
+dense prefill per placement serves them all). The model loads once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import sparsedecode
+from sparsedecode.cli.eval_retrieval import partial_path
 from sparsedecode.engine.config import KVConfig, SparsityConfig
 from sparsedecode.quality.data import wikitext_path
 from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many
@@ -77,14 +79,17 @@ def run(a, cells) -> None:
                   f"--device {a.device} --dtype {a.dtype} --out {a.out / f'{test}_{name}.json'}", flush=True)
             configs.append(SparsityConfig(kv=None if kv is None else KVConfig(kv[0], kv[1], {"window": OBS, **kv[2]})))
         t0 = time.perf_counter()
+        partials = [partial_path(a.out / f"{test}_{name}.json") for name in names]  # an interrupted run resumes
         recs = evaluate_retrieval_many(eng, test, configs, context=a.context, depths=DEPTHS, trials=a.trials,
                                        text_path=wikitext_path("test") if test != "passkey" else None,
-                                       progress=True)
+                                       progress=True, partials=partials)
         seconds = round(time.perf_counter() - t0, 2)
         for name, rec in zip(names, recs, strict=True):
-            rec["seconds"] = seconds  # of the whole test: its configurations share the prefills
+            rec["seconds"] = seconds  # of this run of the test (its configurations share the prefills)
             rec["configurations_together"] = names
             write_record(a.out / f"{test}_{name}.json", stamp(rec))
+        for p in partials:
+            p.unlink(missing_ok=True)
             d, c = rec["dense"], rec["configured"]
             print(f"  {test}: dense {d['correct']}/{d['total']}, {name} {c['correct']}/{c['total']} "
                   f"({c['distractor']} distractor), matches dense: {rec['matches_dense']}", flush=True)

@@ -121,6 +121,11 @@ def read_record(path: str | os.PathLike) -> dict:
     return rec
 
 
+def json_line(x) -> str:
+    """`x` as one line of JSON (tensors and arrays as lists, paths as strings), as records are."""
+    return json.dumps(x, default=_jsonable)
+
+
 def _jsonable(x):
     if hasattr(x, "tolist"):
         return x.tolist()

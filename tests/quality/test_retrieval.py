@@ -262,6 +262,41 @@ def test_many_configurations_from_one_prefill_equal_separate_runs(tiny, text, te
         assert rec == _run(tiny, test, cfg, txt, variant=variant)
 
 
+def test_an_interrupted_run_resumes_from_its_partial_files(tiny, tmp_path, monkeypatch):
+    """Placements are appended to one partial file per configuration as they finish; a run
+    stopped after two placements resumes after them and ends with the records of a run that
+    was never stopped; files of another run are refused."""
+    configs = [snap(0.5), None]
+    args = dict(context=CTX, depths=(0.05, 0.5, 0.95), trials=1, seed=0)
+    whole = rt.evaluate_retrieval_many(tiny, "passkey", configs, **args)
+    parts = [tmp_path / "snap.jsonl", tmp_path / "dense.jsonl"]
+    real, calls = rt._dense_placement, []
+
+    def stop_at_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(rt, "_dense_placement", stop_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        rt.evaluate_retrieval_many(tiny, "passkey", configs, partials=parts, **args)
+    monkeypatch.setattr(rt, "_dense_placement", real)
+    assert [len(p.read_text().splitlines()) for p in parts] == [3, 3]  # a header and two placements
+    with open(parts[0], "a") as f:  # a line cut by the interruption is dropped, not read
+        f.write('{"depth": 0.9')
+    calls.clear()
+    monkeypatch.setattr(rt, "_dense_placement", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    resumed = rt.evaluate_retrieval_many(tiny, "passkey", configs, partials=parts, **args)
+    assert len(calls) == 1  # only the third placement ran again
+    assert json.loads(json.dumps(resumed)) == json.loads(json.dumps(whole))
+    with pytest.raises(InputError, match="context differ"):
+        rt.evaluate_retrieval_many(tiny, "passkey", configs, partials=parts, **{**args, "context": CTX - 8})
+    parts[1].write_text("not a header\n")
+    with pytest.raises(InputError, match="names no run"):
+        rt.evaluate_retrieval_many(tiny, "passkey", configs, partials=parts, **args)
+
+
 def test_projection_runs_in_the_configured_decode_only(tiny):
     values = {f"layers.{i}.{s}": 0.5 for i in range(2) for s in "q k v o gate up down".split()}
     th = Thresholds(values=values, method="teal", keep=0.5, model=tiny.name, dims=tiny.dims.to_dict())
@@ -436,6 +471,32 @@ def test_cli_kv_param_reaches_the_selector(tiny, monkeypatch, tmp_path):
                         "pool_width=5", "--out", str(out))
     assert code == 0, err
     assert read_record(out)["config"]["kv"]["params"] == {"window": 16, "pool_kind": "max", "pool_width": 5}
+    assert not eval_retrieval.partial_path(out).exists()  # the record written, its partial file goes
+
+
+def test_cli_resumes_from_the_partial_file_of_an_interrupted_run(tiny, monkeypatch, tmp_path):
+    """`eval passkey --out F` keeps finished placements beside F: after a crash at the second
+    placement, the same command decodes only the rest and writes the whole record."""
+    monkeypatch.setattr(sparsedecode, "load", lambda ref, **kw: tiny)
+    out = tmp_path / "pk.json"
+    argv = ("passkey", "--context", str(CTX), "--depths", "0.2,0.8", "--trials", "1", "--out", str(out))
+    real, calls = rt._dense_placement, []
+
+    def crash_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the machine went away")
+        return real(*a, **k)
+
+    monkeypatch.setattr(rt, "_dense_placement", crash_second)
+    code, _, _ = _cli(*argv)
+    assert code != 0 and not out.exists() and eval_retrieval.partial_path(out).exists()
+    calls.clear()
+    monkeypatch.setattr(rt, "_dense_placement", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    code, _, err = _cli(*argv)
+    assert code == 0, err
+    assert len(calls) == 1 and [p["depth"] for p in read_record(out)["placements"]] == [0.2, 0.8]
+    assert not eval_retrieval.partial_path(out).exists()
 
 
 def test_cli_writes_a_record_and_prints_json(tiny, text, monkeypatch, tmp_path):

@@ -133,19 +133,28 @@ def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, kv_pa
 
     t0 = time.perf_counter()
     eng = _load(model, context + new, device=device, dtype=dtype, quiet=json_out)
+    partial = None if out is None else partial_path(out)  # an interrupted run resumes from it
     rec = _run(eng, test, path, thresholds, keep, kv_config, text_file, context=context,
                depths=depth_list, trials=trials, seed=seed, new=new, variant=variant,
-               progress=not json_out)
-    rec["seconds"] = round(time.perf_counter() - t0, 2)
+               progress=not json_out, partial=partial)
+    rec["seconds"] = round(time.perf_counter() - t0, 2)  # of this run: a resumed one ran part of it
     if out is not None:
         from sparsedecode.records import stamp, write_record
 
         rec = stamp(rec)
         write_record(out, rec)
+        partial.unlink(missing_ok=True)
     if json_out:
         emit_json({**rec, "correct": rec["configured"]["correct"], "total": rec["configured"]["total"]})
         return
     _show(rec, out)
+
+
+def partial_path(out) -> Path:
+    """Where a retrieval run writing the record `out` keeps its finished placements until the
+    record is written: `.NAME.partial.jsonl` beside it."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.partial.jsonl")
 
 
 def _check_window(model: str, need: int) -> None:

@@ -48,13 +48,17 @@ dropped by the selection from one the model misread.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from sparsedecode.errors import InputError
+from sparsedecode.records import json_line
 
 TESTS = ("passkey", "multikey", "two_turn")
 VARIANTS = ("kept", "rescored")
@@ -396,25 +400,34 @@ def _configured_placement(engine, p: Placement, first: int, dense: str, th, kv, 
 
 def evaluate_retrieval(engine, test: str, config=None, *, context: int, depths=DEPTHS,
                        trials: int = TRIALS, seed: int = 0, new: int = NEW, variant: str | None = None,
-                       text_path=None, progress: bool = False) -> dict:
+                       text_path=None, progress: bool = False, partial=None) -> dict:
     """Run one retrieval test, every placement dense and under `config` (an
     `engine.config.SparsityConfig`; None is dense) from the same prefill; returns the
     'retrieval_eval' record (unstamped). `text_path`: the text whose token stream hides the
     codes (needed by multikey and two_turn; for passkey it replaces the filler). `variant`
-    ('kept' by default) applies to two_turn with a KV configuration. The engine is left dense."""
+    ('kept' by default) applies to two_turn with a KV configuration. `partial`: a file that
+    keeps the finished placements, so an interrupted run resumes (`evaluate_retrieval_many`).
+    The engine is left dense."""
     return evaluate_retrieval_many(engine, test, [config], context=context, depths=depths,
                                    trials=trials, seed=seed, new=new, variant=variant,
-                                   text_path=text_path, progress=progress)[0]
+                                   text_path=text_path, progress=progress,
+                                   partials=None if partial is None else [partial])[0]
 
 
 def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=DEPTHS,
                             trials: int = TRIALS, seed: int = 0, new: int = NEW,
                             variant: str | None = None, text_path=None,
-                            progress: bool = False) -> list[dict]:
+                            progress: bool = False, partials=None) -> list[dict]:
     """`evaluate_retrieval` for several configurations at once: one dense prefill and one
     dense answer per placement serve every configuration (a second prefill only after a
     kept two-turn selection, which rewrites the second turn's entries). One record per
-    configuration, each the same as `evaluate_retrieval` would return."""
+    configuration, each the same as `evaluate_retrieval` would return.
+
+    `partials`, one file path per configuration: every finished placement is appended to
+    its configuration's file as it ends, and a later call with the same files resumes after
+    the placements all of them hold (a long run at 32K loses at most one placement when it is
+    interrupted). The caller deletes them once the records are written. A file written for
+    other arguments or placements is refused, with what differs."""
     from sparsedecode.engine.config import SparsityConfig
     from sparsedecode.kv.select import get_selector
     from sparsedecode.quality.data import text_ids
@@ -453,11 +466,24 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
         plans.append((resolve_projection(engine, config.projection), kv, selector, var))
 
     it = placements
+    rows: list[list[dict]] = [[] for _ in plans]
+    books = None
+    if partials is not None:
+        if len(partials) != len(plans):
+            raise InputError(f"{len(partials)} partial files for {len(plans)} configurations: give one each")
+        heads = [{"test": test, "context": context, "depths": list(depths), "trials": trials, "seed": seed,
+                  "new": new, "model": engine.name, "config": _config_of(th, kv, var)}
+                 for th, kv, _, var in plans]
+        books = [_Partial(path, head, placements) for path, head in zip(partials, heads, strict=True)]
+        done = min(len(b.rows) for b in books)
+        for b, r in zip(books, rows, strict=True):
+            r.extend(b.keep(done))
+        it = placements[done:]
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(placements, desc=test.replace("_", "-"), unit="placement", leave=False)
-    rows: list[list[dict]] = [[] for _ in plans]
+        it = tqdm(it, desc=test.replace("_", "-"), unit="placement", leave=False,
+                  initial=len(placements) - len(it), total=len(placements))
     try:
         with torch.no_grad():  # not inference_mode: a selection's buffers stay ordinary tensors
             for p in it:
@@ -466,6 +492,8 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
                     if i and plans[i - 1][3] == "kept":  # the kept turn rewrote entries past turn one
                         first, dense = _dense_placement(engine, p, new)
                     rows[i].append(_configured_placement(engine, p, first, dense, th, kv, selector, var, new))
+                for b, r in zip(books or (), rows, strict=False):
+                    b.add(r[-1])
     finally:
         from sparsedecode.kv.apply import clear_kv
 
@@ -474,6 +502,67 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
         engine.reset()
     return [_record(engine, test, context, depths, trials, seed, new, placements, text_path, stream,
                     th, kv, var, r) for (th, kv, _, var), r in zip(plans, rows, strict=True)]
+
+
+def _config_of(th, kv, variant) -> dict:
+    """What a configuration is, as its partial file's header records it."""
+    return {"projection": None if th is None else {"method": th.method, "keep": th.keep},
+            "kv": None if kv is None else {"method": kv.method, "keep": kv.keep, "params": dict(kv.params)},
+            "variant": variant}
+
+
+class _Partial:
+    """One configuration's finished placements on disk, a JSON line each after a header line
+    naming the run (`evaluate_retrieval_many(partials=...)`)."""
+
+    def __init__(self, path, head: dict, placements: list):
+
+        self.path, self.head = Path(path), json.loads(json.dumps(head))
+        self.rows: list[dict] = []
+        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []
+        rows = []
+        for ln in lines[1:]:
+            try:
+                rows.append(json.loads(ln))
+            except ValueError:  # a line cut by the interruption: the last one, and not finished
+                break
+        if lines:
+            try:
+                got = json.loads(lines[0])["header"]
+            except (ValueError, KeyError, TypeError):
+                raise InputError(f"{self.path} is not a partial file of retrieval placements (its first "
+                                 "line names no run); delete it to start this run over") from None
+            if got != self.head:
+                diff = sorted(k for k in set(got) | set(self.head) if got.get(k) != self.head.get(k))
+                raise InputError(f"{self.path} holds placements of another run ({', '.join(diff)} differ); "
+                                 "delete it to start this run over")
+        for j, row in enumerate(rows[:len(placements)]):
+            want = _placement_id(placements[j])
+            if {k: row.get(k) for k in want} != want:
+                raise InputError(f"{self.path}: placement {j} is not the one this run builds "
+                                 f"({want}); delete the file to start this run over")
+        self.rows = rows[:len(placements)]
+        self.keep(len(self.rows))
+
+    def keep(self, n: int) -> list[dict]:
+        """The first `n` rows, and the file rewritten to hold just those."""
+        self.rows = self.rows[:n]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(json_line(x) + "\n" for x in [{"header": self.head}, *self.rows]), encoding="utf-8")
+        os.replace(tmp, self.path)
+        return list(self.rows)
+
+    def add(self, row: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json_line(row) + "\n")
+        self.rows.append(row)
+
+
+def _placement_id(p) -> dict:
+    """What identifies a placement in a partial file's rows."""
+    return json.loads(json.dumps({"depth": p.depth, "trial": p.trial, "expected": p.expected,
+                                  "needle_span": list(p.needle_span), "asked": p.asked}))
 
 
 def _record(engine, test, context, depths, trials, seed, new, placements, text_path, stream,
