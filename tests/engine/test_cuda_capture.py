@@ -36,6 +36,9 @@ def test_captured_decode_matches_forward(attention, dtype):
     err = (got - want).abs().max().item() / want.abs().max().item()
     assert err <= tol, f"{attention} {dtype}: max rel err {err:.2e}"
     assert eng.graphs == 1  # the step really ran as a graph replay
+    assert set(eng.capture_phases) == {"first_call_s", "warmup_s", "graph_s"}
+    assert 0 < sum(eng.capture_phases.values()) <= eng.compile_s
+    assert set(eng.load_phases) == {"resolve_s", "build_s", "cache_s", "engine_s", "warm_kv_s"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

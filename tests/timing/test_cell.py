@@ -58,6 +58,9 @@ def test_record_holds_the_contract_and_agrees_with_the_byte_account(tiny, mode):
     assert (rec["device"], rec["gpu"], rec["label"], rec["dtype"]) == ("cpu", "CPU", "CPU", "float32")
     assert rec["model"]["init"] == "random" and rec["model_name"] == rec["model"]["name"]
     assert rec["stream"].startswith("random ids") and rec["fill"] == "prefill"
+    load = rec["phases"]["load"]  # where load_s went: phases that add up to at most it
+    assert set(load) == {"resolve_s", "build_s", "cache_s", "engine_s"} and min(load.values()) >= 0
+    assert sum(load.values()) <= rec["one_time"]["load_s"] and rec["phases"]["capture"] == {}  # no graph on CPU
 
     # timings: the paper's ms_per_token is 1000 / mean of the per-repeat throughputs
     runs, tps = rec["step_ms_runs"], rec["tokens_per_sec_runs"]

@@ -61,6 +61,8 @@ class Engine:
         self.cuda_graph = use_cuda and not self.host_len
         self._step_fn = self._decode_forward
         self.compile_s = 0.0  # seconds this engine spent compiling and capturing decode steps
+        self.capture_phases: dict[str, float] = {}  # of the last capture (`_capture`)
+        self.load_phases: dict[str, float] = {}  # where `load` spent its time (engine/loader.py)
         self.compile_cache = use_compile_cache() if self.compile else None
         if self.compile:
             # dynamic=None: the host length is specialized on the first call and traced as a
@@ -253,9 +255,12 @@ class Engine:
         counts = None if self.router is None else self.router.counts.clone()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
+        marks = []
         with torch.cuda.stream(side):
             for _ in range(3):
                 self._step_fn()
+                side.synchronize()
+                marks.append(time.perf_counter())
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -263,7 +268,12 @@ class Engine:
         self._graph = graph
         if counts is not None:  # the warm-ups are not decode steps
             self.router.counts.copy_(counts)
-        self.compile_s += time.perf_counter() - t0
+        torch.cuda.current_stream(self.device).synchronize()
+        end = time.perf_counter()
+        # where the last capture went: the first call compiles (or loads the compile caches)
+        self.capture_phases = {"first_call_s": marks[0] - t0, "warmup_s": marks[-1] - marks[0],
+                               "graph_s": end - marks[-1]}
+        self.compile_s += end - t0
 
     def sparsify(self, thresholds) -> None:
         """Run the projection branch in the decode step (ByteCross §3.2): each site whose

@@ -401,6 +401,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "achieved_gbps": nbytes / (med * 1e-3) / 1e9,
         "peak_memory_bytes": _peak_memory(dev),
         "one_time": one_time,
+        "phases": {"load": eng.load_phases, "capture": eng.capture_phases},  # where load_s and capture_s went
         "selection": selection,  # the KV selection's first and warm cost by phase; None without one
         "calibration": calibration,
         "profile": profiled,  # `timing.profile`: the step's kernels by kind; None unless asked

@@ -66,6 +66,7 @@ _EXTRAS: dict[str, tuple[type, ...]] = {
     "impl": (str,),
     "dense_step": (str,),
     "profile": (dict,),
+    "phases": (dict,),
 }
 
 
