@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 import sparsedecode
-from sparsedecode.cli.eval_retrieval import partial_path
 from sparsedecode.engine.config import KVConfig, SparsityConfig
 from sparsedecode.quality.data import wikitext_path
-from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many
+from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many, partial_path
 from sparsedecode.records import stamp, write_record
 from sparsedecode.report.retrieval_table import load_retrieval_records, retrieval_table
 
@@ -88,11 +87,11 @@ def run(a, cells) -> None:
             rec["seconds"] = seconds  # of this run of the test (its configurations share the prefills)
             rec["configurations_together"] = names
             write_record(a.out / f"{test}_{name}.json", stamp(rec))
-        for p in partials:
-            p.unlink(missing_ok=True)
             d, c = rec["dense"], rec["configured"]
             print(f"  {test}: dense {d['correct']}/{d['total']}, {name} {c['correct']}/{c['total']} "
                   f"({c['distractor']} distractor), matches dense: {rec['matches_dense']}", flush=True)
+        for p in partials:
+            p.unlink(missing_ok=True)
         print(f"  {seconds:.0f} s", flush=True)
 
 if __name__ == "__main__":

@@ -471,7 +471,7 @@ def test_cli_kv_param_reaches_the_selector(tiny, monkeypatch, tmp_path):
                         "pool_width=5", "--out", str(out))
     assert code == 0, err
     assert read_record(out)["config"]["kv"]["params"] == {"window": 16, "pool_kind": "max", "pool_width": 5}
-    assert not eval_retrieval.partial_path(out).exists()  # the record written, its partial file goes
+    assert not rt.partial_path(out).exists()  # the record written, its partial file goes
 
 
 def test_cli_resumes_from_the_partial_file_of_an_interrupted_run(tiny, monkeypatch, tmp_path):
@@ -490,13 +490,13 @@ def test_cli_resumes_from_the_partial_file_of_an_interrupted_run(tiny, monkeypat
 
     monkeypatch.setattr(rt, "_dense_placement", crash_second)
     code, _, _ = _cli(*argv)
-    assert code != 0 and not out.exists() and eval_retrieval.partial_path(out).exists()
+    assert code != 0 and not out.exists() and rt.partial_path(out).exists()
     calls.clear()
     monkeypatch.setattr(rt, "_dense_placement", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     code, _, err = _cli(*argv)
     assert code == 0, err
     assert len(calls) == 1 and [p["depth"] for p in read_record(out)["placements"]] == [0.2, 0.8]
-    assert not eval_retrieval.partial_path(out).exists()
+    assert not rt.partial_path(out).exists()
 
 
 def test_cli_writes_a_record_and_prints_json(tiny, text, monkeypatch, tmp_path):

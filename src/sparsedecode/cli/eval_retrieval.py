@@ -133,6 +133,8 @@ def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, kv_pa
 
     t0 = time.perf_counter()
     eng = _load(model, context + new, device=device, dtype=dtype, quiet=json_out)
+    from sparsedecode.quality.retrieval import partial_path
+
     partial = None if out is None else partial_path(out)  # an interrupted run resumes from it
     rec = _run(eng, test, path, thresholds, keep, kv_config, text_file, context=context,
                depths=depth_list, trials=trials, seed=seed, new=new, variant=variant,
@@ -148,13 +150,6 @@ def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, kv_pa
         emit_json({**rec, "correct": rec["configured"]["correct"], "total": rec["configured"]["total"]})
         return
     _show(rec, out)
-
-
-def partial_path(out) -> Path:
-    """Where a retrieval run writing the record `out` keeps its finished placements until the
-    record is written: `.NAME.partial.jsonl` beside it."""
-    out = Path(out)
-    return out.with_name(f".{out.name}.partial.jsonl")
 
 
 def _check_window(model: str, need: int) -> None:

@@ -504,11 +504,21 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
                     th, kv, var, r) for (th, kv, _, var), r in zip(plans, rows, strict=True)]
 
 
+def partial_path(out) -> Path:
+    """Where a retrieval run writing the record `out` keeps its finished placements until the
+    record is written: `.NAME.partial.jsonl` beside it."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.partial.jsonl")
+
+
+def _kv_of(kv) -> dict | None:
+    return None if kv is None else {"method": kv.method, "keep": kv.keep, "params": dict(kv.params)}
+
+
 def _config_of(th, kv, variant) -> dict:
     """What a configuration is, as its partial file's header records it."""
     return {"projection": None if th is None else {"method": th.method, "keep": th.keep},
-            "kv": None if kv is None else {"method": kv.method, "keep": kv.keep, "params": dict(kv.params)},
-            "variant": variant}
+            "kv": _kv_of(kv), "variant": variant}
 
 
 class _Partial:
@@ -516,9 +526,7 @@ class _Partial:
     naming the run (`evaluate_retrieval_many(partials=...)`)."""
 
     def __init__(self, path, head: dict, placements: list):
-
         self.path, self.head = Path(path), json.loads(json.dumps(head))
-        self.rows: list[dict] = []
         lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []
         rows = []
         for ln in lines[1:]:
@@ -541,8 +549,7 @@ class _Partial:
             if {k: row.get(k) for k in want} != want:
                 raise InputError(f"{self.path}: placement {j} is not the one this run builds "
                                  f"({want}); delete the file to start this run over")
-        self.rows = rows[:len(placements)]
-        self.keep(len(self.rows))
+        self.rows = rows[:len(placements)]  # the file is rewritten by `keep`, which its caller calls
 
     def keep(self, n: int) -> list[dict]:
         """The first `n` rows, and the file rewritten to hold just those."""
@@ -573,7 +580,7 @@ def _record(engine, test, context, depths, trials, seed, new, placements, text_p
     conf = [r["configured"]["verdict"] for r in rows]
     cpu = engine.device.type == "cpu"
     proj = None if th is None else {**th.header(), "runtime": "masked reference" if cpu else "sparse GEMV"}
-    kvd = None if kv is None else {"method": kv.method, "keep": kv.keep, "params": dict(kv.params)}
+    kvd = _kv_of(kv)
     return {
         "kind": "retrieval_eval", "test": test,
         "model": {"name": engine.name, "source": str(engine.source_path), "init": engine.init,
