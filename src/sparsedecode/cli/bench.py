@@ -216,32 +216,19 @@ def campaign_run(
     """Run every pending cell of a campaign; finished cells are skipped, failed ones retried.
     Several specs with --out-root run as one chain (a device lease, a batch job): Ctrl-C or
     SIGTERM stops the chain, a failed cell does not."""
-    import time
-
     from sparsedecode.cli.common import check_out_dir
-    from sparsedecode.timing.campaign import load_spec, run_campaign
+    from sparsedecode.timing.campaign import load_spec, run_chain
 
     if stop_after is not None and stop_after <= 0:
         raise InputError(f"--stop-after must be > 0 seconds, got {stop_after:g}")
     folders = _campaign_folders(specs, out, out_root, load_spec)
     for f in folders:
         check_out_dir(str(f), "--out" if out is not None else "--out-root")
-    start, done = time.monotonic(), 0
-    rows = []
-    for i, (spec, folder) in enumerate(zip(specs, folders, strict=True)):
-        left = None if stop_after is None else stop_after - (time.monotonic() - start)
-        cells = None if max_cells is None else max_cells - done
-        if i and ((left is not None and left <= 0) or cells == 0):
-            rows.append((spec, folder, None))  # not started: the budget went to earlier specs
-            continue
-        summary = run_campaign(spec, folder, executor=executor, max_cells=cells, progress=not json_out,
-                               echo=(lambda line: None) if json_out else None,
-                               gpus=gpus.split(",") if gpus is not None else None, stop_after=left)
-        done += summary.ok + summary.failed
-        rows.append((spec, folder, summary))
-        if summary.interrupted:
-            break
-    ran = [s for _, _, s in rows if s is not None]
+    summaries = run_chain(specs, folders, executor=executor, max_cells=max_cells, progress=not json_out,
+                          echo=(lambda line: None) if json_out else None,
+                          gpus=gpus.split(",") if gpus is not None else None, stop_after=stop_after)
+    rows = list(zip(specs, folders, summaries, strict=False))  # an interrupted chain ends at its spec
+    ran = [s for s in summaries if s is not None]
     if json_out:
         if out is not None:
             emit_json(ran[0].to_dict())

@@ -302,6 +302,28 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
     return summary
 
 
+def run_chain(specs: list, folders: list, *, max_cells: int | None = None, stop_after: float | None = None,
+              **kw) -> list[Summary | None]:
+    """`run_campaign` of each spec into its folder, one after another (a device lease, a batch
+    job): `max_cells` and `stop_after` count over the whole chain, a spec they no longer reach
+    is not started (None in its place), an interruption (Ctrl-C, SIGTERM) ends the chain (the
+    list stops at the interrupted spec) and a failed cell does not. `kw` goes to every
+    `run_campaign`."""
+    start, done, out = time.monotonic(), 0, []
+    for i, (spec, folder) in enumerate(zip(specs, folders, strict=True)):
+        left = None if stop_after is None else stop_after - (time.monotonic() - start)
+        cells = None if max_cells is None else max_cells - done
+        if i and ((left is not None and left <= 0) or cells == 0):
+            out.append(None)  # not started: the budget went to earlier specs
+            continue
+        summary = run_campaign(spec, folder, max_cells=cells, stop_after=left, **kw)
+        done += summary.ok + summary.failed
+        out.append(summary)
+        if summary.interrupted:
+            break
+    return out
+
+
 def _measure_ceiling(spec, folder: Path, python: str | None, echo) -> None:
     """DIR/ceiling.json, the measured bandwidth ceiling (`bench ceiling`), in the same run as a
     CUDA campaign's first cells, so `report` gives each cell's share of it; kept on a resume."""
@@ -569,4 +591,4 @@ def status(folder: str | os.PathLike) -> dict:
 
 __all__ = ["CampaignSpec", "EXECUTORS", "Grid", "Summary", "cell_argv", "check_cells", "load_spec",
            "mode_orders", "parse_spec", "plan", "prepare", "record_path", "retire", "run_campaign",
-           "status"]
+           "run_chain", "status"]
