@@ -77,11 +77,25 @@ def test_eval_commands_print_the_tables_label(capsys):
     assert "configuration: snapkv 0.2 (pool_kind max) (mode sel)\n" in capsys.readouterr().out
 
 
-def test_records_of_different_runs_are_refused(tmp_path):
+def test_records_of_different_placements_are_refused(tmp_path):
     a = _rec("passkey", None, ["correct"] * 4, ["correct"] * 4)
     b = _rec("passkey", ("snapkv", 0.2), ["correct"] * 4, ["correct"] * 4)
-    b["placements"][0]["dense"]["output"] = "another run"
-    with pytest.raises(InputError, match="disagree on dense answers"):
+    b["placements"][0]["expected"] = "654321"
+    with pytest.raises(InputError, match="disagree on their placements"):
         retrieval_table([a, b])
     with pytest.raises(InputError, match="no retrieval_eval records"):
         load_retrieval_records(tmp_path)
+
+
+def test_a_record_whose_dense_answers_differ_gets_its_own_dense_row():
+    """Same placements decoded in another process: its dense half is shown beside it, not hidden."""
+    a = _rec("passkey", None, ["correct"] * 4, ["correct"] * 4)
+    b = _rec("passkey", ("snapkv", 0.2), ["correct", "correct", "correct", "miss"], ["correct"] * 3 + ["miss"])
+    b["placements"][3]["dense"]["output"] = "flipped"
+    c = _rec("passkey", ("snapkv", 0.3), ["correct"] * 4, ["correct"] * 4)
+    rows = retrieval_table([a, b, c]).splitlines()
+    assert rows[2] == "| passkey | dense | 2/2 | 2/2 | 4/4 | 0 | 0 | | | |"
+    assert rows[3] == "| passkey | dense (beside snapkv 0.2) | 2/2 | 1/2 | 3/4 | 0 | 1 | | | |"
+    assert rows[4] == "| passkey | snapkv 0.2 | 2/2 | 1/2 | 3/4 | 0 | 1 | yes |  |  |"
+    assert rows[5].startswith("| passkey | snapkv 0.3 | ")
+    assert len(rows) == 6

@@ -103,18 +103,35 @@ def retrieval_table(records: list[dict], settings: bool = False) -> str:
     return "\n".join(rows)
 
 
+def _placed(rec: dict) -> list[tuple]:
+    """What a record's placements put where: depth, trial, expected answer, needle span, key asked."""
+    return [(p["depth"], p["trial"], p["expected"], tuple(p.get("needle_span") or ()), p.get("asked"))
+            for p in rec["placements"]]
+
+
+def _dense_row(rec: dict, depths: list[float], lead: str, name: str) -> str:
+    d = rec["dense"]
+    return (lead + f"| {rec['test']} | {name} | " + " | ".join(_cells(rec["placements"], depths, "dense"))
+            + f" | {d['correct']}/{d['total']} | {d.get('distractor', '')} | {d.get('miss', '')} | | | |")
+
+
 def _test_rows(recs: list[dict], depths: list[float], lead: str, what: str) -> list[str]:
-    """The dense row of one test's records (the first record's dense half), then one row per configuration."""
+    """The dense row of one test's records (the first record's dense half), then one row per
+    configuration. Records of other placements are refused. Records of the same placements
+    whose dense answers differ (separate processes, where bf16 numerics can flip a borderline
+    answer) each get their own dense row, `dense (beside ...)`, before their configuration's
+    row, so its 'matches dense' column is read against the dense it was decoded beside."""
     first = recs[0]
-    test, d = first["test"], first["dense"]
-    rows = [lead + f"| {test} | dense | " + " | ".join(_cells(first["placements"], depths, "dense"))
-            + f" | {d['correct']}/{d['total']} | {d.get('distractor', '')} | {d.get('miss', '')} | | | |"]
+    test = first["test"]
+    rows = [_dense_row(first, depths, lead, "dense")]
     for r in recs:
         if r["config"]["mode"] == "dense":
             continue
+        if _placed(r) != _placed(first):
+            raise InputError(f"{what} disagree on their placements: different model, seed or "
+                             "context; tabulate one run's records")
         if [p["dense"]["output"] for p in r["placements"]] != [p["dense"]["output"] for p in first["placements"]]:
-            raise InputError(f"{what} disagree on dense answers: different placements, "
-                             "model or seed; tabulate one run's records")
+            rows.append(_dense_row(r, depths, lead, f"dense (beside {label(r)})"))
         c = r["configured"]
         inside = [p["configured"]["in_window"] for p in r["placements"]]
         win = "" if all(x is None for x in inside) else f"{sum(bool(x) for x in inside)}/{len(inside)}"
