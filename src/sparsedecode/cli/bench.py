@@ -53,6 +53,7 @@ def cell(
     impl: Annotated[str, typer.Option("--impl", help="ours, or a peer (dense, random init and fill): transformers (compiled, StaticCache) or graph (a hand-written F.linear + SDPA step in a CUDA graph).")] = "ours",
     kernels: Annotated[str, typer.Option("--kernels", help="Kernel options, e.g. gemv.pdl=false,attention.min_split_keys=256 (default: none changed).")] = "",
     profile: Annotated[int, typer.Option("--profile", help="After the timed steps, this many more under torch.profiler: the record's 'profile' says where the step's time goes (0 = none).")] = 0,
+    shared_gpu: Annotated[str, typer.Option("--shared-gpu", help="When other processes hold the GPU: refuse (the default: they skew the step) or allow (time anyway; the record names them).")] = "refuse",
     out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
     campaign: Annotated[str, typer.Option("--campaign", hidden=True)] = "",
     block: Annotated[int, typer.Option("--block", hidden=True)] = 0,
@@ -77,7 +78,7 @@ def cell(
                         mode=mode, attention=attention, warmup=warmup, repeats=repeats, steps=steps,
                         fill=fill, compile_mode=compile_mode, text=text_file,
                         calib_tokens=parse_tokens(calib_tokens, "--calib-tokens"), obs=obs, seed=seed,
-                        kernels=kernels, impl=impl, profile=profile, campaign=campaign, block=block, group=group, cell=cell_id, order=order)
+                        kernels=kernels, impl=impl, profile=profile, shared_gpu=shared_gpu, campaign=campaign, block=block, group=group, cell=cell_id, order=order)
         log = None if json_out else (lambda line: print(line, file=sys.stderr, flush=True))
         rec = run_cell(spec, log=log)
     except Exception as e:  # a campaign keeps the failure beside the cells that worked

@@ -166,6 +166,20 @@ def render_markdown(rep: dict) -> str:
                        f"| {'' if f['block'] is None else f['block']} | {err} |")
     else:
         out.append("none")
+    nb = rep.get("gpu_neighbors")
+    if nb:
+        out += ["", "## Other processes on the GPU (around each cell's timed steps)", ""]
+        if nb["shared"]:
+            out += ["| record | group | cell | context | block | processes |", "|---|---|---|---|---|---|"]
+            for s in nb["shared"]:
+                out.append(f"| {Path(s['path']).name} | {s['group']} | {s['cell']} | {fmt_ctx(s['context'])} "
+                           f"| {s['block']} | {', '.join(s['processes'])} |")
+        else:
+            out.append(f"none seen around the {nb['probed']} probed cells")
+        if nb["unknown"]:
+            out.append(f"\n{nb['unknown']} probed cell(s) could not tell (no NVML, no nvidia-smi).")
+        if nb["no_probe"]:
+            out.append(f"\n{nb['no_probe']} cell(s) carry no probe (timed before cells looked).")
     out += ["", "## Missing pairs (sparse cells without a dense cell of the same group, context "
             "and block)", ""]
     listed = [m for m in rep["missing"] if m["group"] not in rep["groups_without_dense"]]

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from sparsedecode.account.units import check_keep
 from sparsedecode.errors import InputError
+from sparsedecode.timing.neighbors import SHARED_GPU, check_alone, device_uuid, neighbors, watched
 
 ATTENTION = ("split_k", "sdpa_masked", "sdpa_fused")
 FILLS = ("prefill", "random")
@@ -155,6 +156,7 @@ class CellSpec:
     kernels: str = ""
     impl: str = "ours"
     profile: int = 0
+    shared_gpu: str = "refuse"  # timing.neighbors: refuse a GPU other processes hold, or allow and record
     campaign: str = ""
     block: int = 0
     group: str = ""
@@ -176,6 +178,8 @@ class CellSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InputError(f"{name} must be an integer >= {low}, got {v!r}")
+        if self.shared_gpu not in SHARED_GPU:
+            raise InputError(f"shared_gpu '{self.shared_gpu}' is not one of {', '.join(SHARED_GPU)}")
         if self.profile >= self.generated:
             raise InputError(f"profile {self.profile} steps: a cell decodes {self.generated} tokens "
                              "(warmup + repeats x steps) and profiles after one unprofiled step; "
@@ -331,6 +335,9 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     realized = (_tracked_keep(eng, thresholds, n, ids[n : n + min(KEEP_STEPS, generated)])
                 if thresholds is not None else 1.0)
 
+    if cuda:  # refuse before compiling; watched() looks again just before and after the timed steps
+        check_alone(neighbors(device_uuid(dev)), spec.shared_gpu)
+
     eng.seek(n, ids[n])
     t = time.perf_counter()
     eng.decode_replay()  # the first call compiles and captures; it rewrites slot n, as step 1 does
@@ -340,7 +347,9 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         eng.seek(n)
     sync()
     one_time["capture_s"] = time.perf_counter() - t
-    step_ms = _time_steps(eng, ids[n:], spec, cuda)
+    step_ms, seen = watched(dev, spec.shared_gpu, lambda: _time_steps(eng, ids[n:], spec, cuda))
+    if seen["before"] is None:
+        say("could not tell whether other processes share the GPU (no NVML, no nvidia-smi)")
     profiled = None
     if spec.profile:  # the same positions again: the profiled steps read what the timed ones read
         from sparsedecode.timing.profile import profile_steps
@@ -404,6 +413,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "phases": {"load": eng.load_phases, "capture": eng.capture_phases},  # where load_s and capture_s went
         "selection": selection,  # the KV selection's first and warm cost by phase; None without one
         "calibration": calibration,
+        "gpu_neighbors": seen,  # other processes on the GPU around the timed steps; None = unknown
         "profile": profiled,  # `timing.profile`: the step's kernels by kind; None unless asked
         "spec": asdict(spec),
     }

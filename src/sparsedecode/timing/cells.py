@@ -67,6 +67,7 @@ _EXTRAS: dict[str, tuple[type, ...]] = {
     "dense_step": (str,),
     "profile": (dict,),
     "phases": (dict,),
+    "gpu_neighbors": (dict,),
 }
 
 
@@ -97,6 +98,7 @@ class CellExtras:
     impl: str | None = None  # whose step: ours, or a peer (timing.peer)
     dense_step: str | None = None  # what runs the projections that hold no threshold
     profile: dict | None = None  # the step under torch.profiler (timing.profile), when asked
+    gpu_neighbors: dict | None = None  # timing.neighbors: {'before', 'after'} the timed steps; None = no probe
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,7 @@ def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtra
         impl=x["impl"],
         dense_step=x["dense_step"],
         profile=x["profile"],
+        gpu_neighbors=x["gpu_neighbors"],
     )
     return cell, extras
 

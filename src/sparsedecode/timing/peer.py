@@ -54,6 +54,7 @@ def run_peer_cell(spec, log=None) -> dict:
     from sparsedecode.engine.device import resolve_device, resolve_dtype
     from sparsedecode.timing.cell import check_fits
     from sparsedecode.timing.clock import time_blocks
+    from sparsedecode.timing.neighbors import watched
 
     say = log or (lambda line: None)
     check_fits(spec)  # check_peer, and the model window
@@ -68,10 +69,11 @@ def run_peer_cell(spec, log=None) -> dict:
         if not cuda:
             raise InputError(f"the graph peer captures a CUDA graph: {dev} is not a CUDA device")
         step, one_time, attention = _graph_step(dims, dict(km.config), n + 1, dt, dev, spec.seed, say)
-        step_ms = time_blocks(step, spec.warmup, spec.repeats, spec.steps, cuda)
+        step_ms, seen = watched(dev, spec.shared_gpu,
+                                lambda: time_blocks(step, spec.warmup, spec.repeats, spec.steps, cuda))
         rec = _record(spec, km.name, dims, dt, dev, step_ms, one_time, attention=f"sdpa {attention['form']}",
                       compile_mode="", runtime="CUDA graph", cache=f"static, {n + 1} slots")
-        return {**rec, "peer_attention": attention}
+        return {**rec, "gpu_neighbors": seen, "peer_attention": attention}
     from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
     t = time.perf_counter()
@@ -105,11 +107,12 @@ def run_peer_cell(spec, log=None) -> dict:
         torch.cuda.synchronize(dev)
     one_time["capture_s"] = time.perf_counter() - t
     say(f"transformers step compiled and captured in {one_time['capture_s']:.1f} s")
-    step_ms = time_blocks(step, spec.warmup, spec.repeats, spec.steps, cuda)
-    return _record(spec, km.name, dims, dt, dev, step_ms, one_time,
-                   attention=getattr(model.config, "_attn_implementation", None) or "transformers",
-                   compile_mode="reduce-overhead" if cuda else "", runtime="CUDA graph" if cuda else "eager",
-                   cache="StaticCache")
+    step_ms, seen = watched(dev, spec.shared_gpu, lambda: time_blocks(step, spec.warmup, spec.repeats, spec.steps, cuda))
+    rec = _record(spec, km.name, dims, dt, dev, step_ms, one_time,
+                  attention=getattr(model.config, "_attn_implementation", None) or "transformers",
+                  compile_mode="reduce-overhead" if cuda else "", runtime="CUDA graph" if cuda else "eager",
+                  cache="StaticCache")
+    return {**rec, "gpu_neighbors": seen}
 
 
 ATTENDS = ("grouped", "gqa")  # how the peer lays the query heads out for SDPA (graph_forward)

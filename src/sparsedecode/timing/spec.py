@@ -13,6 +13,7 @@ from pathlib import Path
 from sparsedecode.account.units import parse_tokens
 from sparsedecode.errors import InputError
 from sparsedecode.timing.cell import ATTENTION, FILLS, IMPLS, kernels_text, model_window, parse_mode
+from sparsedecode.timing.neighbors import SHARED_GPU
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 SPEC_FILE = "spec.toml"
@@ -36,6 +37,7 @@ _TOP: dict[str, tuple[tuple[type, ...], object]] = {
     "calib_tokens": ((int, str), 2048),
     "obs": ((int,), 64),
     "profile": ((int,), 0),
+    "shared_gpu": ((str,), "refuse"),
 }
 _GRID: dict[str, tuple[tuple[type, ...], object]] = {
     "group": ((str,), None),
@@ -82,6 +84,7 @@ class CampaignSpec:
     calib_tokens: int = 2048
     obs: int = 64
     profile: int = 0  # steps each cell of ours runs under torch.profiler after its timed ones
+    shared_gpu: str = "refuse"  # a cell on a GPU that other processes hold: refuse, or allow (recorded)
 
     @property
     def generated(self) -> int:
@@ -128,7 +131,7 @@ def parse_spec(text: str, where: str = "campaign spec") -> CampaignSpec:
     if not grids_raw:
         raise InputError(f"{where}: 'grid' is empty: add at least one [[grid]] table")
     top["calib_tokens"] = parse_tokens(top["calib_tokens"], f"{where}: calib_tokens")
-    for name, choices in (("init", ("pretrained", "random")), ("fill", FILLS)):
+    for name, choices in (("init", ("pretrained", "random")), ("fill", FILLS), ("shared_gpu", SHARED_GPU)):
         if top[name] not in choices:
             raise InputError(f"{where}: {name} '{top[name]}' is not one of {', '.join(choices)}")
     if top["dtype"] not in DTYPES:
