@@ -6,11 +6,15 @@ tokens (docs/quality.md), and on the H200 at 16K and 32K (issue 27; the results 
         --tests passkey,multikey
     PYTHONPATH=src python benchmarks/retrieval_qwen.py --out runs/retrieval_32k --context 32760 \
         --device cuda --dtype bfloat16 --configs dense,snapkv0.2,snapkv0.3,window0.3
+    PYTHONPATH=src python benchmarks/retrieval_qwen.py --out runs/retrieval_32k --context 32760 \
+        --device cuda --dtype bfloat16 --tests two-turn --configs snapkv0.2,snapkv0.3 --variant rescored
     PYTHONPATH=src python benchmarks/retrieval_qwen.py --out /tmp/smoke --model smollm2-135m \\
         --context 512 --trials 1
 
 Prints the README's table, rebuilt from the records, at the end (alone when every record
-exists). One 'retrieval_eval' record per test x configuration, `{test}_{config}.json` under --out,
+exists). One 'retrieval_eval' record per test x configuration, `{test}_{config}.json` under --out
+(`two_turn_{config}_rescored.json` for the rescored two-turn variant of App. G, which scores the
+whole cache again for the second question; `kept`, the default, selects once after the first),
 the same record `sparsedecode eval passkey|multikey ... --out FILE` writes (the command of
 each cell is printed); a record that exists is skipped, and a test stopped midway resumes
 after the placements its partial files (`.NAME.partial.jsonl` beside each record) hold, so an
@@ -50,6 +54,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tests", default=",".join(TESTS), help="which tests run, in this order")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which configurations run")
+    ap.add_argument("--variant", default="kept", choices=("kept", "rescored"),
+                    help="two-turn: select once after the first question (kept) or score again for the second")
     a = ap.parse_args()
     a.tests = [t.strip().replace("-", "_") for t in a.tests.split(",") if t.strip()]
     if not a.tests or set(a.tests) - set(TESTS):
@@ -57,10 +63,16 @@ def main() -> None:
     a.configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     if not a.configs or set(a.configs) - set(CONFIGS):
         ap.error(f"--configs takes a comma list of {', '.join(CONFIGS)}; got {a.configs}")
-    cells = [(t, c) for t in a.tests for c in a.configs if not (a.out / f"{t}_{c}.json").exists()]
+    cells = [(t, c) for t in a.tests for c in a.configs if not (a.out / f"{record_name(a, t, c)}.json").exists()]
     if cells:
         run(a, cells)
     print(retrieval_table(load_retrieval_records(a.out)))
+
+
+def record_name(a, test: str, config: str) -> str:
+    """`{test}_{config}`, with `_rescored` for a selection under the rescored two-turn variant."""
+    rescored = test == "two_turn" and a.variant == "rescored" and CONFIGS[config] is not None
+    return f"{test}_{config}" + ("_rescored" if rescored else "")
 
 
 def run(a, cells) -> None:
@@ -74,19 +86,22 @@ def run(a, cells) -> None:
             kv = CONFIGS[name]
             flags = "" if kv is None else f" --kv {kv[0]} --kv-keep {kv[1]:g}"
             flags += "".join(f" --kv-param {k}={v}" for k, v in ({} if kv is None else kv[2]).items())
+            if test == "two_turn" and kv is not None:
+                flags += f" --variant {a.variant}"
             print(f"sparsedecode eval {test.replace('_', '-')} -m {a.model} --context {a.context} --trials {a.trials}{flags} "
-                  f"--device {a.device} --dtype {a.dtype} --out {a.out / f'{test}_{name}.json'}", flush=True)
+                  f"--device {a.device} --dtype {a.dtype} --out {a.out / f'{record_name(a, test, name)}.json'}", flush=True)
             configs.append(SparsityConfig(kv=None if kv is None else KVConfig(kv[0], kv[1], {"window": OBS, **kv[2]})))
         t0 = time.perf_counter()
-        partials = [partial_path(a.out / f"{test}_{name}.json") for name in names]  # an interrupted run resumes
+        partials = [partial_path(a.out / f"{record_name(a, test, name)}.json") for name in names]  # an interrupted run resumes
         recs = evaluate_retrieval_many(eng, test, configs, context=a.context, depths=DEPTHS, trials=a.trials,
+                                       variant=a.variant if test == "two_turn" else None,
                                        text_path=wikitext_path("test") if test != "passkey" else None,
                                        progress=True, partials=partials)
         seconds = round(time.perf_counter() - t0, 2)
         for name, rec in zip(names, recs, strict=True):
             rec["seconds"] = seconds  # of this run of the test (its configurations share the prefills)
             rec["configurations_together"] = names
-            write_record(a.out / f"{test}_{name}.json", stamp(rec))
+            write_record(a.out / f"{record_name(a, test, name)}.json", stamp(rec))
             d, c = rec["dense"], rec["configured"]
             print(f"  {test}: dense {d['correct']}/{d['total']}, {name} {c['correct']}/{c['total']} "
                   f"({c['distractor']} distractor), matches dense: {rec['matches_dense']}", flush=True)
