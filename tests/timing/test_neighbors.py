@@ -25,6 +25,12 @@ def test_parse_smi_keeps_the_cells_gpu_and_reads_unknown_memory_as_zero():
     assert parse_smi("", UUID) == []
 
 
+def test_nvidia_smi_cannot_tell_for_a_mig_slice():
+    from sparsedecode.timing.neighbors import _smi
+
+    assert _smi("MIG-1234") is None  # its rows name the parent GPU; never a false 'alone'
+
+
 def test_neighbors_leave_out_this_process_and_its_ancestors():
     me = os.getpid()
     found = neighbors(UUID, probes=[lambda u: [(me, 500.0), (os.getppid(), 10.0), (4242, 2048.0)]])

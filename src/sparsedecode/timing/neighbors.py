@@ -86,6 +86,8 @@ def parse_smi(text: str, uuid: str) -> list[tuple[int, float]]:
 
 
 def _smi(uuid: str) -> list[tuple[int, float]] | None:
+    if uuid.startswith("MIG-"):  # nvidia-smi names the parent GPU of a MIG slice: it cannot tell
+        return None
     try:
         res = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
