@@ -17,6 +17,7 @@ def test_a_cpu_ceiling_is_a_record_of_what_it_read(tmp_path):
     assert rec["kind"] == "bandwidth_ceiling" and rec["label"] == "CPU" and rec["gpu"] == "CPU"
     assert rec["bytes_per_call"] >= 2**30 / 64 and len(rec["gbps_runs"]) == 3
     assert min(rec["gbps_runs"]) <= rec["gbps"] <= max(rec["gbps_runs"]) and rec["gbps"] > 0
+    assert rec["gpu_neighbors"] == {"before": [], "after": []}  # a CPU run has no GPU to share
     path = write_record(tmp_path / "ceiling.json", rec)
     assert read_ceiling(path)["gbps"] == rec["gbps"]
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from test_report import _write
 
 from sparsedecode.errors import InputError
 from sparsedecode.timing.neighbors import check_alone, neighbors, parse_smi, watched
@@ -89,8 +90,6 @@ def test_the_policy_travels_from_the_spec_to_the_cell_command(tmp_path):
 
 
 def test_the_report_lists_cells_that_saw_another_process(tmp_path):
-    from tests.timing.test_report import _write
-
     from sparsedecode.report.timing_markdown import render_markdown
     from sparsedecode.report.timing_report import build_report
     from sparsedecode.timing.cells import load_cells
@@ -137,6 +136,10 @@ def test_a_second_cuda_process_is_seen_and_refused():
             watched(dev, "refuse", lambda: pytest.fail("timed on a shared GPU"))
         out, seen = watched(dev, "allow", lambda: "timed")
         assert out == "timed" and child.pid in [p["pid"] for p in seen["before"]]
+        from sparsedecode.timing.ceiling import measure_ceiling
+
+        with pytest.raises(InputError, match=f"pid {child.pid}"):
+            measure_ceiling(device=f"cuda:{dev.index}", dtype="bfloat16", gib=0.25, replays=2)
     finally:
         child.kill()
         child.wait()

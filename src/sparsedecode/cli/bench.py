@@ -106,6 +106,7 @@ def ceiling(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten), e.g. DIR/ceiling.json of a campaign folder, which `report` then reads.")] = None,
+    shared_gpu: Annotated[str, typer.Option("--shared-gpu", help="When other processes hold the GPU: refuse (the default) or allow (measure anyway; the record names them).")] = "refuse",
     json_out: JsonOpt = False,
 ) -> None:
     """Measure the bandwidth ceiling: GB/s of torch.mv over a large weight (issue 26, ByteCross §4.4)."""
@@ -116,7 +117,7 @@ def ceiling(
         check_out_file(out, "--out", ".json")
         if Path(out).exists():
             raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
-    rec = measure_ceiling(device=device, dtype=dtype, gib=gib, replays=replays, calls=calls)
+    rec = measure_ceiling(device=device, dtype=dtype, gib=gib, replays=replays, calls=calls, shared_gpu=shared_gpu)
     if out is not None:
         write_record(out, rec)
     if json_out:

@@ -333,7 +333,7 @@ def _measure_ceiling(spec, folder: Path, python: str | None, echo) -> None:
     if out.exists():
         return
     argv = [python or sys.executable, "-m", "sparsedecode", "bench", "ceiling", "--device", spec.device,
-            "--dtype", spec.dtype, "--out", str(out)]
+            "--dtype", spec.dtype, "--shared-gpu", spec.shared_gpu, "--out", str(out)]
     if _launch(argv, folder / "logs" / "ceiling.log") != 0 or not out.exists():
         echo(f"the bandwidth ceiling was not measured (see {folder / 'logs' / 'ceiling.log'}): "
              "% of ceiling stays blank in the report")

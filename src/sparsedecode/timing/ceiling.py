@@ -18,13 +18,16 @@ KIND = "bandwidth_ceiling"
 
 
 def measure_ceiling(device: str = "auto", dtype: str = "auto", gib: float = 1.0, replays: int = 20,
-                    calls: int = 10) -> dict:
-    """A 'bandwidth_ceiling' record: GB/s of each replay, their median, and how it was read."""
+                    calls: int = 10, shared_gpu: str = "refuse") -> dict:
+    """A 'bandwidth_ceiling' record: GB/s of each replay, their median, and how it was read.
+    Like a timing cell it refuses a GPU other processes hold unless `shared_gpu` is 'allow'
+    (timing.neighbors), and records who was there."""
     import torch
 
     from sparsedecode.engine.device import resolve_device, resolve_dtype
     from sparsedecode.records import stamp
     from sparsedecode.timing.clock import time_blocks, time_graph
+    from sparsedecode.timing.neighbors import watched
 
     if not gib > 0 or replays < 1 or calls < 1:
         raise InputError(f"ceiling: --gib must be > 0 and --replays, --calls >= 1 (got {gib}, {replays}, {calls})")
@@ -42,10 +45,11 @@ def measure_ceiling(device: str = "auto", dtype: str = "auto", gib: float = 1.0,
             torch.mv(w, x, out=y)
 
     if dev.type == "cuda":
-        seconds = time_graph(run, replays, per_replay=calls)
+        seconds, seen = watched(dev, shared_gpu, lambda: time_graph(run, replays, per_replay=calls))
     else:
-        seconds = [ms / 1e3 for ms in time_blocks(lambda: torch.mv(w, x, out=y), warmup=2, repeats=replays,
-                                                  steps=calls, cuda=False)]
+        seconds, seen = watched(dev, shared_gpu, lambda: [
+            ms / 1e3 for ms in time_blocks(lambda: torch.mv(w, x, out=y), warmup=2, repeats=replays, steps=calls,
+                                           cuda=False)])
     gbps = [nbytes / s / 1e9 for s in seconds]
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     return stamp({
@@ -59,6 +63,7 @@ def measure_ceiling(device: str = "auto", dtype: str = "auto", gib: float = 1.0,
         "bytes_per_call": nbytes,
         "gbps_runs": gbps,
         "gbps": statistics.median(gbps),
+        "gpu_neighbors": seen,  # other processes on the GPU around the timed replays; None = unknown
     })
 
 
