@@ -360,8 +360,15 @@ def test_campaign_cli_exit_codes_and_status(tiny, tmp_path, monkeypatch):
     st = json.loads(res.stdout)
     assert st["groups"]["sweep"] == {"done": 2, "failed": 1, "pending": 5}
     assert [Path(p["path"]).name for p in st["pending"]] == names[3:]
+    assert st["estimate"] is None  # these records carry no timestamps
     res = CliRunner().invoke(app, ["campaign", "status", str(out)])
     assert "sweep" in res.stdout and "pending:" in res.stdout and res.exit_code == 0
+    assert "no time estimate yet" in res.stdout
+    for name, stamp in zip(names[1:3], ("2026-12-04T17:00:00+00:00", "2026-12-04T17:00:40+00:00"), strict=True):
+        rec = record_path(out, plan(load_spec(spec_path))[names.index(name)])
+        rec.write_text(json.dumps({**json.loads(rec.read_text()), "timestamp": stamp}))
+    res = CliRunner().invoke(app, ["campaign", "status", str(out)])
+    assert "about 3 min for the 5 pending cells (40 s a cell: the median of 1 gaps" in res.stdout, res.stdout
     res = CliRunner().invoke(app, ["campaign", "status", str(tmp_path)])
     assert res.exit_code != 0 and "not a campaign folder" in str(res.exception)
 
@@ -553,3 +560,15 @@ def test_ray_executor_resumes_and_matches_the_local_cells(e2e, tiny, tmp_path):
         b = json.loads(record_path(e2e["out"], c).read_text())
         assert {k: a.get(k) for k in RAY_SAME} == {k: b.get(k) for k in RAY_SAME}, c.cell
         assert a["status"] == "ok" and a["ms_per_token"] > 0
+
+
+def test_status_estimates_the_time_left_from_the_gaps_between_records():
+    """A cell's whole cost (fresh process, load, compile, timed steps) is the gap between its
+    record and the one before; a break between runs is not a cell."""
+    from sparsedecode.timing.campaign import cell_seconds
+
+    stamps = ["2026-12-04T17:00:00+00:00", "2026-12-04T17:00:30+00:00", "2026-12-04T17:01:10+00:00",
+              "2026-12-04T18:30:00+00:00", None, "not a time"]
+    assert cell_seconds(stamps) == (35.0, 2)
+    assert cell_seconds(stamps[:1]) == (None, 0)
+    assert cell_seconds(["2026-12-04T17:00:00+00:00", "2026-12-04T17:20:00+00:00"]) == (None, 0)

@@ -285,6 +285,13 @@ def campaign_status(
         typer.echo("failed (retried on the next run):")
         for c in st["failed"]:
             typer.echo(f"  {c['path']}: {c['error']}")
+    est = st["estimate"]
+    if st["pending"] and est:
+        typer.echo(f"about {est['remaining_s'] / 60:.0f} min for the {len(st['pending'])} pending cells "
+                   f"({est['cell_s']:.0f} s a cell: the median of {est['intervals']} gaps between consecutive "
+                   "records, breaks over 10 min left out)")
+    elif st["pending"]:
+        typer.echo("no time estimate yet: it needs two records written one after the other")
     if st["pending"]:
         typer.echo("pending:")
         for c in st["pending"]:

@@ -44,6 +44,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -574,6 +575,7 @@ def status(folder: str | os.PathLike) -> dict:
     groups = {g.group: {"done": 0, "failed": 0, "pending": 0} for g in spec.grids}
     pending, failed = [], []
     cells = plan(spec)
+    stamps = []
     for c in cells:
         path = record_path(folder, c)
         rec = _read(path) if path.exists() else None
@@ -581,14 +583,39 @@ def status(folder: str | os.PathLike) -> dict:
                 "mode": c.mode, "order": c.order, "path": str(path)}
         if rec is not None and rec.get("status") == "ok":
             groups[c.group]["done"] += 1
+            stamps.append(rec.get("timestamp"))
         elif path.exists():
             groups[c.group]["failed"] += 1
             failed.append({**what, "error": _first_line((rec or {}).get("error", "unreadable record"))})
         else:
             groups[c.group]["pending"] += 1
             pending.append(what)
+    cell_s, seen = cell_seconds(stamps)
     return {"name": spec.name, "folder": str(folder), "total": len(cells), "groups": groups,
-            "pending": pending, "failed": failed}
+            "pending": pending, "failed": failed,
+            "estimate": None if cell_s is None else {"cell_s": cell_s, "intervals": seen,
+                                                     "remaining_s": round(cell_s * len(pending))}}
+
+
+GAP_S = 600  # a longer pause between two records is a break between runs, not a cell
+
+
+def cell_seconds(stamps) -> tuple[float | None, int]:
+    """(median seconds a cell takes, how many intervals it rests on), from the finishing times
+    of the records: the gaps between consecutive ones, leaving out breaks between runs (over
+    GAP_S). Every cell runs in a fresh process, so the gap holds its whole cost (start, load,
+    compile, timed steps), which is what planning device time needs. (None, 0) below one gap."""
+    import datetime as dt
+
+    times = []
+    for s in stamps:
+        try:
+            times.append(dt.datetime.fromisoformat(s).timestamp())
+        except (TypeError, ValueError):
+            continue
+    times.sort()
+    gaps = [b - a for a, b in zip(times[:-1], times[1:], strict=True) if 0 < b - a <= GAP_S]
+    return (statistics.median(gaps), len(gaps)) if gaps else (None, 0)
 
 
 __all__ = ["CampaignSpec", "EXECUTORS", "Grid", "Summary", "cell_argv", "check_cells", "load_spec",
