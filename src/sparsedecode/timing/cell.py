@@ -293,6 +293,8 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     dev = resolve_device(spec.device)
     cuda = dev.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    if cuda:  # refuse before loading; watched() looks again just before and after the timed steps
+        check_alone(neighbors(device_uuid(dev)), spec.shared_gpu)
 
     # sdpa_fused slices the cache with host bounds: compiled with a dynamic length, but no CUDA
     # graph can hold a slice whose shape changes every step (the record's runtime says so).
@@ -334,9 +336,6 @@ def run_cell(spec: CellSpec, log=None) -> dict:
                      "warm_s": again.select_s, "warm_phases": again.phases}
     realized = (_tracked_keep(eng, thresholds, n, ids[n : n + min(KEEP_STEPS, generated)])
                 if thresholds is not None else 1.0)
-
-    if cuda:  # refuse before compiling; watched() looks again just before and after the timed steps
-        check_alone(neighbors(device_uuid(dev)), spec.shared_gpu)
 
     eng.seek(n, ids[n])
     t = time.perf_counter()
