@@ -293,6 +293,35 @@ def test_stop_after_leaves_the_rest_pending_for_a_resume(tiny, tmp_path, monkeyp
     assert (s.ok, s.skipped, s.pending) == (8, 0, 0)
 
 
+def test_a_cell_refused_on_a_shared_gpu_stops_its_lane_and_the_rest_stay_pending(tiny, tmp_path, monkeypatch):
+    """Every later cell would be refused too: the lane stops rather than failing them one by one."""
+    from sparsedecode.timing.neighbors import REFUSED
+
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
+
+    class Shared(FakeCells):
+        def __call__(self, argv, log, env=None, running=None):
+            path = Path(argv[argv.index("--out") + 1])
+            if path.name == names[2]:
+                self.calls.append(path.name)
+                write_record(path, {"kind": "timing_cell", "status": "failed",
+                                    "error": f"InputError: {REFUSED} pid 77 (python3, 900 MiB): ..."})
+                return 2
+            return super().__call__(argv, log, env, running)
+
+    fake = Shared()
+    monkeypatch.setattr(campaign, "_launch", fake)
+    lines = []
+    s = run_campaign(spec_path, out, progress=False, echo=lines.append)
+    assert fake.calls == names[:3] and (s.ok, s.failed, s.pending) == (2, 1, len(names) - 3)
+    assert "this lane stops" in lines[-1]
+    monkeypatch.setattr(campaign, "_launch", FakeCells())
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)  # the GPU is free again
+    assert (s.ok, s.skipped, s.retried, s.pending) == (len(names) - 2, 2, 1, 0)
+
+
 def test_failed_cells_are_recorded_the_campaign_goes_on_and_they_are_retried(tiny, tmp_path, monkeypatch):
     spec_path = write_spec(tmp_path, toml(tiny))
     out = tmp_path / "run"

@@ -56,6 +56,7 @@ from pathlib import Path
 
 from sparsedecode.errors import InputError
 from sparsedecode.timing.cell import CellSpec, model_window
+from sparsedecode.timing.neighbors import REFUSED
 from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is part of a campaign)
     _SAFE,
     DTYPES,
@@ -470,9 +471,15 @@ def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, py
             if halt.is_set():  # stopped by Ctrl-C: whatever it wrote stays, a missing record reruns
                 return
             with lock:
-                _tally(summary, cell, _settle(folder, cell, rc, start), echo)
+                rec = _settle(folder, cell, rc, start)
+                _tally(summary, cell, rec, echo)
                 finished[0] += 1
                 bar.update()
+            if rec.get("status") != "ok" and REFUSED in str(rec.get("error")):
+                # every later cell of this lane would be refused too: stop, leave them pending
+                echo(f"{'GPU ' + gpu if gpu is not None else 'the GPU'} is shared with another process: "
+                     "this lane stops and its cells stay pending; resume when the GPU is free")
+                return
 
     threads = [threading.Thread(target=lane, args=lane_args, daemon=True) for lane_args in lanes]
     try:

@@ -19,6 +19,7 @@ from pathlib import Path
 from sparsedecode.errors import InputError
 
 SHARED_GPU = ("refuse", "allow")
+REFUSED = "the GPU is shared with"  # how a refusal begins: a campaign stops its lane on it
 
 
 def device_uuid(dev) -> str | None:
@@ -117,7 +118,7 @@ def check_alone(seen: list[dict] | None, policy: str) -> None:
         raise InputError(f"shared_gpu '{policy}' is not one of {', '.join(SHARED_GPU)}")
     if seen and policy == "refuse":
         who = ", ".join(f"pid {p['pid']} ({p['name']}, {p['used_mib']:.0f} MiB)" for p in seen)
-        raise InputError(f"the GPU is shared with {who}: a timing cell needs it alone (stop them; "
+        raise InputError(f"{REFUSED} {who}: a timing cell needs it alone (stop them; "
                          "`nvidia-smi` lists them), or set shared_gpu = \"allow\" (`--shared-gpu allow`) "
                          "to time anyway, and the record names them")
 
@@ -134,4 +135,4 @@ def watched(dev, policy: str, fn):
     return out, {"before": before, "after": neighbors(uuid)}
 
 
-__all__ = ["SHARED_GPU", "check_alone", "device_uuid", "neighbors", "parse_smi", "watched"]
+__all__ = ["REFUSED", "SHARED_GPU", "check_alone", "device_uuid", "neighbors", "parse_smi", "watched"]
