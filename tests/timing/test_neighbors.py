@@ -39,6 +39,16 @@ def test_neighbors_leave_out_this_process_and_its_ancestors():
     assert found[0]["used_mib"] == 2048.0 and isinstance(found[0]["name"], str)
 
 
+def test_in_another_pid_namespace_one_listed_process_is_this_one():
+    """A container: the driver lists host pids, so this process is not found under its own."""
+    me = 10**7 + 1  # no such pid here
+    assert neighbors(UUID, probes=[lambda u: [(4242, 300.0)]], me=me) == []
+    found = neighbors(UUID, probes=[lambda u: [(4242, 300.0), (5151, 2048.0)]], me=me)
+    assert [(p["pid"], p["name"]) for p in found] == [(4242, "another PID namespace"), (5151, "another PID namespace")]
+    with pytest.raises(InputError, match="shared with pid 4242"):
+        check_alone(found, "refuse")
+
+
 def test_neighbors_take_the_first_probe_that_answers_and_none_when_none_can():
     calls = []
 

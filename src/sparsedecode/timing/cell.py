@@ -294,6 +294,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     cuda = dev.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     if cuda:  # refuse before loading; watched() looks again just before and after the timed steps
+        torch.empty(1, device=dev)  # hold a context first, as neighbors() assumes
         check_alone(neighbors(device_uuid(dev)), spec.shared_gpu)
 
     # sdpa_fused slices the cache with host bounds: compiled with a dynamic length, but no CUDA

@@ -7,7 +7,10 @@ shared GPU unless told otherwise, looks again after, and its record says what it
 The probe asks NVML (`pynvml`, from nvidia-ml-py) for the compute processes of the device
 with the cell's UUID, else `nvidia-smi --query-compute-apps`; where neither answers the
 record says 'unknown', never 'alone'. The cell's own process and its ancestors (a campaign
-runner that touched CUDA) are not neighbors.
+runner that touched CUDA) are not neighbors. Callers hold a CUDA context on the device when they
+look, so this process is always among those listed: where it is not listed under its own pid,
+the driver sees another PID namespace (a container), and then one listed process is this one
+and every further one is a neighbor.
 """
 
 from __future__ import annotations
@@ -99,15 +102,23 @@ def _smi(uuid: str) -> list[tuple[int, float]] | None:
 
 def neighbors(uuid: str | None, probes=(_nvml, _smi), me: int | None = None) -> list[dict] | None:
     """The other compute processes on the device `uuid`: [{'pid', 'name', 'used_mib'}], [] when
-    it is ours alone, None when no probe could tell."""
+    it is ours alone, None when no probe could tell. The caller holds a CUDA context there. In
+    another PID namespace, where this process cannot be told apart, a device holding more than
+    this one process gives all of them, named 'another PID namespace' (one of them is this one)."""
     if uuid is None:
         return None
-    mine = _ancestors(os.getpid() if me is None else me)
+    me = os.getpid() if me is None else me
+    mine = _ancestors(me)
     for probe in probes:
         found = probe(uuid)
-        if found is not None:
+        if found is None:
+            continue
+        if not found or me in {pid for pid, _ in found}:
             return [{"pid": pid, "name": _name(pid), "used_mib": round(mib, 1)}
                     for pid, mib in found if pid not in mine]
+        if len(found) == 1:  # listed under a pid of another namespace: this process alone
+            return []
+        return [{"pid": pid, "name": "another PID namespace", "used_mib": round(mib, 1)} for pid, mib in found]
     return None
 
 
