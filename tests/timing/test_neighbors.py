@@ -155,3 +155,19 @@ def test_a_second_cuda_process_is_seen_and_refused():
         child.wait()
     time.sleep(1.0)
     assert child.pid not in [p["pid"] for p in (neighbors(device_uuid(dev)) or [])]
+
+
+def test_a_resume_may_change_the_shared_gpu_policy(tmp_path):
+    """A policy of the run, not part of what is measured: the folder's campaign is the same."""
+    from sparsedecode.timing.campaign import prepare
+
+    body = ('name = "t"\nmodel = "smollm2-135m"\ninit = "random"\ndevice = "cpu"\nblocks = 1\n{extra}'
+            '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense"]\n')
+    first, second, other = tmp_path / "a.toml", tmp_path / "b.toml", tmp_path / "c.toml"
+    first.write_text(body.format(extra=""))
+    second.write_text(body.format(extra='shared_gpu = "allow"\n'))
+    other.write_text(body.format(extra="seed = 1\n"))
+    prepare(tmp_path / "run", first)
+    assert prepare(tmp_path / "run", second).shared_gpu == "allow"
+    with pytest.raises(InputError, match="differs in seed"):
+        prepare(tmp_path / "run", other)

@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from sparsedecode.errors import InputError
@@ -165,7 +165,9 @@ def prepare(folder: str | os.PathLike, spec_path: str | os.PathLike,
     spec = spec or load_spec(spec_path)
     saved = folder / SPEC_FILE
     if saved.is_file():
-        old = load_spec(saved)
+        # shared_gpu is a policy of the run, not part of what is measured (each record keeps its
+        # cell's policy and what it saw): a resume may change it
+        old = replace(load_spec(saved), shared_gpu=spec.shared_gpu)
         if old != spec:
             diff = [f.name for f in fields(CampaignSpec) if getattr(old, f.name) != getattr(spec, f.name)]
             raise InputError(
