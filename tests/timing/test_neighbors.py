@@ -32,6 +32,17 @@ def test_nvidia_smi_cannot_tell_for_a_mig_slice():
     assert _smi("MIG-1234") is None  # its rows name the parent GPU; never a false 'alone'
 
 
+def test_nvidia_smi_answers_only_for_a_gpu_it_names():
+    from sparsedecode.timing.neighbors import _smi
+
+    def query(*args):
+        return "GPU-1234\nGPU-9999\n" if args == ("--query-gpu=uuid",) else SMI
+
+    assert _smi(UUID, query) == [(4242, 2048.0), (6363, 0.0)]
+    assert _smi("GPU-5678", query) is None  # a UUID spelled otherwise than nvidia-smi spells it
+    assert _smi(UUID, lambda *args: None) is None  # nvidia-smi failed
+
+
 def test_neighbors_leave_out_this_process_and_its_ancestors():
     me = os.getpid()
     found = neighbors(UUID, probes=[lambda u: [(me, 500.0), (os.getppid(), 10.0), (4242, 2048.0)]])

@@ -89,15 +89,23 @@ def parse_smi(text: str, uuid: str) -> list[tuple[int, float]]:
     return out
 
 
-def _smi(uuid: str) -> list[tuple[int, float]] | None:
-    if uuid.startswith("MIG-"):  # nvidia-smi names the parent GPU of a MIG slice: it cannot tell
-        return None
+def _smi_query(*args: str) -> str | None:
     try:
-        res = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+        res = subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return parse_smi(res.stdout, uuid) if res.returncode == 0 else None
+    return res.stdout if res.returncode == 0 else None
+
+
+def _smi(uuid: str, query=_smi_query) -> list[tuple[int, float]] | None:
+    if uuid.startswith("MIG-"):  # nvidia-smi names the parent GPU of a MIG slice: it cannot tell
+        return None
+    gpus = query("--query-gpu=uuid")
+    if gpus is None or uuid not in {line.strip() for line in gpus.splitlines()}:
+        return None  # a GPU it does not name: no rows would match, which must not read as 'alone'
+    apps = query("--query-compute-apps=gpu_uuid,pid,used_memory")
+    return None if apps is None else parse_smi(apps, uuid)
 
 
 def neighbors(uuid: str | None, probes=(_nvml, _smi), me: int | None = None) -> list[dict] | None:
