@@ -182,3 +182,27 @@ def test_a_resume_may_change_the_shared_gpu_policy(tmp_path):
     assert prepare(tmp_path / "run", second).shared_gpu == "allow"
     with pytest.raises(InputError, match="differs in seed"):
         prepare(tmp_path / "run", other)
+
+
+def test_the_nvml_probe_reads_the_device_by_uuid_and_says_unknown_on_an_error(monkeypatch):
+    import types
+
+    from sparsedecode.timing.neighbors import _nvml
+
+    calls = []
+
+    def handle(uuid):
+        calls.append(uuid)
+        if uuid != UUID:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return "h"
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: calls.append("shutdown"), nvmlDeviceGetHandleByUUID=handle,
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [types.SimpleNamespace(pid=4242, usedGpuMemory=2**31),
+                                                        types.SimpleNamespace(pid=6363, usedGpuMemory=None)])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert _nvml(UUID) == [(4242, 2048.0), (6363, 0.0)]
+    assert _nvml("GPU-5678") is None and calls.count("shutdown") == 2
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert _nvml(UUID) is None
