@@ -88,6 +88,8 @@ def test_watched_off_cuda_runs_the_steps_and_sees_no_one():
     import torch
 
     assert watched(torch.device("cpu"), "refuse", lambda: [1.0]) == ([1.0], {"before": [], "after": []})
+    with pytest.raises(InputError, match="shared_gpu 'nope'"):
+        watched(torch.device("cpu"), "nope", lambda: pytest.fail("ran under a bad policy"))
 
 
 def test_the_policy_travels_from_the_spec_to_the_cell_command(tmp_path):

@@ -145,6 +145,7 @@ def check_alone(seen: list[dict] | None, policy: str) -> None:
 def watched(dev, policy: str, fn):
     """(fn(), {'before', 'after'}): the neighbors of a CUDA `dev` just before and after `fn`
     (the timed steps), refused before under the 'refuse' policy; ([], []) off CUDA."""
+    check_alone([], policy)  # the policy is checked on every device
     if dev.type != "cuda":
         return fn(), {"before": [], "after": []}
     uuid = device_uuid(dev)
