@@ -180,6 +180,10 @@ def test_the_results_page_renders_the_three_kinds(tmp_path):
     page = render(m)
     assert "both0.7/0.3 (ΔPPL +0.150" in page and "| llama-3.1-8b | proj0.5 / sel0.3 |" in page
     assert "| proj | 0.7 |" in page and str(tmp_path) not in page
+    assert "Figure 4 of each" not in page  # no report drawn for the crossing folder yet
+    (tmp_path / "c/report").mkdir()
+    (tmp_path / "c/report/fig4_advantage.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert "Figure 4 of each" in render(m) and "[c](../c/report/fig4_advantage.png)" in render(m)
     m.write_text('[[table]]\ntitle = "T2"\nconditions = "c"\nkind = "crossings"\nrecords = []\n')
     with pytest.raises(InputError, match="'records' must be a folder or a list"):
         render(m)

@@ -232,9 +232,13 @@ def _crossings_table(root: Path, t: dict) -> tuple[str, str]:
     from sparsedecode.report.crossings import crossings_table
 
     folders = _list(t, "records")
+    figures = [f for f in folders if (root / f / "report" / "fig4_advantage.png").is_file()]
     return crossings_table([root / f for f in folders]).replace(str(root) + "/", ""), (
         "Rebuilt by `sparsedecode report results`; each row is the crossing of "
-        + ", ".join(f"`sparsedecode report {f}`" for f in folders) + ".")
+        + ", ".join(f"`sparsedecode report {f}`" for f in folders) + "."
+        + ("" if not figures else " Figure 4 of each, as that command drew it (t_proj − t_sel against "
+           "context, the committed prediction and the measured crossing marked): "
+           + ", ".join(f"[{Path(f).name}](../{f}/report/fig4_advantage.png)" for f in figures) + "."))
 
 
 def _keep_costs_table(root: Path, t: dict) -> tuple[str, str]:
