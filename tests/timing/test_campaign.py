@@ -153,7 +153,7 @@ def test_plan_is_deterministic_and_varies_the_mode_order(tiny):
 
 # -- the executor, with a stand-in for the cell process ----------------------------------
 class FakeCells:
-    """Stands in for `_launch`: writes the record a cell process would, or fails, or stops."""
+    """Stands in for `launch`: writes the record a cell process would, or fails, or stops."""
 
     def __init__(self, fail=(), crash=(), interrupt_at=None):
         self.fail, self.crash, self.interrupt_at, self.calls = set(fail), set(crash), interrupt_at, []
@@ -193,7 +193,7 @@ def test_interrupted_campaign_resumes_without_redoing_finished_cells(tiny, tmp_p
     out = tmp_path / "run"
     names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
     fake = FakeCells(interrupt_at=3)
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
     assert s.interrupted and (s.ok, s.failed, s.pending) == (2, 0, 6)
     done = snapshot(out)
@@ -201,7 +201,7 @@ def test_interrupted_campaign_resumes_without_redoing_finished_cells(tiny, tmp_p
     assert (out / "spec.toml").read_text() == spec_path.read_text()
 
     fake = FakeCells()
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
     assert (s.ok, s.failed, s.skipped, s.interrupted) == (6, 0, 2, False)
     assert fake.calls == names[2:]  # only the rest ran, in plan order
@@ -221,7 +221,7 @@ def test_gpu_lanes_run_each_block_whole_on_one_gpu(tiny, tmp_path, monkeypatch):
     spec_path = write_spec(tmp_path, toml(tiny, 'device = "cuda"'))
     out = tmp_path / "run"
     fake = FakeCells()
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     _six_gpus(monkeypatch)
     s = run_campaign(spec_path, out, progress=False, echo=lambda line: None, gpus=["3", "5"])
     assert (s.ok, s.failed, s.pending) == (8, 0, 0)
@@ -238,21 +238,21 @@ def test_a_cuda_campaign_measures_the_ceiling_once_before_its_cells(tiny, tmp_pa
     spec_path = write_spec(tmp_path, toml(tiny, 'device = "cuda"'))
     out = tmp_path / "run"
     fake = FakeCells(interrupt_at=3)
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     run_campaign(spec_path, out, progress=False, echo=lambda line: None)
     assert fake.calls[0] == "ceiling.json" and (out / "ceiling.json").is_file()
     fake = FakeCells()
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     run_campaign(spec_path, out, progress=False, echo=lambda line: None)
     assert "ceiling.json" not in fake.calls and fake.calls  # kept on a resume
 
     said = []
     fake = FakeCells(crash={"ceiling"})
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     s = run_campaign(spec_path, tmp_path / "other", progress=False, echo=said.append)
     assert s.ok == 8 and any("ceiling was not measured" in line for line in said), said
     fake = FakeCells()
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     (tmp_path / "cpu").mkdir()
     run_campaign(write_spec(tmp_path / "cpu", toml(tiny)), tmp_path / "cpu_run", progress=False, echo=lambda line: None)
     assert "ceiling.json" not in fake.calls  # a CPU campaign has no GPU ceiling to measure
@@ -269,7 +269,7 @@ def test_bad_gpu_lists_are_refused(tiny, tmp_path, gpus, monkeypatch):
 def test_gpu_lanes_never_share_a_cpu_or_run_without_cuda(tiny, tmp_path, monkeypatch):
     """Two CPU cells at once would share the cores of one timing run: refused, not run."""
     fake = FakeCells()
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     with pytest.raises(InputError, match="share its cores"):
         run_campaign(write_spec(tmp_path, toml(tiny)), tmp_path / "run", progress=False, gpus=["0", "1"])
     import torch
@@ -286,7 +286,7 @@ def test_stop_after_leaves_the_rest_pending_for_a_resume(tiny, tmp_path, monkeyp
     spec_path = write_spec(tmp_path, toml(tiny))
     out = tmp_path / "run"
     fake = FakeCells()
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     s = run_campaign(spec_path, out, progress=False, echo=lambda line: None, stop_after=1e-9)
     assert (s.ok, s.pending, fake.calls) == (0, 8, [])
     s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
@@ -312,12 +312,12 @@ def test_a_cell_refused_on_a_shared_gpu_stops_its_lane_and_the_rest_stay_pending
             return super().__call__(argv, log, env, running)
 
     fake = Shared()
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     lines = []
     s = run_campaign(spec_path, out, progress=False, echo=lines.append)
     assert fake.calls == names[:3] and (s.ok, s.failed, s.pending) == (2, 1, len(names) - 3)
     assert "this lane stops" in lines[-1]
-    monkeypatch.setattr(campaign, "_launch", FakeCells())
+    monkeypatch.setattr(campaign, "launch", FakeCells())
     s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)  # the GPU is free again
     assert (s.ok, s.skipped, s.retried, s.pending) == (len(names) - 2, 2, 1, 0)
 
@@ -327,7 +327,7 @@ def test_failed_cells_are_recorded_the_campaign_goes_on_and_they_are_retried(tin
     out = tmp_path / "run"
     names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
     fake = FakeCells(fail={names[1]}, crash={names[4]})
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     lines = []
     s = run_campaign(spec_path, out, progress=False, echo=lines.append)
     assert (s.ok, s.failed, s.skipped) == (6, 2, 0) and fake.calls == names  # went on after both
@@ -338,7 +338,7 @@ def test_failed_cells_are_recorded_the_campaign_goes_on_and_they_are_retried(tin
     assert st["groups"]["sweep"] == {"done": 6, "failed": 2, "pending": 0}
 
     fake = FakeCells()
-    monkeypatch.setattr(campaign, "_launch", fake)
+    monkeypatch.setattr(campaign, "launch", fake)
     s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
     assert (s.ok, s.failed, s.skipped, s.retried) == (2, 0, 6, 2)
     assert sorted(fake.calls) == sorted([names[1], names[4]])
@@ -349,7 +349,7 @@ def test_failed_cells_are_recorded_the_campaign_goes_on_and_they_are_retried(tin
 
 
 def test_a_different_spec_is_refused_in_an_existing_folder(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(campaign, "_launch", FakeCells())
+    monkeypatch.setattr(campaign, "launch", FakeCells())
     out = tmp_path / "run"
     run_campaign(write_spec(tmp_path, toml(tiny)), out, progress=False, max_cells=1, echo=lambda line: None)
     other = tmp_path / "other.toml"
@@ -365,7 +365,7 @@ def test_a_different_spec_is_refused_in_an_existing_folder(tiny, tmp_path, monke
 
 
 def test_a_spec_failing_the_cell_checks_does_not_bind_the_folder(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(campaign, "_launch", FakeCells())
+    monkeypatch.setattr(campaign, "launch", FakeCells())
     out = tmp_path / "run"
     bad = write_spec(tmp_path, toml(tiny, grids='[[grid]]\ngroup = "sweep"\ncontexts = [64]\n'
                                              'modes = ["dense", "sel0.3"]\n'))
@@ -380,7 +380,7 @@ def test_campaign_cli_exit_codes_and_status(tiny, tmp_path, monkeypatch):
     spec_path = write_spec(tmp_path, toml(tiny))
     out = tmp_path / "run"
     names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
-    monkeypatch.setattr(campaign, "_launch", FakeCells(fail={names[0]}))
+    monkeypatch.setattr(campaign, "launch", FakeCells(fail={names[0]}))
     res = CliRunner().invoke(app, ["campaign", "run", str(spec_path), "--out", str(out), "--max-cells", "3", "--json"])
     assert res.exit_code == 1, res.output  # a failed cell makes the run fail
     assert json.loads(res.stdout)["failed"] == 1

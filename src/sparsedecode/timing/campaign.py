@@ -45,7 +45,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,6 +56,7 @@ from pathlib import Path
 from sparsedecode.errors import InputError
 from sparsedecode.timing.cell import CellSpec, model_window
 from sparsedecode.timing.neighbors import REFUSED
+from sparsedecode.timing.processes import TermAsInterrupt, launch, stop
 from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is part of a campaign)
     _SAFE,
     DTYPES,
@@ -293,7 +293,7 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
         summary.pending = len(todo) - max_cells
         todo = todo[:max_cells]
     stop_at = None if stop_after is None else time.monotonic() + stop_after
-    with _TermAsInterrupt():
+    with TermAsInterrupt():
         if executor == "local":
             if todo and spec.device.startswith("cuda"):
                 try:
@@ -338,70 +338,9 @@ def _measure_ceiling(spec, folder: Path, python: str | None, echo) -> None:
         return
     argv = [python or sys.executable, "-m", "sparsedecode", "bench", "ceiling", "--device", spec.device,
             "--dtype", spec.dtype, "--shared-gpu", spec.shared_gpu, "--out", str(out)]
-    if _launch(argv, folder / "logs" / "ceiling.log") != 0 or not out.exists():
+    if launch(argv, folder / "logs" / "ceiling.log") != 0 or not out.exists():
         echo(f"the bandwidth ceiling was not measured (see {folder / 'logs' / 'ceiling.log'}): "
              "% of ceiling stays blank in the report")
-
-
-def _launch(argv: list[str], log: Path, env: dict | None = None, running: set | None = None) -> int:
-    """Run one cell process, its output appended to `log`; its exit code. On Ctrl-C the
-    child (which got the signal too) is given a moment to stop, then killed. `running`
-    holds the live processes of every lane, so that the main thread can stop them."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as f:
-        f.write(f"$ {' '.join(argv)}\n".encode())
-        f.flush()
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
-        if running is not None:
-            running.add(proc)
-        try:
-            while True:  # short waits: Ray's cancel raises in the task's thread between bytecodes
-                try:
-                    return proc.wait(timeout=0.5)
-                except subprocess.TimeoutExpired:
-                    continue
-        except BaseException:
-            _stop(proc)
-            raise
-        finally:
-            if running is not None:
-                running.discard(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop a cell process: SIGINT (what Ctrl-C gave it already), then SIGTERM, then SIGKILL;
-    it leaves no record. A campaign started as a background job has SIGINT ignored, and so has
-    its child: it gets SIGTERM at once."""
-    first = () if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else ((signal.SIGINT, 2.0),)  # inherited
-    for sig, grace in (*first, (signal.SIGTERM, 8.0), (signal.SIGKILL, None)):
-        if proc.poll() is not None:
-            return
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-
-
-class _TermAsInterrupt:
-    """While a campaign runs, SIGTERM raises KeyboardInterrupt in the main thread, so it stops
-    the campaign as Ctrl-C does (the running cells stopped, no record, the summary says
-    interrupted). Outside the main thread signals cannot be set, and this does nothing."""
-
-    def __enter__(self):
-        self.old = None
-        if threading.current_thread() is threading.main_thread():
-            self.old = signal.signal(signal.SIGTERM, self._raise)
-        return self
-
-    @staticmethod
-    def _raise(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGTERM, self.old)
-        return False
 
 
 def _log_path(folder: Path, cell: CellSpec) -> Path:
@@ -469,7 +408,7 @@ def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, py
                                     + (f" gpu{gpu}" if gpu is not None else ""))
             log = _log_path(folder, cell)
             start = log.stat().st_size if log.exists() else 0
-            rc = _launch(cell_argv(cell, record_path(folder, cell), python), log, env, running)
+            rc = launch(cell_argv(cell, record_path(folder, cell), python), log, env, running)
             if halt.is_set():  # stopped by Ctrl-C: whatever it wrote stays, a missing record reruns
                 return
             with lock:
@@ -497,7 +436,7 @@ def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, py
         summary.interrupted = True
         halt.set()
         for proc in list(running):
-            _stop(proc)
+            stop(proc)
         for t in threads:
             if t.is_alive():
                 t.join()
@@ -507,7 +446,7 @@ def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, py
 
 
 def _ray_cell(argv: list[str], log: str) -> int:
-    return _launch(argv, Path(log))
+    return launch(argv, Path(log))
 
 
 def _run_ray(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, python, progress, echo):
@@ -527,7 +466,7 @@ def _run_ray(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, pyth
         finally:
             if ignored:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with _TermAsInterrupt():  # ray.init installs its own SIGTERM handler, which would just exit
+    with TermAsInterrupt():  # ray.init installs its own SIGTERM handler, which would just exit
         _ray_cells(ray, spec, folder, todo, summary, python=python, progress=progress, echo=echo)
 
 
@@ -561,7 +500,7 @@ def _ray_cells(ray, spec, folder: Path, todo: list[CellSpec], summary: Summary, 
     except KeyboardInterrupt:
         # Not force=True: that ends a worker at once and orphans the cell process it launched,
         # which would run on (on the GPU) after the campaign says it stopped. Without force a
-        # running task gets KeyboardInterrupt, and `_launch` stops its cell before it returns.
+        # running task gets KeyboardInterrupt, and `launch` stops its cell before it returns.
         for ref in refs:
             ray.cancel(ref)
         ray.wait(list(refs), num_returns=len(refs), timeout=30)
