@@ -44,12 +44,13 @@ def measure_ceiling(device: str = "auto", dtype: str = "auto", gib: float = 1.0,
         for _ in range(calls):
             torch.mv(w, x, out=y)
 
-    if dev.type == "cuda":
-        seconds, seen = watched(dev, shared_gpu, lambda: time_graph(run, replays, per_replay=calls))
-    else:
-        seconds, seen = watched(dev, shared_gpu, lambda: [
-            ms / 1e3 for ms in time_blocks(lambda: torch.mv(w, x, out=y), warmup=2, repeats=replays, steps=calls,
-                                           cuda=False)])
+    def timed() -> list[float]:
+        if dev.type == "cuda":
+            return time_graph(run, replays, per_replay=calls)
+        return [ms / 1e3 for ms in time_blocks(lambda: torch.mv(w, x, out=y), warmup=2, repeats=replays,
+                                               steps=calls, cuda=False)]
+
+    seconds, seen = watched(dev, shared_gpu, timed)
     gbps = [nbytes / s / 1e9 for s in seconds]
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     return stamp({

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from sparsedecode.account.units import check_keep
 from sparsedecode.errors import InputError
-from sparsedecode.timing.neighbors import SHARED_GPU, check_alone, device_uuid, neighbors, watched
+from sparsedecode.timing.neighbors import check_alone, device_uuid, neighbors, watched
 
 ATTENTION = ("split_k", "sdpa_masked", "sdpa_fused")
 FILLS = ("prefill", "random")
@@ -178,8 +178,7 @@ class CellSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InputError(f"{name} must be an integer >= {low}, got {v!r}")
-        if self.shared_gpu not in SHARED_GPU:
-            raise InputError(f"shared_gpu '{self.shared_gpu}' is not one of {', '.join(SHARED_GPU)}")
+        check_alone([], self.shared_gpu)  # the policy's own check
         if self.profile >= self.generated:
             raise InputError(f"profile {self.profile} steps: a cell decodes {self.generated} tokens "
                              "(warmup + repeats x steps) and profiles after one unprofiled step; "
