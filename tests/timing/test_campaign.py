@@ -293,25 +293,56 @@ def test_stop_after_leaves_the_rest_pending_for_a_resume(tiny, tmp_path, monkeyp
     assert (s.ok, s.skipped, s.pending) == (8, 0, 0)
 
 
-def test_a_cell_refused_on_a_shared_gpu_stops_its_lane_and_the_rest_stay_pending(tiny, tmp_path, monkeypatch):
-    """Every later cell would be refused too: the lane stops rather than failing them one by one."""
+class Shared(FakeCells):
+    """A cell that refuses its GPU (timing.neighbors.SharedGpu), as `bench cell` records it."""
+
+    def __init__(self, name, **kw):
+        super().__init__(**kw)
+        self.shared = name
+
+    def __call__(self, argv, log, env=None, running=None):
+        path = Path(argv[argv.index("--out") + 1])
+        if path.name != self.shared:
+            return super().__call__(argv, log, env, running)
+        from sparsedecode.timing.cell import failed_record
+        from sparsedecode.timing.neighbors import SharedGpu, check_alone
+
+        self.calls.append(path.name)
+        try:
+            check_alone([{"pid": 77, "name": "python3", "used_mib": 900.0}], "refuse")
+        except SharedGpu as e:
+            write_record(path, failed_record({"group": "sweep"}, e))
+        return 2
+
+
+def test_a_failure_that_only_mentions_a_shared_gpu_is_not_a_refusal(tiny, tmp_path, monkeypatch):
+    """The lane stops on the record's 'refused' field, never on words in an error message."""
     from sparsedecode.timing.neighbors import REFUSED
 
     spec_path = write_spec(tmp_path, toml(tiny))
     out = tmp_path / "run"
     names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
 
-    class Shared(FakeCells):
+    class Mentions(FakeCells):
         def __call__(self, argv, log, env=None, running=None):
             path = Path(argv[argv.index("--out") + 1])
-            if path.name == names[2]:
+            if path.name == names[1]:
                 self.calls.append(path.name)
-                write_record(path, {"kind": "timing_cell", "status": "failed",
-                                    "error": f"InputError: {REFUSED} pid 77 (python3, 900 MiB): ..."})
-                return 2
+                write_record(path, {"kind": "timing_cell", "status": "failed", "error": f"RuntimeError: {REFUSED} x"})
+                return 1
             return super().__call__(argv, log, env, running)
 
-    fake = Shared()
+    monkeypatch.setattr(campaign, "launch", Mentions())
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert (s.ok, s.failed, s.pending) == (len(names) - 1, 1, 0)
+
+
+def test_a_cell_refused_on_a_shared_gpu_stops_its_lane_and_the_rest_stay_pending(tiny, tmp_path, monkeypatch):
+    """Every later cell would be refused too: the lane stops rather than failing them one by one."""
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
+    fake = Shared(names[2])
     monkeypatch.setattr(campaign, "launch", fake)
     lines = []
     s = run_campaign(spec_path, out, progress=False, echo=lines.append)
@@ -406,6 +437,68 @@ def test_ray_executor_without_ray_says_how_to_get_it(tiny, tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
     with pytest.raises(InputError, match="needs Ray"):
         run_campaign(write_spec(tmp_path, toml(tiny)), tmp_path / "run", executor="ray", progress=False)
+
+
+class StandInRay:
+    """Just what the Ray executor calls, run in this process: a task 'runs' when `wait` takes
+    it, oldest first; `in_flight` is the most tasks submitted and not yet taken at once."""
+
+    def __init__(self, gpus: int):
+        self.gpus, self.refs, self.in_flight, self.ran = gpus, [], 0, []
+
+    def cluster_resources(self):
+        return {"CPU": 8.0, "GPU": float(self.gpus)}
+
+    def nodes(self):
+        return [{"Alive": True, "Resources": self.cluster_resources()}]
+
+    def is_initialized(self):
+        return True
+
+    def remote(self, **_):
+        ray = self
+
+        class Task:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def remote(self, *args):
+                fn = self.fn
+                ref = (len(ray.ran) + len(ray.refs), lambda: fn(*args))
+                ray.refs.append(ref)
+                ray.in_flight = max(ray.in_flight, len(ray.refs))
+                return ref
+
+        return Task
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        ref = self.refs.pop(0)
+        self.ran.append(ref[1]())
+        return [ref], []
+
+    def get(self, ref):
+        return self.ran[ref[0]]
+
+    def cancel(self, ref):
+        raise AssertionError("nothing is cancelled unless interrupted")
+
+
+def test_ray_gets_a_cell_per_gpu_at_a_time_and_starts_none_after_a_refusal(tiny, tmp_path, monkeypatch):
+    """Two GPUs: two cells in flight; the third refuses its GPU, so the fourth (already
+    running) finishes and the other four stay pending; a resume, the GPU free, runs them."""
+    spec_path = write_spec(tmp_path, toml(tiny, 'device = "auto"'))
+    out = tmp_path / "run"
+    names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
+    fake, ray, lines = Shared(names[2]), StandInRay(gpus=2), []
+    monkeypatch.setattr(campaign, "launch", fake)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    s = run_campaign(spec_path, out, executor="ray", progress=False, echo=lines.append)
+    assert ray.in_flight == 2 and fake.calls == names[:4]
+    assert (s.ok, s.failed, s.pending) == (3, 1, 4) and "no further cell starts" in lines[-2]
+    monkeypatch.setattr(campaign, "launch", FakeCells())
+    monkeypatch.setitem(sys.modules, "ray", StandInRay(gpus=2))
+    s = run_campaign(spec_path, out, executor="ray", progress=False, echo=lines.append)
+    assert (s.ok, s.skipped, s.retried, s.pending) == (5, 3, 1, 0)
 
 
 # -- end to end: real cell processes ------------------------------------------------------

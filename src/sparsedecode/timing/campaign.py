@@ -19,7 +19,13 @@ Executors: `local` runs the pending cells one after another, each as a fresh
 a Ray task holding one GPU (none on CPU) that launches the same process. Ray
 spreads the cells of one block over the GPUs it has, so the paired ratios then
 also carry GPU-to-GPU variation: on a multi-GPU host prefer identical GPUs, or
-the local executor, which keeps a block on one GPU as App. A does.
+the local executor, which keeps a block on one GPU as App. A does. Ray gets
+only as many cells at once as it has GPUs (nodes, for CPU cells).
+
+A cell that finds another process on its GPU refuses to time (timing.neighbors)
+and its failed record says `"refused": "shared_gpu"`: a local lane then stops
+there, and the Ray executor starts no further cell; what did not run stays
+pending for a resume.
 
 On a host with several GPUs, `gpus=["0", "1"]` runs one lane per GPU at once,
 block b on GPU b mod len(gpus) (CUDA_VISIBLE_DEVICES), each lane one cell
@@ -55,7 +61,6 @@ from pathlib import Path
 
 from sparsedecode.errors import InputError
 from sparsedecode.timing.cell import CellSpec, model_window
-from sparsedecode.timing.neighbors import REFUSED
 from sparsedecode.timing.processes import TermAsInterrupt, launch, stop
 from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is part of a campaign)
     _SAFE,
@@ -381,6 +386,11 @@ def _tally(summary: Summary, cell: CellSpec, rec: dict, echo) -> None:
         echo(f"{where}: FAILED: {error}")
 
 
+def refused(rec: dict) -> bool:
+    """A cell that refused a shared GPU (timing.neighbors.SharedGpu): its GPU would refuse the next too."""
+    return rec.get("status") != "ok" and rec.get("refused") == "shared_gpu"
+
+
 def _first_line(error) -> str:
     """The first line of an error message (torch.compile errors run to pages)."""
     lines = str(error or "no error message").strip().splitlines()
@@ -416,8 +426,7 @@ def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, py
                 _tally(summary, cell, rec, echo)
                 finished[0] += 1
                 bar.update()
-            if rec.get("status") != "ok" and REFUSED in str(rec.get("error")):
-                # every later cell of this lane would be refused too: stop, leave them pending
+            if refused(rec):  # every later cell of this lane would be refused too: leave them pending
                 echo(f"{'GPU ' + gpu if gpu is not None else 'the GPU'} is shared with another process: "
                      "this lane stops and its cells stay pending; resume when the GPU is free")
                 return
@@ -473,30 +482,44 @@ def _run_ray(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, pyth
 def _ray_cells(ray, spec, folder: Path, todo: list[CellSpec], summary: Summary, *, python, progress, echo):
     from tqdm.auto import tqdm
 
+    resources = ray.cluster_resources()
     gpus = 0 if spec.device == "cpu" else 1
-    if spec.device == "auto" and not ray.cluster_resources().get("GPU"):
+    if spec.device == "auto" and not resources.get("GPU"):
         gpus = 0
+    alive = [n for n in ray.nodes() if n.get("Alive")]
     # A GPU cell takes one GPU. A CPU cell takes every CPU of the smallest node, so no two CPU
     # timing runs ever share the cores of one machine (as the local executor runs them).
-    cpus = 1 if gpus else min(n["Resources"].get("CPU", 1) for n in ray.nodes() if n.get("Alive"))
+    cpus = 1 if gpus else min(n["Resources"].get("CPU", 1) for n in alive)
+    # Only as many cells in flight as the cluster runs at once: the rest wait here, not in
+    # Ray's queue, so a refused GPU (another process on it) can hold them back.
+    slots = max(1, int(resources.get("GPU", 0)) if gpus else len(alive))
     task = ray.remote(num_gpus=gpus, num_cpus=cpus)(_ray_cell)
     bar = tqdm(total=len(todo), unit="cell", desc=spec.name, disable=not progress)
     echo = echo or bar.write
-    starts = {}
-    refs = {}
-    for cell in todo:
-        log = _log_path(folder, cell)
-        starts[cell.order] = log.stat().st_size if log.exists() else 0
-        refs[task.remote(cell_argv(cell, record_path(folder, cell), python), str(log))] = cell
+    queue, starts, refs, halted = list(todo), {}, {}, False
+
+    def submit() -> None:
+        while queue and len(refs) < slots and not halted:
+            cell = queue.pop(0)
+            log = _log_path(folder, cell)
+            starts[cell.order] = log.stat().st_size if log.exists() else 0
+            refs[task.remote(cell_argv(cell, record_path(folder, cell), python), str(log))] = cell
+
     try:
+        submit()
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)  # short: signals run between waits
             if not done:
                 continue
             cell = refs.pop(done[0])
-            rc = ray.get(done[0])
-            _tally(summary, cell, _settle(folder, cell, rc, starts[cell.order]), echo)
+            rec = _settle(folder, cell, ray.get(done[0]), starts[cell.order])
+            _tally(summary, cell, rec, echo)
             bar.update()
+            if refused(rec) and not halted:
+                halted = True
+                echo("a GPU of the cluster is shared with another process: no further cell starts, the "
+                     "running ones finish and the rest stay pending; resume when it is free")
+            submit()
     except KeyboardInterrupt:
         # Not force=True: that ends a worker at once and orphans the cell process it launched,
         # which would run on (on the GPU) after the campaign says it stopped. Without force a
@@ -508,6 +531,7 @@ def _ray_cells(ray, spec, folder: Path, todo: list[CellSpec], summary: Summary, 
         summary.pending += len(refs)
     finally:
         bar.close()
+    summary.pending += len(queue)
 
 
 # -- status --------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from sparsedecode.account.units import check_keep
 from sparsedecode.errors import InputError
-from sparsedecode.timing.neighbors import check_alone, device_uuid, neighbors, watched
+from sparsedecode.timing.neighbors import SharedGpu, check_alone, device_uuid, neighbors, watched
 
 ATTENTION = ("split_k", "sdpa_masked", "sdpa_fused")
 FILLS = ("prefill", "random")
@@ -433,7 +433,8 @@ def failed_record(fields: dict, exc: BaseException, lines: int = 20) -> dict:
     from sparsedecode.records import stamp
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip().splitlines()
-    return stamp({"kind": "timing_cell", "status": "failed", **fields,
+    refused = {"refused": "shared_gpu"} if isinstance(exc, SharedGpu) else {}  # not the cell's fault
+    return stamp({"kind": "timing_cell", "status": "failed", **fields, **refused,
                   "error": f"{type(exc).__name__}: {exc}", "traceback": "\n".join(tb[-lines:])})
 
 

@@ -22,7 +22,12 @@ from pathlib import Path
 from sparsedecode.errors import InputError
 
 SHARED_GPU = ("refuse", "allow")
-REFUSED = "the GPU is shared with"  # how a refusal begins: a campaign stops its lane on it
+REFUSED = "the GPU is shared with"  # how a refusal's message begins
+
+
+class SharedGpu(InputError):
+    """A timing cell refused a GPU that other processes hold: its failed record says
+    `"refused": "shared_gpu"`, on which a campaign stops scheduling that GPU's cells."""
 
 
 def device_uuid(dev) -> str | None:
@@ -137,7 +142,7 @@ def check_alone(seen: list[dict] | None, policy: str) -> None:
         raise InputError(f"shared_gpu '{policy}' is not one of {', '.join(SHARED_GPU)}")
     if seen and policy == "refuse":
         who = ", ".join(f"pid {p['pid']} ({p['name']}, {p['used_mib']:.0f} MiB)" for p in seen)
-        raise InputError(f"{REFUSED} {who}: a timing cell needs it alone (stop them; "
+        raise SharedGpu(f"{REFUSED} {who}: a timing cell needs it alone (stop them; "
                          "`nvidia-smi` lists them), or set shared_gpu = \"allow\" (`--shared-gpu allow`) "
                          "to time anyway, and the record names them")
 
@@ -155,4 +160,4 @@ def watched(dev, policy: str, fn):
     return out, {"before": before, "after": neighbors(uuid)}
 
 
-__all__ = ["REFUSED", "SHARED_GPU", "check_alone", "device_uuid", "neighbors", "parse_smi", "watched"]
+__all__ = ["REFUSED", "SHARED_GPU", "SharedGpu", "check_alone", "device_uuid", "neighbors", "parse_smi", "watched"]
