@@ -353,3 +353,25 @@ def test_a_peer_alone_at_a_context_is_not_a_dense_steps_row(tmp_path):
         _write(root, "graph", "dense", 2048, b, 5.0, impl="graph")
         _write(root, "transformers", "dense", 2048, b, 6.0, impl="transformers")
     assert build_report(load_cells(root))["dense_steps"] == []
+
+
+def test_the_report_says_where_each_cells_device_time_went(tmp_path):
+    """Means over cells of the recorded one-time parts and their phases, the timed steps at the
+    measured step time, the median gap between records and what the records do not account for."""
+    from sparsedecode.report.timing_report import build_report, render_markdown
+
+    root = tmp_path / "overhead"
+    spec = {"warmup": 5, "repeats": 5, "steps": 50}  # 255 steps: 2.55 s at 10 ms
+    for k, (cell, cap) in enumerate((("dense", 10.0), ("proj50", 20.0))):
+        _write(root, "g", cell, 4096, 0, 10.0, spec=spec, timestamp=f"2026-01-01T00:00:{30 * k:02d}+00:00",
+               one_time={"load_s": 6.0, "prefill_s": 0.5, "capture_s": cap},
+               phases={"load": {"build_s": 4.0, "engine_s": 2.0}, "capture": {"first_call_s": cap - 1}})
+    o = build_report(load_cells(root))["overhead"]
+    parts = {name: v for name, v, _ in o["parts"]}
+    assert parts["capture"] == 15.0 and parts["capture: first_call"] == 14.0 and parts["load: build"] == 4.0
+    assert [name for name, _, _ in o["parts"]][:3] == ["load", "load: build", "load: engine"]
+    assert o["timed_s"] == pytest.approx(2.55) and o["gap_s"] == 30.0
+    assert o["rest_s"] == pytest.approx(30.0 - 6.0 - 0.5 - 15.0 - 2.55)
+    md = render_markdown(build_report(load_cells(root)))
+    assert "| capture: first_call | 14.00 | 2 |" in md and "| the rest of the gap" in md
+    assert build_report(load_cells(RECORDS / "crossing_a100_1"))["overhead"] is None  # the paper's keep none

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from sparsedecode.report.overhead import overhead_md
+
 
 def fmt_ctx(n: float) -> str:
     """2048 -> '2K', 76069 -> '74.3K' (K = 1,024 tokens, §3)."""
@@ -180,6 +182,7 @@ def render_markdown(rep: dict) -> str:
             out.append(f"\n{nb['unknown']} probed cell(s) could not tell (no NVML, no nvidia-smi).")
         if nb["no_probe"]:
             out.append(f"\n{nb['no_probe']} cell(s) carry no probe (timed before cells looked).")
+    out += overhead_md(rep.get("overhead"))
     out += ["", "## Missing pairs (sparse cells without a dense cell of the same group, context "
             "and block)", ""]
     listed = [m for m in rep["missing"] if m["group"] not in rep["groups_without_dense"]]

@@ -37,6 +37,7 @@ import numpy as np
 
 from sparsedecode.account import bounds, crossover, step_bytes
 from sparsedecode.errors import InputError
+from sparsedecode.report.overhead import cell_overhead
 from sparsedecode.report.timing_markdown import fmt_ctx, render_markdown  # noqa: F401 (re-exported)
 from sparsedecode.timing import stats
 from sparsedecode.timing.cells import CampaignCells
@@ -549,6 +550,7 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None, ceiling=None
         "groups_without_dense": no_dense,
         "retired": cc.retired,
         "gpu_neighbors": _neighbors(cc),
+        "overhead": cell_overhead(cc),
     }
 
 

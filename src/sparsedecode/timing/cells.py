@@ -68,6 +68,7 @@ _EXTRAS: dict[str, tuple[type, ...]] = {
     "profile": (dict,),
     "phases": (dict,),
     "gpu_neighbors": (dict,),
+    "timestamp": (str,),
 }
 
 
@@ -99,6 +100,9 @@ class CellExtras:
     dense_step: str | None = None  # what runs the projections that hold no threshold
     profile: dict | None = None  # the step under torch.profiler (timing.profile), when asked
     gpu_neighbors: dict | None = None  # timing.neighbors: {'before', 'after'} the timed steps; None = no probe
+    phases: dict | None = None  # where load and capture went: {'load': {...}, 'capture': {...}} (seconds)
+    timestamp: str | None = None  # when the record was written (ISO 8601)
+    timed_steps: int | None = None  # warm-up + repeats x steps of the cell spec, the steps it timed or warmed
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,9 @@ def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtra
         dense_step=x["dense_step"],
         profile=x["profile"],
         gpu_neighbors=x["gpu_neighbors"],
+        phases=x["phases"],
+        timestamp=x["timestamp"],
+        timed_steps=_spec_steps(obj),
     )
     return cell, extras
 
@@ -229,6 +236,15 @@ def _spec_obs(obj: dict) -> int | None:
     spec = obj.get("spec")
     obs = spec.get("obs") if isinstance(spec, dict) else None
     return obs if isinstance(obs, int) and not isinstance(obs, bool) else None
+
+
+def _spec_steps(obj: dict) -> int | None:
+    """warm-up + repeats x steps of the record's cell spec, when it has them."""
+    spec = obj.get("spec")
+    got = [spec.get(k) if isinstance(spec, dict) else None for k in ("warmup", "repeats", "steps")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in got):
+        return None
+    return got[0] + got[1] * got[2]
 
 
 def _failed_cell(obj: dict, path: Path) -> FailedCell:
