@@ -2,7 +2,7 @@
 fresh process with full-graph compilation, so most of a cell is not its timed steps).
 
 `cell_overhead` averages, over a campaign's cells, the one-time parts each record keeps
-(`one_time`: load, calibrate, prefill, select, capture) and where load and capture went
+(`one_time`: process start, CUDA init, load, calibrate, prefill, select, keep, capture, after) and where load and capture went
 (`phases`: build, cache, warm_kv; first call, warm-up, graph), beside the timed steps
 themselves (warm-up + repeats x steps at the measured step time) and the median gap
 between consecutive records, which holds a cell's whole cost (process start and imports
@@ -16,6 +16,10 @@ import statistics
 
 from sparsedecode.timing.campaign import cell_seconds
 from sparsedecode.timing.cells import CampaignCells
+
+# one_time's keys in the order a cell runs them (timing.cell.run_cell); older records lack some
+ORDER = ("start_s", "cuda_init_s", "load_s", "calibrate_s", "prefill_s", "select_s", "select_warm_s",
+         "keep_s", "capture_s", "after_s")
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -31,9 +35,11 @@ def cell_overhead(cc: CampaignCells) -> dict | None:
     if not xs:
         return None
     parts: list[tuple[str, float | None, int]] = []
-    for key in ("load_s", "calibrate_s", "prefill_s", "select_s", "capture_s"):
+    keys = list(dict.fromkeys([*ORDER, *(k for _, x in xs for k in x.one_time)]))
+    for key in keys:
         vals = [float(x.one_time[key]) for _, x in xs if isinstance(x.one_time.get(key), int | float)]
-        parts.append((key.removesuffix("_s"), _mean(vals), len(vals)))
+        if vals:
+            parts.append((key.removesuffix("_s"), _mean(vals), len(vals)))
         phase = {"load_s": "load", "capture_s": "capture"}.get(key)
         if phase is None:
             continue
@@ -41,10 +47,11 @@ def cell_overhead(cc: CampaignCells) -> dict | None:
         for name in names:
             vals = [float(v) for _, x in xs
                     if isinstance(v := ((x.phases or {}).get(phase) or {}).get(name), int | float)]
-            parts.append((f"{phase}: {name.removesuffix('_s')}", _mean(vals), len(vals)))
+            if vals:
+                parts.append((f"{phase}: {name.removesuffix('_s')}", _mean(vals), len(vals)))
     timed = [x.timed_steps * c.ms_per_token / 1e3 for c, x in xs if x.timed_steps]
     gap, gaps = cell_seconds([x.timestamp for _, x in xs])
-    top = [v for name, v, k in parts if ":" not in name and k]  # a part no record keeps counts as none
+    top = [v for name, v, _ in parts if ":" not in name]  # a part no record keeps counts as none
     rest = None if gap is None or not timed else gap - sum(top) - _mean(timed)
     return {"cells": len(xs), "parts": parts, "timed_s": _mean(timed), "timed_cells": len(timed),
             "gap_s": gap, "gaps": gaps, "rest_s": rest}
@@ -57,14 +64,17 @@ def overhead_md(o: dict | None) -> list[str]:
     f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     out = ["", f"## Where each cell's device time went (mean seconds over {o['cells']} cells)", "",
            "| part | s per cell | cells |", "|---|---|---|"]
-    out += [f"| {name} | {f(v)} | {k} |" for name, v, k in o["parts"] if k]
+    out += [f"| {name} | {f(v)} | {k} |" for name, v, k in o["parts"]]
     out.append(f"| timed steps (warm-up + repeats × steps) | {f(o['timed_s'])} | {o['timed_cells']} |")
     if o["gap_s"] is not None:
         out.append(f"| whole cell: median gap between consecutive records | {f(o['gap_s'])} | {o['gaps']} gaps |")
     if o.get("rest_s") is not None:
-        out.append(f"| the rest of the gap (process start, imports, GPU probes, keep tracking) | {f(o['rest_s'])} | |")
-    out += ["", "The gap holds a cell's whole cost (process start, imports, GPU probes) when cells run one "
-            "after another; with several lanes at once it is shorter than a cell."]
+        out.append(f"| the rest of the gap, in no record | {f(o['rest_s'])} | |")
+    out += ["", "start: the process's start and imports; cuda_init: the CUDA context and the neighbor probe; "
+            "select_warm: the same selection again; keep: the eager steps that measure the realized projection "
+            "keep; after: bounds and the record. The gap holds a cell's whole cost when cells run one after "
+            "another; with several lanes at once it is shorter than a cell. Records timed before a part was "
+            "recorded leave it out (its cells column)."]
     return out
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from sparsedecode.account.units import check_keep
 from sparsedecode.errors import InputError
+from sparsedecode.timing.clock import process_age_s
 from sparsedecode.timing.neighbors import SharedGpu, check_alone, device_uuid, neighbors, watched
 
 ATTENTION = ("split_k", "sdpa_masked", "sdpa_fused")
@@ -286,15 +287,18 @@ def run_cell(spec: CellSpec, log=None) -> dict:
 
         return run_peer_cell(spec, log)
     say = log or (lambda line: None)
+    started = process_age_s()  # the process's start and imports: part of what a cell costs
     mode = spec.parsed
     check_fits(spec)
     n, generated = spec.context, spec.generated
     dev = resolve_device(spec.device)
     cuda = dev.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    t = time.perf_counter()
     if cuda:  # refuse before loading; watched() looks again just before and after the timed steps
         torch.empty(1, device=dev)  # hold a context first, as neighbors() assumes
         check_alone(neighbors(device_uuid(dev)), spec.shared_gpu)
+    cuda_init_s = time.perf_counter() - t
 
     # sdpa_fused slices the cache with host bounds: compiled with a dynamic length, but no CUDA
     # graph can hold a slice whose shape changes every step (the record's runtime says so).
@@ -304,8 +308,11 @@ def run_cell(spec: CellSpec, log=None) -> dict:
                             attention=spec.attention, compile=compile_, seed=spec.seed, quiet=True,
                             kernels=spec.kernel_options)
     sync()
-    one_time = {"load_s": time.perf_counter() - t, "prefill_s": 0.0, "calibrate_s": 0.0,
-                "select_s": 0.0, "capture_s": 0.0}
+    # where a cell's time goes, in run order (report.overhead): process start to here, the CUDA
+    # context and the neighbor probe, then each stage; after_s is the end (bounds, the record)
+    one_time = {"start_s": started, "cuda_init_s": cuda_init_s, "load_s": time.perf_counter() - t,
+                "calibrate_s": 0.0, "prefill_s": 0.0, "select_s": 0.0, "select_warm_s": 0.0,
+                "keep_s": 0.0, "capture_s": 0.0, "after_s": 0.0}
     say(f"loaded {eng!r} in {one_time['load_s']:.1f} s")
     ids, stream = _stream(eng, spec)
 
@@ -334,8 +341,13 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         again = eng.select_kv(mode.kv_method, mode.kv_keep, generated, window=spec.obs)
         selection = {"first_s": sel.select_s, "first_phases": sel.phases,
                      "warm_s": again.select_s, "warm_phases": again.phases}
-    realized = (_tracked_keep(eng, thresholds, n, ids[n : n + min(KEEP_STEPS, generated)])
-                if thresholds is not None else 1.0)
+        one_time["select_warm_s"] = again.select_s
+    realized = 1.0
+    if thresholds is not None:
+        t = time.perf_counter()
+        realized = _tracked_keep(eng, thresholds, n, ids[n : n + min(KEEP_STEPS, generated)])
+        sync()
+        one_time["keep_s"] = time.perf_counter() - t
 
     eng.seek(n, ids[n])
     t = time.perf_counter()
@@ -347,6 +359,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     sync()
     one_time["capture_s"] = time.perf_counter() - t
     step_ms, seen = watched(dev, spec.shared_gpu, lambda: _time_steps(eng, ids[n:], spec, cuda))
+    t_after = time.perf_counter()
     if seen["before"] is None:
         say("could not tell whether other processes share the GPU (no NVML, no nvidia-smi)")
     profiled = None
@@ -416,6 +429,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "profile": profiled,  # `timing.profile`: the step's kernels by kind; None unless asked
         "spec": asdict(spec),
     }
+    one_time["after_s"] = time.perf_counter() - t_after
     return stamp(rec)
 
 
