@@ -187,6 +187,18 @@ def test_cell_spec_validates_its_fields(tiny, field, value, match):
         spec(tiny, **{field: value})
 
 
+def test_too_few_calibration_tokens_are_refused_before_the_load(tiny):
+    """Calibration needs MIN_TOKENS; a projection cell says so from its spec, before a model
+    load that may take a minute; cells that calibrate nothing accept any count."""
+    from sparsedecode.projection.thresholds import MIN_TOKENS
+
+    for mode in ("proj0.5", "both0.5/0.3"):
+        with pytest.raises(InputError, match=f"at least {MIN_TOKENS} tokens .--calib-tokens"):
+            spec(tiny, mode=mode, calib_tokens=MIN_TOKENS - 1)
+    assert spec(tiny, mode="sel0.3", calib_tokens=64).calib_tokens == 64
+    assert spec(tiny, mode="proj0.5", calib_tokens=MIN_TOKENS).calib_tokens == MIN_TOKENS
+
+
 def test_cli_failure_writes_a_failed_record_and_exits_nonzero(tiny, tmp_path):
     out = tmp_path / "cell.json"
     args = ["bench", "cell", "--model", tiny, "--init", "random", "--context", "128", "--mode", "sel0.1",

@@ -41,6 +41,7 @@ from sparsedecode.errors import InputError
 from sparsedecode.projection.thresholds import (
     ACT_SITE,
     INPUT_SITES,
+    MIN_TOKENS,
     MODULE_OF,
     Thresholds,
     parse_key,
@@ -49,7 +50,6 @@ from sparsedecode.projection.thresholds import (
 )
 from sparsedecode.registry import Registry
 
-MIN_TOKENS = 256
 WINDOW = 2048
 SAMPLE_CAP = 1 << 18  # elements of |x| kept per site: 1 MB, quantile error ~0.001 in keep
 # Sites that read the same tensor share one sample.
@@ -131,7 +131,7 @@ def collect_activations(engine, ids, *, window: int = WINDOW, cap: int = SAMPLE_
     if n < MIN_TOKENS:
         raise InputError(
             f"calibration text has {n} tokens, fewer than the {MIN_TOKENS} needed; "
-            "give a longer --text-file or a larger --tokens"
+            "give a longer text or more calibration tokens"
         )
     model = engine.model
     chunks = windows(engine, ids, window)

@@ -28,6 +28,8 @@ from sparsedecode.account.dims import ModelDims
 from sparsedecode.errors import InputError
 from sparsedecode.stfile import load_with_header, save_with_header
 
+MIN_TOKENS = 256  # the fewest calibration tokens a threshold rests on (projection.calibrate)
+
 INPUT_SITES = ("q", "k", "v", "o", "gate", "up", "down")
 ACT_SITE = "act"
 SITES = INPUT_SITES + (ACT_SITE,)

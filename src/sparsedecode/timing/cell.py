@@ -44,6 +44,7 @@ from pathlib import Path
 
 from sparsedecode.account.units import check_keep
 from sparsedecode.errors import InputError
+from sparsedecode.projection.thresholds import MIN_TOKENS
 from sparsedecode.timing.clock import process_age_s
 from sparsedecode.timing.neighbors import SharedGpu, check_alone, device_uuid, neighbors, watched
 
@@ -180,6 +181,9 @@ class CellSpec:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InputError(f"{name} must be an integer >= {low}, got {v!r}")
         check_alone([], self.shared_gpu)  # the policy's own check
+        if mode.proj_method and self.calib_tokens < MIN_TOKENS:  # before a load it would waste
+            raise InputError(f"calib_tokens {self.calib_tokens}: {mode.spec} calibrates its thresholds on at "
+                             f"least {MIN_TOKENS} tokens (--calib-tokens, or calib_tokens in a campaign spec)")
         if self.profile >= self.generated:
             raise InputError(f"profile {self.profile} steps: a cell decodes {self.generated} tokens "
                              "(warmup + repeats x steps) and profiles after one unprofiled step; "
