@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import run_cli
 from sparsedecode.cli import app
 from sparsedecode.errors import InputError
 from sparsedecode.records import write_record
@@ -405,6 +406,25 @@ def test_a_spec_failing_the_cell_checks_does_not_bind_the_folder(tiny, tmp_path,
     assert not (out / "spec.toml").exists()
     s = run_campaign(write_spec(tmp_path, toml(tiny)), out, progress=False, echo=lambda line: None)
     assert s.ok == 8
+
+
+def test_a_run_may_allow_a_shared_gpu_the_spec_refuses(tiny, tmp_path, monkeypatch, capsys):
+    """--shared-gpu is this run's policy: its cells get it, the folder's spec.toml stays the spec,
+    and a resume under the spec's own policy is the same campaign."""
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    fake = FakeCells()
+    argvs = []
+    monkeypatch.setattr(campaign, "launch", lambda argv, *a, **k: (argvs.append(argv), fake(argv, *a, **k))[1])
+    res = CliRunner().invoke(app, ["campaign", "run", str(spec_path), "--out", str(out), "--max-cells", "2",
+                                   "--shared-gpu", "allow", "--json"])
+    assert res.exit_code == 0, res.output
+    assert [a[a.index("--shared-gpu") + 1] for a in argvs] == ["allow", "allow"]
+    assert "shared_gpu" not in (out / "spec.toml").read_text()
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert (s.skipped, s.ok) == (2, 6) and all("--shared-gpu" not in a for a in argvs[2:])
+    bad = run_cli(capsys, "campaign", "run", str(spec_path), "--out", str(out), "--shared-gpu", "sometimes")
+    assert bad.returncode == 2 and "shared_gpu 'sometimes' is not one of refuse, allow" in bad.stderr
 
 
 def test_campaign_cli_exit_codes_and_status(tiny, tmp_path, monkeypatch):

@@ -213,6 +213,7 @@ def campaign_run(
     max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop (over all the specs).")] = None,
     gpus: Annotated[str | None, typer.Option("--gpus", help="Local executor on several GPUs: ids like 0,1; block b runs whole on GPU b mod their count.")] = None,
     stop_after: Annotated[float | None, typer.Option("--stop-after", help="Start no cell after this many seconds (over all the specs; the rest stays pending for a resume).")] = None,
+    shared_gpu: Annotated[str | None, typer.Option("--shared-gpu", help="This run's policy when other processes hold the GPU, in place of the specs' shared_gpu: refuse or allow (each record keeps its policy and names them).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run every pending cell of a campaign; finished cells are skipped, failed ones retried.
@@ -228,7 +229,8 @@ def campaign_run(
         check_out_dir(str(f), "--out" if out is not None else "--out-root")
     summaries = run_chain(specs, folders, executor=executor, max_cells=max_cells, progress=not json_out,
                           echo=(lambda line: None) if json_out else None,
-                          gpus=gpus.split(",") if gpus is not None else None, stop_after=stop_after)
+                          gpus=gpus.split(",") if gpus is not None else None, stop_after=stop_after,
+                          shared_gpu=shared_gpu)
     rows = list(zip(specs, folders, summaries, strict=False))  # an interrupted chain ends at its spec
     ran = [s for s in summaries if s is not None]
     if json_out:

@@ -61,6 +61,7 @@ from pathlib import Path
 
 from sparsedecode.errors import InputError
 from sparsedecode.timing.cell import CellSpec, model_window
+from sparsedecode.timing.neighbors import check_alone
 from sparsedecode.timing.processes import TermAsInterrupt, launch, stop
 from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is part of a campaign)
     _SAFE,
@@ -259,11 +260,12 @@ def _check_gpus(gpus: list[str], spec) -> None:
 def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, executor: str = "local", *,
                  python: str | None = None, max_cells: int | None = None, progress: bool = True,
                  echo: Callable[[str], None] | None = None, gpus: list[str] | None = None,
-                 stop_after: float | None = None) -> Summary:
+                 stop_after: float | None = None, shared_gpu: str | None = None) -> Summary:
     """Run the pending cells of the campaign `spec_path` into `folder` (see the module doc).
     `python`: the interpreter of the cell processes; `max_cells`: stop after this many;
     `gpus`: run one lane of blocks per GPU id (local executor); `stop_after`: seconds after
-    which no new cell starts."""
+    which no new cell starts; `shared_gpu`: this run's policy on a GPU other processes hold,
+    in place of the spec's (each record keeps the policy it ran under and what it saw)."""
     if executor not in EXECUTORS:
         raise InputError(f"executor '{executor}' is not one of {', '.join(EXECUTORS)}")
     if max_cells is not None and max_cells < 0:
@@ -277,6 +279,9 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
         raise InputError(f"--stop-after must be > 0 seconds, got {stop_after}")
     folder = Path(folder)
     spec = load_spec(spec_path)
+    if shared_gpu is not None:  # a policy of this run, not of what is measured: see prepare()
+        check_alone([], shared_gpu)
+        spec = replace(spec, shared_gpu=shared_gpu)
     if gpus is not None:
         _check_gpus(gpus, spec)
     cells = plan(spec)
