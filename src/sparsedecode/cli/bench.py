@@ -7,6 +7,7 @@
     sparsedecode campaign run examples/campaigns/h200_sweep.toml --out runs/h200 [--executor local|ray]
     sparsedecode campaign status runs/h200 [--json]
     sparsedecode campaign plan-crossing SWEEP_DIR --group sweep --prediction P.json --spec C.toml
+    sparsedecode campaign merge RUN_ELSEWHERE [...] --into runs/h200 [--json]
 
 A cell runs in the current process; a campaign launches each cell as a fresh
 process of `bench cell`. torch is imported inside the commands.
@@ -15,6 +16,7 @@ process of `bench cell`. torch is imported inside the commands.
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -265,6 +267,23 @@ def _campaign_folders(specs: list[str], out: str | None, out_root: str | None, l
         raise InputError(f"specs share the name {', '.join(twice)}: under --out-root each campaign "
                          "needs its own folder, so give each spec its own `name`")
     return [Path(out_root) / n for n in names]
+
+
+@campaign_app.command("merge")
+def campaign_merge(
+    sources: Annotated[list[str], typer.Argument(metavar="SRC", help="Campaign folders of other runs of the same spec.")],
+    into: Annotated[str, typer.Option("--into", help="The campaign folder that receives their records (made from their spec.toml if it has none).")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Merge the records of runs made elsewhere into one campaign folder; nothing is overwritten
+    or deleted, and two different measurements of one cell refuse the merge."""
+    from sparsedecode.timing.merge import merge_campaigns
+
+    summary = merge_campaigns(sources, into)
+    if json_out:
+        emit_json({"into": into, **asdict(summary)})
+    else:
+        typer.echo(f"{into}: {summary.line()}")
 
 
 @campaign_app.command("status")

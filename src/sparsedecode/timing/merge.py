@@ -1,0 +1,191 @@
+"""`campaign merge`: bring the records of a campaign run elsewhere (another lease, a node of a
+cluster, a copy sent back from a GPU machine) into one campaign folder, losing nothing.
+
+A campaign resumes wherever its folder is, so one campaign often runs as several folders of the
+same spec. `merge_campaigns(sources, into)` checks that every source holds the same campaign as
+`into` (its spec.toml, compared after parsing, as a resume compares it; `into` takes the
+sources' spec when it has none), then plans every record before it writes any:
+
+- a cell `into` lacks is copied (ok or failed: a failed one is retried on the next run there);
+- a cell whose record is byte-for-byte the one `into` holds is left alone;
+- an ok record over a failed one: the failed one moves to DIR/failed/ (as a retry moves it), the
+  ok one takes its place;
+- a failed record beside an ok one goes to DIR/failed/, kept as history;
+- two different ok records of one cell are two measurements of it: nothing is written, and the
+  merge is refused with the list, for a person to decide which run stands.
+
+A source's DIR/failed/ records join `into`'s (under new names where names clash), a
+ceiling.json is copied where `into` has none and otherwise kept as it is (the first run's,
+as a resume keeps it). Logs stay in the sources. Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from sparsedecode.errors import InputError
+from sparsedecode.timing.spec import SPEC_FILE, load_spec
+
+CEILING = "ceiling.json"
+
+
+@dataclass
+class MergeSummary:
+    """What a merge did, by record: copied, identical (already there), replaced (an ok record
+    over a failed one), to_failed (records added to DIR/failed/) and the ceiling's fate."""
+
+    copied: int = 0
+    identical: int = 0
+    replaced: int = 0
+    to_failed: int = 0
+    ceiling: str = "none"  # none, copied, identical or kept (into's differs: kept)
+    spec: str = "kept"  # kept, or written (into had none)
+    sources: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        return (f"copied {self.copied}, identical {self.identical}, ok over failed {self.replaced}, "
+                f"to failed/ {self.to_failed}; ceiling {self.ceiling}; spec {self.spec}")
+
+
+def _status(path: Path) -> str | None:
+    """'ok', 'failed' (any other status), or None for a file that is not a JSON record."""
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return None if not isinstance(rec, dict) else ("ok" if rec.get("status") == "ok" else "failed")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _records(folder: Path, sub: str) -> list[Path]:
+    root = folder / sub
+    return sorted(p for p in root.rglob("*.json") if not p.name.startswith(".")) if root.is_dir() else []
+
+
+def _same_spec(a: Path, b: Path) -> bool:
+    sa, sb = load_spec(a), load_spec(b)
+    return replace(sa, shared_gpu=sb.shared_gpu) == sb  # shared_gpu is a run's policy (campaign.prepare)
+
+
+def _copy(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _failed_name(into: Path, group: str, stem: str, taken: set[Path]) -> Path:
+    """DIR/failed/{group}/{stem}.{k}.json, the first k free on disk and in this merge's plan."""
+    k = 1
+    while (p := into / "failed" / group / f"{stem}.{k}.json").exists() or p in taken:
+        k += 1
+    taken.add(p)
+    return p
+
+
+def merge_campaigns(sources, into) -> MergeSummary:
+    """Merge the campaign folders `sources` into the campaign folder `into` (module doc)."""
+    into = Path(into)
+    sources = [Path(s) for s in sources]
+    if not sources:
+        raise InputError("give at least one campaign folder to merge")
+    for s in sources:
+        if not (s / SPEC_FILE).is_file():
+            raise InputError(f"{s} is not a campaign folder (no {SPEC_FILE})")
+        if s.resolve() == into.resolve():
+            raise InputError(f"{s} is the folder merged into; give the other runs' folders")
+    spec_file = into / SPEC_FILE
+    summary = MergeSummary(sources=[str(s) for s in sources])
+    ref = spec_file if spec_file.is_file() else sources[0] / SPEC_FILE
+    if not spec_file.is_file() and _records(into, "cells"):
+        raise InputError(f"{into} holds cell records but no {SPEC_FILE}: merge into a campaign folder")
+    for s in sources:
+        if not _same_spec(s / SPEC_FILE, ref):
+            raise InputError(f"{s} holds another campaign than {ref}: only runs of one spec merge")
+
+    # plan every write first: a conflict anywhere leaves `into` as it was
+    copies: list[tuple[Path, Path]] = []  # (from, to)
+    moves: list[tuple[Path, Path]] = []  # into's failed records making way for ok ones
+    conflicts: list[str] = []
+    planned: dict[Path, Path] = {}  # into's cell path -> the source record planned there
+    taken: set[Path] = set()
+    history = {_digest(p) for p in _records(into, "failed")}  # failed records into keeps, by content
+    for s in sources:
+        for src in _records(s, "cells"):
+            rel = src.relative_to(s)
+            dest = into / rel
+            have = planned.get(dest, dest if dest.exists() else None)
+            status = _status(src)
+            if status is None:
+                raise InputError(f"{src} is not a JSON record; move it away and merge again")
+            if have is None:
+                copies.append((src, dest))
+                planned[dest] = src
+                summary.copied += 1
+            elif have.read_bytes() == src.read_bytes():
+                summary.identical += 1
+            elif status == "failed":
+                copies.append((src, _failed_name(into, rel.parent.name, src.stem, taken)))
+                summary.to_failed += 1
+            elif _status(have) == "ok":
+                conflicts.append(f"{rel}: {have} and {src} are two measurements of one cell")
+            else:  # ok over failed
+                if have == dest:
+                    moves.append((dest, _failed_name(into, rel.parent.name, dest.stem, taken)))
+                else:  # a failed record planned from an earlier source goes to failed/ instead
+                    copies.remove((have, dest))
+                    copies.append((have, _failed_name(into, rel.parent.name, have.stem, taken)))
+                    summary.copied -= 1
+                    summary.to_failed += 1
+                copies.append((src, dest))
+                planned[dest] = src
+                summary.replaced += 1
+        for src in _records(s, "failed"):
+            rel = src.relative_to(s / "failed")
+            if _digest(src) in history:
+                summary.identical += 1
+                continue
+            history.add(_digest(src))
+            stem = src.stem.rsplit(".", 1)[0] if src.stem.rsplit(".", 1)[-1].isdigit() else src.stem
+            copies.append((src, _failed_name(into, rel.parent.name, stem, taken)))
+            summary.to_failed += 1
+    if conflicts:
+        raise InputError(f"{len(conflicts)} cell(s) measured in two runs, nothing merged: " + "; ".join(conflicts[:5])
+                         + (" ..." if len(conflicts) > 5 else "") + " (remove the record that should not "
+                         "stand from its source, then merge again)")
+
+    if not spec_file.is_file():
+        _copy(ref, spec_file)
+        summary.spec = "written"
+    for old, new in moves:
+        new.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(old, new)
+    for src, dest in copies:
+        _copy(src, dest)
+    ceilings = [s / CEILING for s in sources if (s / CEILING).is_file()]
+    if ceilings:
+        mine = into / CEILING
+        if not mine.exists():
+            _copy(ceilings[0], mine)
+            summary.ceiling = "copied"
+        else:
+            summary.ceiling = ("identical" if all(c.read_bytes() == mine.read_bytes() for c in ceilings)
+                               else "kept")
+    return summary
+
+
+__all__ = ["MergeSummary", "merge_campaigns"]
