@@ -118,6 +118,8 @@ def test_the_cli_merges_and_says_what_it_did(runs, tmp_path, capsys):
     assert (out["copied"], out["spec"], out["into"]) == (8, "written", str(into))
     r = run_cli(capsys, "campaign", "merge", str(tmp_path / "nowhere"), "--into", str(into))
     assert r.returncode == 2 and "not a campaign folder" in r.stderr
+    r = run_cli(capsys, "campaign", "merge", str(runs["a"]), "--into", str(runs["spec"]))
+    assert r.returncode == 2 and "is a file" in r.stderr
 
 
 def test_in_one_merge_a_later_sources_ok_record_wins_over_an_earlier_sources_failure(runs, tmp_path):

@@ -103,6 +103,8 @@ def merge_campaigns(sources, into) -> MergeSummary:
     sources = [Path(s) for s in sources]
     if not sources:
         raise InputError("give at least one campaign folder to merge")
+    if into.exists() and not into.is_dir():
+        raise InputError(f"--into {into} is a file; give a campaign folder (or a new folder's path)")
     for s in sources:
         if not (s / SPEC_FILE).is_file():
             raise InputError(f"{s} is not a campaign folder (no {SPEC_FILE})")
