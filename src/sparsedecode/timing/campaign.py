@@ -46,21 +46,20 @@ existing DIR.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from sparsedecode.errors import InputError
 from sparsedecode.timing.cell import CellSpec, model_window
+from sparsedecode.timing.folder import read_cell, retire, spec_differences, write_atomic
 from sparsedecode.timing.neighbors import check_alone
 from sparsedecode.timing.processes import TermAsInterrupt, launch, stop
 from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is part of a campaign)
@@ -171,11 +170,8 @@ def prepare(folder: str | os.PathLike, spec_path: str | os.PathLike,
     spec = spec or load_spec(spec_path)
     saved = folder / SPEC_FILE
     if saved.is_file():
-        # shared_gpu is a policy of the run, not part of what is measured (each record keeps its
-        # cell's policy and what it saw): a resume may change it
-        old = replace(load_spec(saved), shared_gpu=spec.shared_gpu)
-        if old != spec:
-            diff = [f.name for f in fields(CampaignSpec) if getattr(old, f.name) != getattr(spec, f.name)]
+        diff = spec_differences(load_spec(saved), spec)  # a resume may change shared_gpu
+        if diff:
             raise InputError(
                 f"{folder} holds another campaign ({saved}; differs in {', '.join(diff)}): "
                 f"run {spec_path} into a new --out folder, or run {saved} to resume this one"
@@ -184,34 +180,8 @@ def prepare(folder: str | os.PathLike, spec_path: str | os.PathLike,
     if (folder / "cells").is_dir() and any((folder / "cells").rglob("*.json")):
         raise InputError(f"{folder} holds cell records but no {SPEC_FILE}: use a new --out folder")
     folder.mkdir(parents=True, exist_ok=True)
-    _write_text(saved, spec_path.read_text(encoding="utf-8"))
+    write_atomic(saved, spec_path.read_bytes())
     return spec
-
-
-def _write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # unreadable, not UTF-8 or not JSON: the cell is retried
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-def retire(folder: Path, path: Path) -> Path:
-    """Move a failed (or unreadable) record to DIR/failed/{group}/, under a new name."""
-    dest_dir = folder / "failed" / path.parent.name
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    k = 1
-    while (dest := dest_dir / f"{path.stem}.{k}.json").exists():
-        k += 1
-    os.rename(path, dest)
-    return dest
 
 
 # -- running ----------------------------------------------------------------------
@@ -292,7 +262,7 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
     for c in cells:
         path = record_path(folder, c)
         if path.exists():
-            rec = _read(path)
+            rec = read_cell(path)
             if rec is not None and rec.get("status") == "ok":
                 summary.skipped += 1
                 continue
@@ -363,7 +333,7 @@ def _settle(folder: Path, cell: CellSpec, rc: int, start: int) -> dict:
     from sparsedecode.records import stamp, write_record
 
     path = record_path(folder, cell)
-    rec = _read(path) if path.exists() else None
+    rec = read_cell(path) if path.exists() else None
     if rec is not None:
         return rec
     log = _log_path(folder, cell)
@@ -555,7 +525,7 @@ def status(folder: str | os.PathLike) -> dict:
     stamps = []
     for c in cells:
         path = record_path(folder, c)
-        rec = _read(path) if path.exists() else None
+        rec = read_cell(path) if path.exists() else None
         what = {"group": c.group, "cell": c.cell, "context": c.context, "block": c.block,
                 "mode": c.mode, "order": c.order, "path": str(path)}
         if rec is not None and rec.get("status") == "ok":

@@ -22,14 +22,12 @@ as a resume keeps it). Logs stay in the sources. Every file is written atomicall
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparsedecode.errors import InputError
+from sparsedecode.timing.folder import failed_path, read_cell, spec_differences, write_atomic
 from sparsedecode.timing.spec import SPEC_FILE, load_spec
 
 CEILING = "ceiling.json"
@@ -55,11 +53,8 @@ class MergeSummary:
 
 def _status(path: Path) -> str | None:
     """'ok', 'failed' (any other status), or None for a file that is not a JSON record."""
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return None if not isinstance(rec, dict) else ("ok" if rec.get("status") == "ok" else "failed")
+    rec = read_cell(path)
+    return None if rec is None else ("ok" if rec.get("status") == "ok" else "failed")
 
 
 def _digest(path: Path) -> str:
@@ -69,32 +64,6 @@ def _digest(path: Path) -> str:
 def _records(folder: Path, sub: str) -> list[Path]:
     root = folder / sub
     return sorted(p for p in root.rglob("*.json") if not p.name.startswith(".")) if root.is_dir() else []
-
-
-def _same_spec(a: Path, b: Path) -> bool:
-    sa, sb = load_spec(a), load_spec(b)
-    return replace(sa, shared_gpu=sb.shared_gpu) == sb  # shared_gpu is a run's policy (campaign.prepare)
-
-
-def _copy(src: Path, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _failed_name(into: Path, group: str, stem: str, taken: set[Path]) -> Path:
-    """DIR/failed/{group}/{stem}.{k}.json, the first k free on disk and in this merge's plan."""
-    k = 1
-    while (p := into / "failed" / group / f"{stem}.{k}.json").exists() or p in taken:
-        k += 1
-    taken.add(p)
-    return p
 
 
 def merge_campaigns(sources, into) -> MergeSummary:
@@ -115,9 +84,12 @@ def merge_campaigns(sources, into) -> MergeSummary:
     ref = spec_file if spec_file.is_file() else sources[0] / SPEC_FILE
     if not spec_file.is_file() and _records(into, "cells"):
         raise InputError(f"{into} holds cell records but no {SPEC_FILE}: merge into a campaign folder")
+    ref_spec = load_spec(ref)
     for s in sources:
-        if not _same_spec(s / SPEC_FILE, ref):
-            raise InputError(f"{s} holds another campaign than {ref}: only runs of one spec merge")
+        diff = spec_differences(load_spec(s / SPEC_FILE), ref_spec)
+        if diff:
+            raise InputError(f"{s} holds another campaign than {ref} (differs in {', '.join(diff)}): "
+                             "only runs of one spec merge")
 
     # plan every write first: a conflict anywhere leaves `into` as it was
     copies: list[tuple[Path, Path]] = []  # (from, to)
@@ -125,6 +97,12 @@ def merge_campaigns(sources, into) -> MergeSummary:
     conflicts: list[str] = []
     planned: dict[Path, Path] = {}  # into's cell path -> the source record planned there
     taken: set[Path] = set()
+
+    def to_failed(group: str, stem: str) -> Path:  # a name free on disk and in this plan
+        p = failed_path(into, group, stem, taken)
+        taken.add(p)
+        return p
+
     history = {_digest(p) for p in _records(into, "failed")}  # failed records into keeps, by content
     for s in sources:
         for src in _records(s, "cells"):
@@ -141,16 +119,16 @@ def merge_campaigns(sources, into) -> MergeSummary:
             elif have.read_bytes() == src.read_bytes():
                 summary.identical += 1
             elif status == "failed":
-                copies.append((src, _failed_name(into, rel.parent.name, src.stem, taken)))
+                copies.append((src, to_failed(rel.parent.name, src.stem)))
                 summary.to_failed += 1
             elif _status(have) == "ok":
                 conflicts.append(f"{rel}: {have} and {src} are two measurements of one cell")
             else:  # ok over failed
                 if have == dest:
-                    moves.append((dest, _failed_name(into, rel.parent.name, dest.stem, taken)))
+                    moves.append((dest, to_failed(rel.parent.name, dest.stem)))
                 else:  # a failed record planned from an earlier source goes to failed/ instead
                     copies.remove((have, dest))
-                    copies.append((have, _failed_name(into, rel.parent.name, have.stem, taken)))
+                    copies.append((have, to_failed(rel.parent.name, have.stem)))
                     summary.copied -= 1
                     summary.to_failed += 1
                 copies.append((src, dest))
@@ -163,7 +141,7 @@ def merge_campaigns(sources, into) -> MergeSummary:
                 continue
             history.add(_digest(src))
             stem = src.stem.rsplit(".", 1)[0] if src.stem.rsplit(".", 1)[-1].isdigit() else src.stem
-            copies.append((src, _failed_name(into, rel.parent.name, stem, taken)))
+            copies.append((src, to_failed(rel.parent.name, stem)))
             summary.to_failed += 1
     if conflicts:
         raise InputError(f"{len(conflicts)} cell(s) measured in two runs, nothing merged: " + "; ".join(conflicts[:5])
@@ -171,18 +149,18 @@ def merge_campaigns(sources, into) -> MergeSummary:
                          "stand from its source, then merge again)")
 
     if not spec_file.is_file():
-        _copy(ref, spec_file)
+        write_atomic(spec_file, ref.read_bytes())
         summary.spec = "written"
     for old, new in moves:
         new.parent.mkdir(parents=True, exist_ok=True)
         os.rename(old, new)
     for src, dest in copies:
-        _copy(src, dest)
+        write_atomic(dest, src.read_bytes())
     ceilings = [s / CEILING for s in sources if (s / CEILING).is_file()]
     if ceilings:
         mine = into / CEILING
         if not mine.exists():
-            _copy(ceilings[0], mine)
+            write_atomic(mine, ceilings[0].read_bytes())
             summary.ceiling = "copied"
         else:
             summary.ceiling = ("identical" if all(c.read_bytes() == mine.read_bytes() for c in ceilings)
