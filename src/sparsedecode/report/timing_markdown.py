@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from sparsedecode.report.overhead import overhead_md
+from sparsedecode.report.run_conditions import neighbors_md, overhead_md
 
 
 def fmt_ctx(n: float) -> str:
@@ -168,20 +168,7 @@ def render_markdown(rep: dict) -> str:
                        f"| {'' if f['block'] is None else f['block']} | {err} |")
     else:
         out.append("none")
-    nb = rep.get("gpu_neighbors")
-    if nb:
-        out += ["", "## Other processes on the GPU (around each cell's timed steps)", ""]
-        if nb["shared"]:
-            out += ["| record | group | cell | context | block | processes |", "|---|---|---|---|---|---|"]
-            for s in nb["shared"]:
-                out.append(f"| {Path(s['path']).name} | {s['group']} | {s['cell']} | {fmt_ctx(s['context'])} "
-                           f"| {s['block']} | {', '.join(s['processes'])} |")
-        else:
-            out.append(f"none seen around the {nb['probed']} probed cells")
-        if nb["unknown"]:
-            out.append(f"\n{nb['unknown']} probed cell(s) could not tell (no NVML, no nvidia-smi).")
-        if nb["no_probe"]:
-            out.append(f"\n{nb['no_probe']} cell(s) carry no probe (timed before cells looked).")
+    out += neighbors_md(rep.get("gpu_neighbors"))
     out += overhead_md(rep.get("overhead"))
     out += ["", "## Missing pairs (sparse cells without a dense cell of the same group, context "
             "and block)", ""]

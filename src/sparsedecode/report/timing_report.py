@@ -37,7 +37,7 @@ import numpy as np
 
 from sparsedecode.account import bounds, crossover, step_bytes
 from sparsedecode.errors import InputError
-from sparsedecode.report.overhead import cell_overhead
+from sparsedecode.report.run_conditions import cell_overhead, gpu_neighbors
 from sparsedecode.report.timing_markdown import fmt_ctx, render_markdown  # noqa: F401 (re-exported)
 from sparsedecode.timing import stats
 from sparsedecode.timing.cells import CampaignCells
@@ -549,25 +549,9 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None, ceiling=None
                      "block": m.block} for m in cc.missing],
         "groups_without_dense": no_dense,
         "retired": cc.retired,
-        "gpu_neighbors": _neighbors(cc),
+        "gpu_neighbors": gpu_neighbors(cc),
         "overhead": cell_overhead(cc),
     }
-
-
-def _neighbors(cc: CampaignCells) -> dict | None:
-    """Who else held the GPU around each cell's timed steps (timing.neighbors): the cells that
-    saw another process, how many were probed, how many probes could not tell, and how many
-    records carry no probe (timed before it existed). None when no record carries one."""
-    seen = [(c, cc.extra(c).gpu_neighbors) for c in cc.cells]
-    probed = [(c, n) for c, n in seen if n is not None]
-    if not probed:
-        return None
-    shared = [{"path": str(c.path), "group": c.group, "cell": c.cell, "context": c.context, "block": c.block,
-               "processes": sorted({f"{p['pid']} {p['name']}" for side in ("before", "after")
-                                    for p in (n.get(side) or [])})}
-              for c, n in probed if n.get("before") or n.get("after")]
-    unknown = sum(n.get("before") is None or n.get("after") is None for _, n in probed)
-    return {"probed": len(probed), "shared": shared, "unknown": unknown, "no_probe": len(seen) - len(probed)}
 
 
 def write_report(

@@ -1,9 +1,14 @@
-"""Where a campaign's device time goes, cell by cell (ByteCross App. E runs every cell in a
-fresh process with full-graph compilation, so most of a cell is not its timed steps).
+"""What a campaign's run was like, beside what it measured: who else held the GPU around each
+cell's timed steps (timing.neighbors; ByteCross App. A gives each cell its GPU alone) and where
+the device time went, cell by cell (App. E runs every cell in a fresh process with full-graph
+compilation, so most of a cell is not its timed steps).
+
+`gpu_neighbors` gathers what each record's probe saw.
 
 `cell_overhead` averages, over a campaign's cells, the one-time parts each record keeps
-(`one_time`: process start, CUDA init, load, calibrate, prefill, select, keep, capture, after) and where load and capture went
-(`phases`: build, cache, warm_kv; first call, warm-up, graph), beside the timed steps
+(`one_time`: process start, CUDA init, load, calibrate, prefill, select, keep, capture,
+after) and where load and capture went (`phases`: build, cache, warm_kv; first call,
+warm-up, graph), beside the timed steps
 themselves (warm-up + repeats x steps at the measured step time) and the median gap
 between consecutive records, which holds a cell's whole cost (process start and imports
 included) when the cells run one after another. It is what a plan of device time and a
@@ -13,6 +18,7 @@ decision about a faster compile rest on.
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from sparsedecode.timing.campaign import cell_seconds
 from sparsedecode.timing.cells import CampaignCells
@@ -24,6 +30,43 @@ ORDER = ("start_s", "cuda_init_s", "load_s", "calibrate_s", "prefill_s", "select
 
 def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
+
+
+def gpu_neighbors(cc: CampaignCells) -> dict | None:
+    """Who else held the GPU around each cell's timed steps (timing.neighbors): the cells that
+    saw another process, how many were probed, how many probes could not tell, and how many
+    records carry no probe (timed before it existed). None when no record carries one."""
+    seen = [(c, cc.extra(c).gpu_neighbors) for c in cc.cells]
+    probed = [(c, n) for c, n in seen if n is not None]
+    if not probed:
+        return None
+    shared = [{"path": str(c.path), "group": c.group, "cell": c.cell, "context": c.context, "block": c.block,
+               "processes": sorted({f"{p['pid']} {p['name']}" for side in ("before", "after")
+                                    for p in (n.get(side) or [])})}
+              for c, n in probed if n.get("before") or n.get("after")]
+    unknown = sum(n.get("before") is None or n.get("after") is None for _, n in probed)
+    return {"probed": len(probed), "shared": shared, "unknown": unknown, "no_probe": len(seen) - len(probed)}
+
+
+def neighbors_md(nb: dict | None) -> list[str]:
+    """The report's section on other processes on the GPU (none when no record was probed)."""
+    from sparsedecode.report.timing_markdown import fmt_ctx
+
+    if not nb:
+        return []
+    out = ["", "## Other processes on the GPU (around each cell's timed steps)", ""]
+    if nb["shared"]:
+        out += ["| record | group | cell | context | block | processes |", "|---|---|---|---|---|---|"]
+        for s in nb["shared"]:
+            out.append(f"| {Path(s['path']).name} | {s['group']} | {s['cell']} | {fmt_ctx(s['context'])} "
+                       f"| {s['block']} | {', '.join(s['processes'])} |")
+    else:
+        out.append(f"none seen around the {nb['probed']} probed cells")
+    if nb["unknown"]:
+        out.append(f"\n{nb['unknown']} probed cell(s) could not tell (no NVML, no nvidia-smi).")
+    if nb["no_probe"]:
+        out.append(f"\n{nb['no_probe']} cell(s) carry no probe (timed before cells looked).")
+    return out
 
 
 def cell_overhead(cc: CampaignCells) -> dict | None:
@@ -78,4 +121,4 @@ def overhead_md(o: dict | None) -> list[str]:
     return out
 
 
-__all__ = ["cell_overhead", "overhead_md"]
+__all__ = ["cell_overhead", "gpu_neighbors", "neighbors_md", "overhead_md"]
