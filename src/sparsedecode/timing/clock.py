@@ -14,10 +14,11 @@ def process_age_s() -> float | None:
     """Seconds since this process started (interpreter start and imports included), from
     /proc/self/stat and /proc/uptime; None where there is no /proc. 10 ms resolution."""
     import os
+    from pathlib import Path
 
     try:
-        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
     return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
