@@ -14,4 +14,6 @@ def load(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["__version__", "load"]
+from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig  # noqa: E402 (torch-free)
+
+__all__ = ["KVConfig", "ProjectionConfig", "SparsityConfig", "__version__", "load"]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import sparsedecode
+from sparsedecode.config import KVConfig, SparsityConfig
 from sparsedecode.dispatch.policies import request_ms
 from sparsedecode.dispatch.prices import ConfigPrice, Curve, PriceTable, SelectCost, device_name
-from sparsedecode.dispatch.runtime import RuntimeGate
-from sparsedecode.engine.config import KVConfig
+from sparsedecode.dispatch.runtime import RuntimeGate, load_gate
 from sparsedecode.errors import InputError
 
 TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
@@ -75,10 +75,10 @@ def test_choice_is_the_argmin_of_the_tables_costs_and_cheap():
 
 def _static(eng, spec, th):
     """A fresh engine configured for `spec` alone, as a user would without a gate."""
-    if "0.5" in spec:
-        eng.sparsify(th)
-    if spec.startswith(("sel", "both")):
-        eng.kv_config = KVConfig("snapkv", 0.3, {"window": WINDOW, "sinks": 4})
+    config = SparsityConfig.parse(spec)
+    if config.kv is not None:
+        config = config.with_(kv=KVConfig("snapkv", 0.3, {"window": WINDOW, "sinks": 4}))
+    eng.configure(config, thresholds=th if config.projection is not None else None)
     return eng
 
 
@@ -88,14 +88,13 @@ def test_every_request_decodes_as_its_configuration_alone(device, fresh_dynamo):
     plain), under torch._dynamo's recompile limit of 8 after the fixture's reset."""
     eng = engine(device)
     gate = RuntimeGate(eng, table(eng), calib_tokens=256)
-    eng.gate = gate
     gen = torch.Generator().manual_seed(1)
     short = torch.randint(0, 100, (40,), generator=gen).tolist()
     long = torch.randint(0, 100, (520,), generator=gen).tolist()
     # short (proj), long (both), short again, then a dense-only request via install
     runs = []
     for ids, n in ((short, 12), (long, 40), (short, 12), (long, 40)):
-        out = eng.generate(ids, max_new_tokens=n)
+        out = eng.generate(ids, max_new_tokens=n, gate=gate)
         runs.append((ids, n, out.choice.spec, out.ids, out))
     assert [r[2] for r in runs] == ["proj0.5", "both0.5/0.3", "proj0.5", "both0.5/0.3"]
     assert runs[1][4].kv_select_s > 0 and eng.kv is not None and eng.kv.budget < len(long)
@@ -109,7 +108,6 @@ def test_every_request_decodes_as_its_configuration_alone(device, fresh_dynamo):
     gate.install("dense")
     assert eng.thresholds is None and eng.kv_config is None
     plain = engine(device).generate(short, max_new_tokens=12)
-    eng.gate = None
     assert eng.generate(short, max_new_tokens=12).ids == plain.ids
     if device == "cuda":
         assert eng.graphs == 3  # proj, both, dense: each captured once, replayed after
@@ -129,9 +127,8 @@ def test_smollm2_gate_from_cpu_cell_records(wikitext_test):
     t = from_records([CPU_CELLS])
     ok, why = admissible(t, [], assume=True)
     t = PriceTable(**{**t.__dict__, "admissibility": {s: {"admitted": s in ok} for s in t.specs}})
-    eng = sparsedecode.load("smollm2-135m", device="cpu", dtype="float32", max_len=2048, gate=t.to_dict(),
-                            quiet=True)
-    gate = eng.gate
+    eng = sparsedecode.load("smollm2-135m", device="cpu", dtype="float32", max_len=2048, quiet=True)
+    gate = load_gate(eng, t.to_dict())
     rng = random.Random(0)
     for _ in range(20):
         p, a = rng.randint(64, 8000), rng.randint(1, 2000)
@@ -147,7 +144,7 @@ def test_smollm2_gate_from_cpu_cell_records(wikitext_test):
     from sparsedecode.engine.engine import Generation
 
     g = Generation(prompt_ids=ids)
-    it = eng.tokens(ids, long_a, timing=g)
+    it = eng.tokens(ids, long_a, timing=g, gate=gate)
     next(it)
     next(it)
     it.close()

@@ -302,3 +302,35 @@ def test_a_random_init_model_answers_token_ids_under_its_one_configuration(tmp_p
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) in DRAINED
+
+
+PROMPT_IDS = [(7 * i) % 1000 + 20 for i in range(300)]  # 300 token ids: keep 0.5 selects from them
+
+
+@pytest.mark.parametrize("flags", [
+    [],
+    ["--proj-keep", "0.5"],
+    ["--kv", "snapkv", "--kv-keep", "0.5"],
+    ["--kv", "window", "--kv-keep", "0.5"],
+    ["--proj-keep", "0.5", "--kv", "snapkv", "--kv-keep", "0.5"],
+    ["--proj-keep", "0.5", "--kv", "window", "--kv-keep", "0.5"],
+], ids=lambda f: "+".join(f[1::2]) or "dense")
+def test_every_listed_configuration_can_be_asked_for_by_name(tmp_path, flags):
+    """Issue 43: whatever options a server starts with, the names it lists parse back into the
+    configuration it runs, and a request naming one (through the openai client) is served by it."""
+    from sparsedecode.config import SparsityConfig
+
+    require_embedded("smollm2-135m")
+    proc = start(["--model", "smollm2-135m", "--max-len", "512", *flags], tmp_path / "ready.json", tmp_path / "log")
+    try:
+        info = json.loads((tmp_path / "ready.json").read_text())
+        names = info["configurations"]
+        assert len(names) == 1 and info["default"] == names[0]
+        assert str(SparsityConfig.parse(names[0])) == names[0]
+        c = openai.OpenAI(base_url=info["url"] + "/v1", api_key="none", max_retries=0)
+        r = c.completions.create(model="smollm2-135m", prompt=PROMPT_IDS, max_tokens=3, temperature=0,
+                                 extra_body={"sparsedecode": {"mode": names[0]}})
+        assert r.model_extra["sparsedecode"]["mode"] == names[0] and r.choices[0].finish_reason == "length"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in DRAINED

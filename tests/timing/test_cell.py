@@ -16,7 +16,7 @@ from sparsedecode.account import ModelDims, bounds, step_bytes
 from sparsedecode.cli import app
 from sparsedecode.engine.engine import Engine
 from sparsedecode.errors import InputError
-from sparsedecode.timing.cell import CellSpec, parse_mode, run_cell, timed_step_bytes
+from sparsedecode.timing.cell import CellSpec, cell_config, run_cell, timed_step_bytes
 
 TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, vocab_size=100, max_position_embeddings=512,
@@ -51,7 +51,7 @@ def test_record_holds_the_contract_and_agrees_with_the_byte_account(tiny, mode):
     rec = run_cell(spec(tiny, mode=mode, block=1, group="g", campaign="c", order=7))
     missing = CONTRACT - set(rec)
     assert not missing, f"record lacks {sorted(missing)}"
-    m = parse_mode(mode)
+    m = cell_config(mode)
     assert (rec["kind"], rec["status"], rec["mode"], rec["mode_spec"], rec["cell"]) == (
         "timing_cell", "ok", m.kind, mode, m.cell)
     assert (rec["campaign"], rec["block"], rec["group"], rec["order"]) == ("c", 1, "g", 7)
@@ -162,19 +162,20 @@ def test_context_over_the_window_says_the_largest_that_fits(tiny):
     ("both.7/.2", "both", 0.7, 0.2, "p70_s20"),
 ])
 def test_mode_strings_and_paper_cell_ids(text, kind, pk, kk, cell):
-    m = parse_mode(text)
+    m = cell_config(text)
     assert (m.kind, m.proj_keep, m.kv_keep, m.cell) == (kind, pk, kk, cell)
-    assert parse_mode(m.spec) == m
+    assert cell_config(str(m)) == m
 
 
 @pytest.mark.parametrize("text,match", [
-    ("sparse", "is not one of dense"), ("proj", "is not one of dense"), ("sel0.3/0.5", "is not one of"),
-    ("both0.5", "is not one of"), ("proj1.5", "outside"), ("sel0", "outside"),
-    ("window1", "turns the branch off"), ("Dense", "is not one of"),
+    ("sparse", "write one of dense"), ("proj", "write one of dense"), ("sel0.3/0.5", "cannot read"),
+    ("both0.5", "cannot read"), ("proj1.5", "outside"), ("sel0", "outside"),
+    ("window1", "keeps below 1"), ("Dense", "cannot read"), ("proj[t.st]", "without files"),
+    ("sel0.3(window=8)", "without files or selector fields"), ("proj0.5+window0.3", "a timing cell runs"),
 ])
 def test_bad_mode_strings_say_what_to_write(text, match):
     with pytest.raises(InputError, match=match):
-        parse_mode(text)
+        cell_config(text)
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from sparsedecode.config import SparsityConfig
 from sparsedecode.timing.campaign import check_cells, load_spec, plan
-from sparsedecode.timing.cell import parse_mode
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "campaigns").glob("*.toml"))
 
@@ -19,4 +19,4 @@ def test_example_campaign_plans(path):
     assert cells and spec.name == path.stem
     modes = {c.mode for c in cells}
     # every campaign pairs its cells with dense ones, but a crossing campaign pairs proj with sel
-    assert "dense" in modes or sorted(parse_mode(m).kind for m in modes) == ["proj", "sel"], modes
+    assert "dense" in modes or sorted(SparsityConfig.parse(m).kind for m in modes) == ["proj", "sel"], modes

@@ -132,12 +132,13 @@ def _failure_fields(*, model: str, init: str, context: str, mode: str, **given) 
     """What a failed record can say without the cell having run: the bookkeeping, the model
     name a finished record would carry, and the context and mode as given (parsed if they parse)."""
     from sparsedecode.account.units import parse_tokens
-    from sparsedecode.timing.cell import model_window, parse_mode
+    from sparsedecode.config import SparsityConfig
+    from sparsedecode.timing.cell import model_window
 
     out = dict(given)
     for key, fn in (("model_name", lambda: model_window(model, init)[0]),
-                    ("context", lambda: parse_tokens(context)), ("mode_spec", lambda: parse_mode(mode).spec),
-                    ("mode", lambda: parse_mode(mode).kind)):
+                    ("context", lambda: parse_tokens(context)), ("mode_spec", lambda: str(SparsityConfig.parse(mode))),
+                    ("mode", lambda: SparsityConfig.parse(mode).kind)):
         try:
             out[key] = fn()
         except Exception:  # the failure itself may be this field; keep what was given
@@ -147,10 +148,10 @@ def _failure_fields(*, model: str, init: str, context: str, mode: str, **given) 
 
 
 def _cell_id(mode: str) -> str:
-    from sparsedecode.timing.cell import parse_mode
+    from sparsedecode.config import SparsityConfig
 
     try:
-        return parse_mode(mode).cell
+        return SparsityConfig.parse(mode).cell
     except Exception:
         return ""
 

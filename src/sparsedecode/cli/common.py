@@ -181,56 +181,54 @@ def apply_threads(threads: int | None) -> None:
 
 
 def check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing=None):
-    """Check the decode configuration options of `generate` and `serve` before any model loads;
-    returns the loaded (Thresholds or None, RoutingTable or None)."""
-    from sparsedecode.account.units import check_keep
+    """The decode configuration of `generate` and `serve` from their options, checked before any
+    model loads: returns (SparsityConfig, Thresholds or None, RoutingTable or None), the files
+    read once here so that a bad one fails first; `Engine.configure` installs the three."""
+    from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
 
     if thresholds is not None and proj_keep is not None:
         raise InputError("give --thresholds FILE or --proj-keep K, not both")
-    if proj_keep is not None:
-        check_keep(proj_keep, "--proj-keep")
-    if kv is not None:
-        from sparsedecode.kv.select import get_selector
-
-        get_selector(kv)
-    if kv_keep is not None:
-        check_keep(kv_keep, "--kv-keep")
-    if gate is not None and (thresholds, proj_keep, kv, routing) != (None, None, None, None):
+    if gate is not None and (thresholds, proj_keep, kv, kv_keep, routing) != (None,) * 5:
         raise InputError("--gate chooses the configuration per request: drop --thresholds, --proj-keep, "
                          "--kv/--kv-keep and --routing, or drop --gate")
     if gate is not None and not Path(gate).is_file():
         raise InputError(f"--gate {gate}: file not found (make one with sparsedecode dispatch table RECORDS --out gate.json)")
     if (kv is None) != (kv_keep is None):
         raise InputError("the KV branch needs both --kv METHOD and --kv-keep K (e.g. --kv snapkv --kv-keep 0.2)")
-    table = None
+    if routing is not None and thresholds is None:
+        raise InputError("--routing chooses between the dense MLP and CATS thresholds: give "
+                         "--thresholds FILE (a cats or sats file) too")
+    proj = None
+    if proj_keep is not None:
+        proj = ProjectionConfig(keep=_flag_keep(proj_keep, "--proj-keep"))
+    elif thresholds is not None:
+        proj = ProjectionConfig(file=thresholds, routing=routing)
+    kv_config = None
+    if kv is not None:
+        from sparsedecode.kv.select import get_selector
+
+        get_selector(kv)
+        kv_config = KVConfig(kv, _flag_keep(kv_keep, "--kv-keep"))
+    table = th = None
     if routing is not None:
         from sparsedecode.projection.routing import RoutingTable
 
-        if thresholds is None:
-            raise InputError("--routing chooses between the dense MLP and CATS thresholds: give "
-                             "--thresholds FILE (a cats or sats file) too")
         table = RoutingTable.load(routing)  # a bad file fails before the model loads
         table.sparse_of()  # and so does an uncalibrated one
-    th = None
     if thresholds is not None:
         from sparsedecode.projection.thresholds import Thresholds
 
         th = Thresholds.load(thresholds)
-    return th, table
+    return SparsityConfig(proj, kv_config), th, table
 
 
-def apply_sparsity(eng, routing_table, proj_keep, kv, kv_keep, progress: bool = True) -> None:
-    """Install on a loaded engine what `check_sparsity_args` checked: routing, --proj-keep
-    (cached TEAL thresholds) and the KV branch (`--thresholds` and `--gate` go to `load`)."""
+def _flag_keep(text, flag: str) -> float:
     from sparsedecode.account.units import check_keep
 
-    if routing_table is not None:
-        eng.route(routing_table)
-    if proj_keep is not None:
-        from sparsedecode.projection.calibrate import cached_teal
+    return check_keep(text, flag)
 
-        eng.sparsify(cached_teal(eng, proj_keep, progress=progress))
-    if kv is not None:
-        from sparsedecode.engine.config import KVConfig
 
-        eng.kv_config = KVConfig(kv, check_keep(kv_keep, "--kv-keep"))
+def apply_sparsity(eng, config, thresholds=None, routing=None, progress: bool = True) -> None:
+    """Install on a loaded engine what `check_sparsity_args` checked (`Engine.configure`; TEAL
+    thresholds for --proj-keep are calibrated once and cached)."""
+    eng.configure(config, thresholds=thresholds, routing=routing, progress=progress)

@@ -162,9 +162,9 @@ def _markdown(rows, chosen: str) -> str:
 
 
 def _kind(spec: str) -> str:
-    from sparsedecode.timing.cell import parse_mode
+    from sparsedecode.config import SparsityConfig
 
-    return parse_mode(spec).kind
+    return SparsityConfig.parse(spec).kind
 
 
 def _print(table, rows, chosen: str, ok, why, plot_path) -> None:
@@ -222,7 +222,7 @@ def table_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Write the gate table: dims, device, dtype, attention path, per-configuration step curves
-    and one-time costs, and the admissibility evidence; `load(..., gate=FILE)` and `generate
+    and one-time costs, and the admissibility evidence; `dispatch.runtime.load_gate(engine, FILE)` and `generate
     --gate FILE` decode each request under its configuration of least predicted cost."""
     from dataclasses import replace
 
@@ -277,16 +277,17 @@ def check_cmd(
     if not Path(gate).is_file():
         raise InputError(f"{gate}: gate table not found")
     import sparsedecode
-    from sparsedecode.dispatch.runtime import check_requests
+    from sparsedecode.dispatch.runtime import check_requests, load_gate
     from sparsedecode.records import stamp, write_record
 
     t0 = time.perf_counter()
     eng = sparsedecode.load(model, device=device, dtype=dtype, init=init, attention=attention, quiet=True,
-                            max_len=max(p + a for p, a in reqs), gate=gate)
+                            max_len=max(p + a for p, a in reqs))
+    gate_obj = load_gate(eng, gate)
     load_s = time.perf_counter() - t0
     say = (lambda line: None) if json_out else typer.echo
-    say(f"loaded {eng!r} with the gate in {load_s:.1f} s; configurations {', '.join(eng.gate.specs)}")
-    warm = eng.gate.warm(lambda spec, s: say(f"  captured {spec} in {s:.1f} s"))
+    say(f"loaded {eng!r} with the gate in {load_s:.1f} s; configurations {', '.join(gate_obj.specs)}")
+    warm = gate_obj.warm(lambda spec, s: say(f"  captured {spec} in {s:.1f} s"))
 
     def show(row):
         say(f"{row['prompt_tokens']:>7,} + {row['answer_tokens']:<5} -> {row['mode']:<12} predicted "
@@ -294,9 +295,9 @@ def check_cmd(
             f"({100 * (row['ratio'] - 1):+.1f}%), select {row['kv_select_s']:.3f} s "
             f"(predicted {row['predicted_select_s']:.3f}), prefill {row['prefill_s']:.2f} s")
 
-    rows = check_requests(eng, reqs, seed=seed, repeats=repeats, progress=show)
+    rows = check_requests(eng, gate_obj, reqs, seed=seed, repeats=repeats, progress=show)
     ok = all(abs(r["ratio"] - 1) <= tol for r in rows)
-    rec = stamp({"kind": "gate_check", "gate": str(gate), "table": eng.gate.table.to_dict(),
+    rec = stamp({"kind": "gate_check", "gate": str(gate), "table": gate_obj.table.to_dict(),
                  "model": {"name": eng.name, "init": init, "dims": eng.dims.to_dict()},
                  "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."), "attention": attention,
                  "load_s": load_s, "capture_s": warm, "tolerance": tol, "passed": ok, "requests": rows,

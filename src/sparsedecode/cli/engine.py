@@ -61,25 +61,30 @@ def generate(
     if max_new_tokens < 0:
         raise InputError(f"--max-new-tokens must be >= 0 new tokens, got {max_new_tokens}")
     check_engine_args(device, dtype, max_len, attention)
-    th, table = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing)
+    config, th, table = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing)
     import time
 
     t_load = time.perf_counter()
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
-                            attention=attention, quiet=as_json, thresholds=th, gate=gate)
+                            attention=attention, quiet=as_json)
+    gate_obj = None  # a gate of another model is refused before anything is printed
+    if gate is not None:
+        from sparsedecode.dispatch.runtime import load_gate
+
+        gate_obj = load_gate(eng, gate, progress=not as_json)
     load_s = time.perf_counter() - t_load
     if not as_json:
         typer.echo(f"[loaded {eng.name} from {eng.source_path} on {eng.device}, "
                    f"{str(eng.dtype).removeprefix('torch.')}, cache {eng.max_len} tokens, in {load_s:.1f} s]",
                    err=True)
-    apply_sparsity(eng, table, proj_keep, kv, kv_keep, progress=not as_json)
+    apply_sparsity(eng, config, th, table, progress=not as_json)
 
     def show(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
     out = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, chat=chat, on_text=None if as_json else show)
+                       seed=seed, chat=chat, on_text=None if as_json else show, gate=gate_obj)
     speeds = {
         "prompt_tokens": len(out.prompt_ids),
         "new_tokens": len(out.ids),
@@ -129,7 +134,7 @@ def generate(
         measured = "n/a" if picked["ms_per_token"] is None else f"{picked['ms_per_token']:.3f}"
         typer.echo(f"[gate] {picked['mode']} for {speeds['prompt_tokens']} prompt + {max_new_tokens} new tokens: "
                    f"predicted {picked['predicted_ms_per_token']:.3f} ms/token, measured {measured} ms/token "
-                   f"(chosen in {picked['choose_ms']:.2f} ms among {', '.join(eng.gate.specs)})", err=True)
+                   f"(chosen in {picked['choose_ms']:.2f} ms among {', '.join(gate_obj.specs)})", err=True)
 
 
 def _prompt(prompt: str | None, prompt_file: str | None) -> str:

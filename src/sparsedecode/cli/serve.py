@@ -57,7 +57,7 @@ def serve(
         raise InputError(f"--max-queue must be >= 1, got {max_queue}")
     if ready_file is not None:
         check_new_file(ready_file, "--ready-file", ".json")
-    th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)
+    config, th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)
 
     import socket
 
@@ -72,11 +72,14 @@ def serve(
     except OSError as e:
         raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
     t0 = time.perf_counter()
-    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len, attention=attention, init=init,
-                            thresholds=th, gate=gate)
-    apply_sparsity(eng, None, proj_keep, kv, kv_keep)
+    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len, attention=attention, init=init)
+    apply_sparsity(eng, config, th)
+    gate_obj = None
+    if gate is not None:  # the server asks it per request itself (auto or named)
+        from sparsedecode.dispatch.runtime import load_gate
+
+        gate_obj = load_gate(eng, gate, progress=True)
     load_s = time.perf_counter() - t0
-    gate_obj, eng.gate = eng.gate, None  # the server chooses per request itself (auto or named)
     server = Server(eng, Configurations(eng, gate_obj), max_queue=max_queue)
     typer.echo(f"[loaded {eng.name} on {eng.device}, {str(eng.dtype).removeprefix('torch.')}, cache {eng.max_len} "
                f"tokens, in {load_s:.1f} s]", err=True)
@@ -205,12 +208,12 @@ def serve_probe(
     from pathlib import Path
 
     from sparsedecode.cli.common import check_new_file, emit_json, parse_requests
+    from sparsedecode.config import SparsityConfig
     from sparsedecode.errors import InputError
     from sparsedecode.serve.probe import compare, probe
-    from sparsedecode.timing.cell import parse_mode
 
     reqs = parse_requests(request)
-    modes = [m if m == "auto" else parse_mode(m).spec for m in mode]
+    modes = [m if m == "auto" else str(SparsityConfig.parse(m)) for m in mode]
     if not 0 < tolerance < 1:
         raise InputError(f"--tolerance must be in (0, 1), got {tolerance}")
     if vocab < 1:

@@ -206,7 +206,7 @@ def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) ->
     the reason says so. The paper's own timing records come with the paper's choice: its Table 5
     gate chooses among all the configurations of its sweep (§5.4), and so does ours on them
     unless --admit records are given."""
-    from sparsedecode.timing.cell import Mode
+    from sparsedecode.config import SparsityConfig
 
     passed: dict[str, dict] = {}
     if verdicts:
@@ -223,7 +223,7 @@ def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) ->
         pk, kk = float(proj.get("keep", 1.0)), float(kv.get("keep", 1.0))
         kind = "both" if pk < 1 and kk < 1 else "proj" if pk < 1 else (
             ("window" if kv.get("method") == "window" else "sel") if kk < 1 else "dense")
-        spec = Mode(kind, proj_keep=pk if pk < 1 else 1.0, kv_keep=kk if kk < 1 else 1.0).spec
+        spec = str(SparsityConfig.from_fields(kind, pk, kk))
         passed[spec] = v
     ok, why = ["dense"], {}
     for spec in table.specs:

@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from sparsedecode.account import ModelDims
+from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
-from sparsedecode.timing.cell import Mode, parse_mode
 
 SELECT_REF_TOKENS = 32768  # --select-seconds is the selection's time on a prompt of this length
 SCHEMA = 1
@@ -162,8 +162,8 @@ class ConfigPrice:
     window: int = 64
 
     @property
-    def mode(self) -> Mode:
-        return parse_mode(self.spec)
+    def mode(self) -> SparsityConfig:
+        return SparsityConfig.parse(self.spec)
 
     @property
     def uses_kv(self) -> bool:
@@ -262,7 +262,7 @@ class PriceTable:
         try:
             configs = {}
             for spec, c in d["configs"].items():
-                parse_mode(spec)
+                SparsityConfig.parse(spec)
                 cv = c["curve"]
                 configs[spec] = ConfigPrice(
                     spec, Curve(tuple(int(n) for n in cv["contexts"]), tuple(float(t) for t in cv["ms"]),
@@ -293,8 +293,7 @@ def cell_spec(cell) -> str:
     """The configuration of a timing cell (ours or the paper's) as a mode string."""
     if cell.mode == "dense":
         return "dense"
-    return Mode(cell.mode, proj_keep=cell.projection_keep if cell.mode in ("proj", "both") else 1.0,
-                kv_keep=cell.kv_keep if cell.mode in ("sel", "window", "both") else 1.0).spec
+    return str(SparsityConfig.from_fields(cell.mode, cell.projection_keep, cell.kv_keep))
 
 
 def from_records(folders: list[str | Path], select_seconds: float | None = None,
@@ -333,7 +332,7 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
                 dtype.add(ex.dtype)
             if ex.obs:
                 obs.add(ex.obs)
-            if parse_mode(spec).kv_method:
+            if SparsityConfig.parse(spec).kv_method:
                 s = (ex.one_time or {}).get("select_s")
                 if isinstance(s, int | float) and not isinstance(s, bool) and s > 0:
                     selects.setdefault(spec, []).append((cell.context, float(s)))
@@ -342,10 +341,10 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
                          "is only meaningful against a dense step on the same path; give one path's records")
     window = obs_window or (obs.pop() if len(obs) == 1 else 64)
     configs, notes = {}, []
-    order = sorted(points, key=lambda s: (["dense", "proj", "sel", "window", "both"].index(parse_mode(s).kind), s))
+    order = sorted(points, key=lambda s: (["dense", "proj", "sel", "window", "both"].index(SparsityConfig.parse(s).kind), s))
     for spec in order:
         sel = None
-        if parse_mode(spec).kv_method:
+        if SparsityConfig.parse(spec).kv_method:
             if select_seconds is not None:
                 sel = SelectCost("per_token", seconds_at_32k=float(select_seconds))
             elif spec in selects:

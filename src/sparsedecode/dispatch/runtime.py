@@ -2,8 +2,9 @@
 (ByteCross §3.3 'Dispatch and batching': 'selects for each request the fastest admissible
 configuration from the resulting lookup table, one-time costs included').
 
-`RuntimeGate(engine, table)` is what `load(..., gate="gate.json")` attaches. Per request, after
-tokenizing, `Engine.tokens` asks it for (prompt length, max_new_tokens) and it:
+`load_gate(engine, "gate.json")` builds a `RuntimeGate`; whoever generates or serves holds it
+(`Engine.generate(..., gate=)`, the server's configurations). Per request, after tokenizing,
+`Engine.tokens` asks it for (prompt length, max_new_tokens) and it:
 
 1. prices every admissible configuration of the table (`policies.choose`; a KV configuration
    whose budget cannot hold the selector's sinks and window is priced at infinity, so a short
@@ -16,7 +17,7 @@ tokenizing, `Engine.tokens` asks it for (prompt length, max_new_tokens) and it:
 
 Switching costs no recompilation per request: the engine keeps one captured decode step per
 state of what the step reads (`Engine.keep_graphs`), so each configuration compiles and
-captures once, at its first request (or at `warm()`). The price is memory: on CUDA the dense
+captures once, at its first request (or at `warm()`) (`Engine.keep_states`). The price is memory: on CUDA the dense
 and the sparse projection weights are both resident (the sparse copy is transposed), and the
 selection's compact buffers are sized once for the longest prompt the cache holds.
 """
@@ -30,7 +31,6 @@ from dataclasses import dataclass, field
 from sparsedecode.dispatch.policies import choose
 from sparsedecode.dispatch.prices import PriceTable
 from sparsedecode.errors import InputError
-from sparsedecode.projection.sparse_linear import FUSED
 
 
 @dataclass(frozen=True)
@@ -55,20 +55,6 @@ class Choice:
                 "choose_ms": self.choose_ms}
 
 
-def _snapshot(model) -> list[tuple]:
-    """(parent, attribute, module) of every projection site and fused launch of `model`."""
-    out = [(parent, site, getattr(parent, site)) for _, site, parent in model.projection_sites()]
-    for layer in model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            out += [(parent, name, getattr(parent, name)) for name in FUSED if hasattr(parent, name)]
-    return out
-
-
-def _restore(snapshot: list[tuple]) -> None:
-    for parent, name, module in snapshot:
-        setattr(parent, name, module)
-
-
 class RuntimeGate:
     """Per-request configuration choice on one engine from a `PriceTable` (a gate table)."""
 
@@ -77,7 +63,6 @@ class RuntimeGate:
         from sparsedecode.kv.select import get_selector
 
         table.check_engine(engine)
-        engine.need_linear("the runtime gate's configurations")  # it swaps nn.Linear and sparse modules
         ev = table.admissibility
         if not ev:
             raise InputError("the gate table carries no admissibility evidence: write it with sparsedecode "
@@ -92,9 +77,8 @@ class RuntimeGate:
                                  "in place at bounds that change with every prompt (a capture per request)")
             if m.kv_method:
                 get_selector(m.kv_method)
+        self.configs = {s: _with_fields(table.configs[s]) for s in self.specs}  # what each name installs
         self._thresholds = {}
-        self._dense = _snapshot(engine.model)
-        self._sparse = None
         self.current: str | None = None
         keeps = sorted({table.configs[s].mode.proj_keep for s in self.specs} - {1.0})
         for keep in keeps:
@@ -105,7 +89,7 @@ class RuntimeGate:
                 given, _ = own_teal(engine, keep, tokens=calib_tokens, seed=seed, progress=progress)
             self._thresholds[keep] = given
         self._reserve_kv()
-        engine.keep_graphs = True
+        engine.keep_states("the runtime gate's configurations")  # layouts swapped, graphs kept per state
 
     def _reserve_kv(self) -> None:
         """Size the selection's compact buffers once for the longest prompt the cache holds,
@@ -134,31 +118,13 @@ class RuntimeGate:
 
     # -- installing --------------------------------------------------------------------------
     def install(self, spec: str) -> None:
-        """Make the engine decode under `spec`: projection modules swapped by reference (built
-        once), thresholds refilled in place, the KV selection set for the next prompt."""
-        from sparsedecode.engine.config import KVConfig
-        from sparsedecode.projection.sparse_linear import sparsify_
-
+        """Make the engine decode under `spec` (`Engine.configure` with the thresholds calibrated for
+        its keep): the projection modules built once are swapped back by reference and their
+        thresholds refilled in place; the KV selection runs after the next prompt's prefill."""
         if spec not in self.specs:
             raise InputError(f"configuration {spec} is not one the gate may run ({', '.join(self.specs)})")
-        eng = self.engine
-        mode = self.table.configs[spec].mode
-        if mode.proj_keep < 1.0:
-            th = self._thresholds[mode.proj_keep]
-            if self._sparse is None:
-                eng.sparsify(th)  # builds the sparse modules (and the fused launches) once
-                self._sparse = _snapshot(eng.model)
-            else:
-                _restore(self._sparse)
-                sparsify_(eng.model, th.values, gemv=eng.kernels.gemv)  # the same sites: thresholds filled in place
-            eng.thresholds = th
-        else:
-            _restore(self._dense)
-            eng.thresholds = None
-        price = self.table.configs[spec]
-        eng.kv_config = (KVConfig(mode.kv_method, mode.kv_keep, {"window": price.window, "sinks": price.sinks})
-                         if mode.kv_method else None)
-        eng.invalidate_step()  # the next step replays the graph kept for this state, or captures it
+        config = self.configs[spec]
+        self.engine.configure(config, thresholds=self._thresholds.get(config.proj_keep))
         self.current = spec
 
     def warm(self, progress=None) -> dict[str, float]:
@@ -195,6 +161,17 @@ def warm_step(engine, spec: str, room: int = 0) -> None:
     engine.reset()
 
 
+def _with_fields(price):
+    """The configuration a priced name installs: its KV selector with the sinks and observation
+    window it was priced with."""
+    from sparsedecode.config import KVConfig
+
+    c = price.mode
+    if c.kv is None:
+        return c
+    return c.with_(kv=KVConfig(c.kv.method, c.kv.keep, {"window": price.window, "sinks": price.sinks}))
+
+
 def load_gate(engine, gate, **kwargs) -> RuntimeGate:
     """A RuntimeGate from a gate table file (or dict, or PriceTable) for `engine`."""
     if isinstance(gate, PriceTable):
@@ -208,22 +185,22 @@ def load_gate(engine, gate, **kwargs) -> RuntimeGate:
 
 
 
-def check_requests(engine, requests: list[tuple[int, int]], *, seed: int = 0, repeats: int = 1,
-                   progress=None) -> list[dict]:
-    """Decode each (prompt tokens, answer tokens) request under the engine's gate from seeded
+def check_requests(engine, gate: RuntimeGate, requests: list[tuple[int, int]], *, seed: int = 0,
+                   repeats: int = 1, progress=None) -> list[dict]:
+    """Decode each (prompt tokens, answer tokens) request under `gate` from seeded
     random token ids, never stopping early (EOS ignored), and set the measured decode ms/token
     beside the table's prediction. The gate's configurations are captured first (`warm`), so no
     timed request pays a compile."""
     import torch
 
-    if engine.gate is None:
-        raise InputError("check_requests needs an engine loaded with a gate table")
+    if not isinstance(gate, RuntimeGate) or gate.engine is not engine:
+        raise InputError("check_requests needs a RuntimeGate built on this engine (load_gate(engine, FILE))")
     rows = []
     gen = torch.Generator().manual_seed(seed)
     for p, a in requests:
         ids = torch.randint(0, engine.dims.vocab, (p,), generator=gen).tolist()
         for r in range(repeats):
-            out = engine.generate(ids, max_new_tokens=a, stop_ids=())
+            out = engine.generate(ids, max_new_tokens=a, stop_ids=(), gate=gate)
             c = out.choice
             row = {"prompt_tokens": p, "answer_tokens": a, "repeat": r, "mode": c.spec,
                    "predicted_ms_per_token": c.predicted_ms_per_token, "ms_per_token": out.ms_per_token,

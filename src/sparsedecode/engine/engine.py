@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
+from sparsedecode.config import SparsityConfig
 from sparsedecode.engine.device import (
     dict_tag_guards_off,
     use_compile_cache,
@@ -81,10 +83,11 @@ class Engine:
         self._graphs: dict[tuple, tuple] = {}
         self._kv_buffers: list | None = None  # the KV selection's compact buffers (compact_buffers)
         self._kv_offset: torch.Tensor | None = None
-        self.gate = None  # a dispatch.runtime.RuntimeGate: each request under its cheapest configuration
+        self._layouts: dict | None = None  # keep_states: projection-module layouts by their sites
+        self.config = SparsityConfig()  # what `configure` installed last
         self.thresholds = None  # set by sparsify
         self.kv = None  # a kv.apply.KVSelection while decoding reads selected entries
-        self.kv_config = None  # an engine.config.KVConfig: selected after every prompt's prefill
+        self.kv_config = None  # a config.KVConfig: selected after every prompt's prefill
         self.router = None  # a cats_runtime.Router while decode steps are routed (route)
         self.routing = None  # its projection.routing.RoutingTable
         self.last_prefill: tuple[torch.Tensor | None, int] = (None, 0)  # (ids (L,), start)
@@ -133,9 +136,7 @@ class Engine:
         self._check_len(start + L, "the prompt")
         if start == 0 and any(layer.self_attn.cache.compact is not None or layer.self_attn.cache.window
                               is not None for layer in self.model.layers):  # a new prompt: selection void
-            from sparsedecode.kv.apply import clear_kv
-
-            clear_kv(self)
+            self.clear_kv()
         outs = []
         for s in range(0, L, chunk):
             piece = ids[s : s + chunk]  # (l,)
@@ -292,7 +293,7 @@ class Engine:
         sites = set(th.sites)
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
-        if (ACT_SITE in sites) != (self.linear_needed_by == "CATS thresholds") and self.gate is None:
+        if (ACT_SITE in sites) != (self.linear_needed_by == "CATS thresholds") and self._layouts is None:
             old, self.thresholds = self.thresholds, None  # laid out anew below: set_kernels must not put it back
             try:
                 self.need_linear("CATS thresholds" if ACT_SITE in sites else None)  # the dense MLP beside CATS
@@ -415,24 +416,124 @@ class Engine:
         if self.router is not None:
             self.router.reset()
 
-    def configure(self, config) -> str:
-        """Install an `engine.config.SparsityConfig`: its projection thresholds (or dense
-        projections) and token routing now, its KV selection after each prompt's prefill in
-        `generate`. Returns the mode name."""
+    def configure(self, config, *, thresholds=None, routing=None, progress: bool = False):
+        """The one installer: make the decode step read what `config` (a `SparsityConfig` or its
+        text, `sparsedecode.config`) names, and return the parsed config (`self.config`).
 
-        routing = getattr(config, "routing", None)
-        if routing is None:
+        The projection branch is installed now: `thresholds` (calibrated `Thresholds` for it) when
+        given, else the config's thresholds file, else TEAL thresholds at its keep calibrated once
+        on WikiText-2 validation and cached (`projection.calibrate.cached_teal`). Token routing
+        likewise (`routing`, a `RoutingTable`, or the config's table file). The KV branch runs
+        after each prompt's prefill (`tokens`). Under `keep_states` (the runtime gate) a layout of
+        projection modules built once is swapped back by reference and its thresholds refilled
+        in place, never rebuilt."""
+        from sparsedecode.config import SparsityConfig
+        from sparsedecode.projection.routing import RoutingTable
+        from sparsedecode.projection.thresholds import Thresholds
+
+        config = SparsityConfig.parse(config if config is not None else "dense")
+        if config.adapter is not None:
+            raise InputError(f"{config}: adapters come with the LoRA setting, which this engine does not run yet; "
+                             "drop the lora[...] part")
+        if config.kv is not None:
+            from sparsedecode.kv.select import get_selector
+
+            get_selector(config.kv.method, **config.kv.params)  # an unknown selector or field fails here
+        p, th, table = config.projection, None, None
+        if p is not None:
+            th = thresholds if thresholds is not None else self._thresholds_of(p, progress)
+            if not isinstance(th, Thresholds):
+                th = Thresholds.load(th)
+            if p.keep is not None and abs(th.keep - p.keep) > 1e-9:
+                raise InputError(f"{config}: the thresholds given were calibrated at keep {th.keep:g}, "
+                                 f"not {p.keep:g}")
+            table = routing if routing is not None else p.routing
+            if table is not None and not isinstance(table, RoutingTable):
+                table = RoutingTable.load(table)
+        elif thresholds is not None or routing is not None:
+            raise InputError(f"{config} has no projection branch: thresholds and routing go with proj[...]")
+        if table is None:
             self.route(None)
-        if config.projection is not None:
-            self.sparsify(config.projection)
+        self._lay_out(th)
+        if table is not None:
+            self.route(table)
+        self.kv_config = config.kv
+        self.config = config
+        return config
+
+    def _thresholds_of(self, p, progress: bool):
+        """Thresholds for a ProjectionConfig: its file, or cached TEAL at its keep."""
+        from sparsedecode.projection.thresholds import Thresholds
+
+        if p.file is not None:
+            return Thresholds.load(p.file)
+        from sparsedecode.projection.calibrate import cached_teal
+
+        return cached_teal(self, p.keep, progress=progress)
+
+    def _lay_out(self, th) -> None:
+        """Projection modules for `th` (None: dense). Under keep_states a layout of the same sites
+        built before is swapped back by reference and only its thresholds are refilled."""
+        from sparsedecode.projection.sparse_linear import sparsify_
+        from sparsedecode.projection.thresholds import ACT_SITE
+
+        sites = frozenset(th.sites) if th is not None else frozenset()
+        layouts = self._layouts
+        if layouts is not None and ACT_SITE not in sites and sites in layouts:
+            _restore(layouts[sites])
+            if th is not None:  # the same sites: thresholds filled in place
+                sparsify_(self.model, th.values, ff_only=not sites - {"gate", "up", "down"}, gemv=self.kernels.gemv)
+            self.thresholds = th
+            self.invalidate_step()
+            return
+        if th is not None:
+            self.sparsify(th)
         elif self.thresholds is not None:
             self._dense_projections()
             self.thresholds = None
             self._graph = None
-        if routing is not None:
-            self.route(routing)
-        self.kv_config = config.kv
-        return config.mode
+        if layouts is not None and ACT_SITE not in sites:
+            layouts[sites] = _snapshot(self.model)
+
+    def keep_states(self, by: str) -> None:
+        """Keep what each configuration builds (`by` says who asks, e.g. the runtime gate): one
+        captured decode step per state of what the step reads, and each layout of projection
+        modules, so switching configurations per request costs no rebuild and no recompile.
+        The price is memory: dense and sparse projection weights both stay resident."""
+        self.need_linear(by)  # the layouts swap nn.Linear and sparse modules
+        self.keep_graphs = True
+        if self._layouts is None:
+            key = frozenset(self.thresholds.sites) if self.thresholds is not None else frozenset()
+            self._layouts = {key: _snapshot(self.model)}
+
+    # -- what harnesses ask of the cache --------------------------------------------------------
+    def fill_random_(self, seed: int) -> None:
+        """Fill every layer's cache keys and values with seeded normal values (a timing cell's
+        fill at long context: what a step reads costs the same whatever the values)."""
+        gen = torch.Generator(self.device).manual_seed(seed)
+        with torch.no_grad():
+            for layer in self.model.layers:
+                layer.self_attn.cache.k.normal_(generator=gen)
+                layer.self_attn.cache.v.normal_(generator=gen)
+
+    @contextmanager
+    def tracking_keep(self):
+        """Count, in the sparse projections, the input channels each eager decode step reads;
+        yields a function that returns the realized projection keep pooled over the steps run
+        so far (App. A 'Timed reads'). Tracking is off again on exit, and the captured step is
+        dropped (it never counts)."""
+        from sparsedecode.projection.sparse_linear import realized_projection_keep, sparsify_
+
+        th = self.thresholds
+        if th is None:
+            raise InputError("tracking the realized projection keep needs the projection branch installed")
+        ff_only = not set(th.sites) - {"gate", "up", "down"}
+        sparsify_(self.model, th.values, ff_only=ff_only, track=True, gemv=self.kernels.gemv)
+        try:
+            yield lambda: realized_projection_keep(self.model)
+        finally:
+            sparsify_(self.model, th.values, ff_only=ff_only, track=False, gemv=self.kernels.gemv)
+            self.invalidate_step()
 
     def select_kv(self, method: str, keep: float, max_new: int, indices: bool = False, **params):
         """KV branch (ByteCross §4.1, App. A): after the prefill, decode reads only the
@@ -442,7 +543,16 @@ class Engine:
         position 0 returns to dense attention."""
         from sparsedecode.kv.apply import select_kv
 
-        return select_kv(self, method, keep, max_new, indices=indices, **params)
+        self.kv = None
+        self.kv = select_kv(self, method, keep, max_new, indices=indices, **params)
+        return self.kv
+
+    def clear_kv(self) -> None:
+        """Decode reads the whole cache again (dense attention) until the next selection."""
+        from sparsedecode.kv.apply import clear_kv
+
+        clear_kv(self)
+        self.kv = None
 
     def rescore(self, max_new: int):
         """Select again with the current method and keep after a new turn was prefilled
@@ -474,7 +584,7 @@ class Engine:
 
     def tokens(self, ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop_ids: Sequence[int] | None = None,
-               timing: Generation | None = None, lookahead: bool | None = None) -> Iterator[int]:
+               timing: Generation | None = None, lookahead: bool | None = None, gate=None) -> Iterator[int]:
         """Yield new token ids after prefilling ids, stopping after an EOS id or max_new_tokens.
 
         With `lookahead` (the default on CUDA) step i+1 is queued on the GPU before token i is
@@ -482,7 +592,9 @@ class Engine:
         caller's text handling) overlaps a step instead of leaving the GPU idle between steps,
         as gpt-fast and vLLM's async scheduling do. A generation that stops early (EOS, or the
         caller closes the iterator) has run one step too many; its position is taken back, so
-        the engine ends where it would have without (the extra slot lies past the valid prefix)."""
+        the engine ends where it would have without (the extra slot lies past the valid prefix).
+        `gate` (a `dispatch.runtime.RuntimeGate` on this engine) chooses the request's
+        configuration by its prompt and max_new_tokens, installed by `configure` before the prefill."""
         check_sampling(temperature, top_p, seed)
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -490,9 +602,9 @@ class Engine:
         self._check_len(ids.numel() + max_new_tokens, f"the prompt ({ids.numel()}) plus {max_new_tokens} new tokens")
         stop = set(self.eos_ids if stop_ids is None else stop_ids)
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
-        if self.gate is not None:  # the request's configuration, before its prefill
-            choice = self.gate.choose(ids.numel(), max_new_tokens)
-            self.gate.install(choice.spec)
+        if gate is not None:  # the request's configuration, before its prefill
+            choice = gate.choose(ids.numel(), max_new_tokens)
+            gate.install(choice.spec)
             if timing is not None:
                 timing.choice = choice
         t0 = time.perf_counter()
@@ -541,16 +653,17 @@ class Engine:
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                  on_text: Callable[[str], None] | None = None,
-                 stop_ids: Sequence[int] | None = None) -> Generation:
+                 stop_ids: Sequence[int] | None = None, gate=None) -> Generation:
         """Generate from a prompt string or token ids; `on_text` receives text as it streams.
 
         Stops at the model's EOS ids (or `stop_ids`), which are kept in `ids` but not in `text`.
+        `gate`: see `tokens`.
         """
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         out = Generation(prompt_ids=list(ids))
         shown = ""
         for tok in self.tokens(ids, max_new_tokens, temperature=temperature, top_p=top_p,
-                               seed=seed, stop_ids=stop_ids, timing=out):
+                               seed=seed, stop_ids=stop_ids, timing=out, gate=gate):
             out.ids.append(tok)
             if self.tokenizer is not None and on_text is not None:
                 text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
@@ -567,6 +680,22 @@ class Engine:
         return (f"Engine({self.name!r}, {self.args.model_type}, device={self.device}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, max_len={self.max_len}, "
                 f"attention={self.attention!r}, init={self.init!r})")
+
+
+def _snapshot(model) -> list[tuple]:
+    """(parent, attribute, module) of every projection site and fused launch of `model`."""
+    from sparsedecode.projection.sparse_linear import FUSED
+
+    out = [(parent, site, getattr(parent, site)) for _, site, parent in model.projection_sites()]
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            out += [(parent, name, getattr(parent, name)) for name in FUSED if hasattr(parent, name)]
+    return out
+
+
+def _restore(snapshot: list[tuple]) -> None:
+    for parent, name, module in snapshot:
+        setattr(parent, name, module)
 
 
 __all__ = ["DEFAULT_MAX_LEN", "Engine", "Generation"]

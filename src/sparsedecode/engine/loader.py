@@ -1,5 +1,5 @@
 """`load`: a model reference into an `Engine` with its static cache (engine/engine.py), on
-the device and dtype asked, with the kernel options, thresholds or gate given."""
+the device and dtype asked, with the kernel options and the configuration given."""
 
 from __future__ import annotations
 
@@ -15,19 +15,17 @@ from sparsedecode.models.attention import get_backend
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
          attention: str = "split_k", compile: bool | str | None = None, seed: int | None = 0,
-         quiet: bool = False, thresholds=None, gate=None, kernels=None) -> Engine:
+         quiet: bool = False, config=None, kernels=None) -> Engine:
     """Load `ref` (known name, HF folder, hub id, .gguf file, or a config dict with
     init='random') into an Engine whose static cache holds `max_len` tokens
     (default min(model window, 4096)). `compile` defaults to True on CUDA; a string
-    is taken as the torch.compile mode. `thresholds` (a `Thresholds` or a file) turns on
-    the projection branch in the decode step (`Engine.sparsify`). `gate` (a gate table file
-    from `sparsedecode dispatch table`) decodes each request under the admissible
-    configuration of least predicted cost (`dispatch.runtime.RuntimeGate`). `kernels` (a
+    is taken as the torch.compile mode. `config` (a `SparsityConfig` or its text, e.g.
+    'proj[t.safetensors]' or 'both0.5/0.3') is installed by `Engine.configure`; a gate that
+    chooses per request belongs to whoever generates or serves (`dispatch.runtime.load_gate`,
+    `Engine.generate(..., gate=)`). `kernels` (a
     `kernels.options.KernelOptions`; default: the defaults) is what every kernel launches with
     (`Engine.set_kernels`). On CUDA, load also pays what the first KV selection would
     (`kv.apply.warm_selection`: Triton's setup, the score and sort kernels' first launch)."""
-    if gate is not None and thresholds is not None:
-        raise InputError("a gate chooses each request's configuration: give gate or thresholds, not both")
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
 
     get_backend(attention)  # an unknown backend fails before any download
@@ -66,12 +64,8 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
         warm_selection(eng)
         mark("warm_kv_s")
     eng.load_phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
-    if thresholds is not None:
-        eng.sparsify(thresholds)
-    if gate is not None:
-        from sparsedecode.dispatch.runtime import load_gate
-
-        eng.gate = load_gate(eng, gate, progress=not quiet)
+    if config is not None:
+        eng.configure(config, progress=not quiet)
     return eng
 
 

@@ -126,10 +126,9 @@ def observation_queries(engine, window: int) -> tuple[list[torch.Tensor], str]:
 
 
 def clear_kv(engine) -> None:
-    """Decode reads the full cache again (dense attention)."""
+    """Decode reads the full cache again (dense attention); `Engine.clear_kv` forgets the selection."""
     for layer in engine.model.layers:
         layer.self_attn.cache.read_compact(None)
-    engine.kv = None
     engine.invalidate_step()
 
 
@@ -182,7 +181,6 @@ def select_kv(engine, method: str, keep: float, max_new: int, indices: bool = Fa
     sync()
     sel = KVSelection(method, keep, n, budget, max_new, time.perf_counter() - t0, dict(params),
                       phases.seconds(), observed, kept)
-    engine.kv = sel
     if recapture:
         engine.invalidate_step()  # the decode step reads other buffers now
     return sel

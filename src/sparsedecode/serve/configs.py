@@ -25,28 +25,12 @@ class Plan:
     predicted_select_s: float | None = None
 
 
-def static_spec(engine) -> str:
-    """The canonical mode string of the engine's fixed configuration."""
-    from sparsedecode.timing.cell import Mode
-
-    th, kv = engine.thresholds, engine.kv_config
-    kv_kind = None if kv is None or kv.keep >= 1.0 else ("window" if kv.method == "window" else "sel")
-    proj = th.keep if th is not None else 1.0
-    if th is not None and kv_kind:
-        if kv_kind == "window":
-            return f"proj{proj:g}+window{kv.keep:g}"
-        return Mode("both", proj_keep=proj, kv_keep=kv.keep).spec
-    if th is not None:
-        return Mode("proj", proj_keep=proj).spec
-    return Mode(kv_kind, kv_keep=kv.keep).spec if kv_kind else "dense"
-
-
 class Configurations:
     """What the server runs: a RuntimeGate's admissible set, or the engine's one configuration."""
 
     def __init__(self, engine, gate=None):
         self.engine, self.gate = engine, gate
-        self.specs = list(gate.specs) if gate is not None else [static_spec(engine)]
+        self.specs = list(gate.specs) if gate is not None else [str(engine.config)]
         self.default = "auto" if gate is not None else self.specs[0]
 
     def plan(self, asked: str, prompt_tokens: int, max_new: int) -> Plan:

@@ -8,7 +8,7 @@ Per-request sparsity rides in the body's extra field `sparsedecode`, the way vLL
 `vllm_xargs` through the client's `extra_body`:
 
     {"mode": "auto"}                                   the gate's choice (a gated server's default)
-    {"mode": "both0.5/0.3"}                            a configuration by name (`timing.cell.parse_mode`)
+    {"mode": "both0.5/0.3"}                            a configuration by name (`SparsityConfig.parse`)
     {"proj_keep": 0.5, "kv": "snapkv", "kv_keep": 0.3} the same by its fields
 """
 
@@ -69,8 +69,8 @@ def _number(body: dict, name: str, default, lo: float, hi: float | None, *, lo_o
 
 def _sparsity(value) -> str:
     """The canonical configuration a request names ('auto' for the gate's choice)."""
+    from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
     from sparsedecode.errors import InputError
-    from sparsedecode.timing.cell import Mode, parse_mode
 
     if value is None:
         return "auto"
@@ -88,7 +88,7 @@ def _sparsity(value) -> str:
         if mode is not None:
             if not isinstance(mode, str):
                 raise RequestError(f"'sparsedecode.mode' must be a string, got {mode!r}", "sparsedecode.mode")
-            return "auto" if mode == "auto" else parse_mode(mode).spec
+            return "auto" if mode == "auto" else str(SparsityConfig.parse(mode))
         kv, kv_keep = value.get("kv"), value.get("kv_keep")
         if (kv is None) != (kv_keep is None):
             raise RequestError("the KV branch needs both 'kv' (snapkv or window) and 'kv_keep'", "sparsedecode.kv")
@@ -96,12 +96,8 @@ def _sparsity(value) -> str:
             raise RequestError(f"'sparsedecode.kv' must be one of {', '.join(KV_KIND)}, got {kv!r}", "sparsedecode.kv")
         proj = _number(value, "proj_keep", 1.0, 0.0, 1.0, lo_open=True, where="sparsedecode.")
         keep = _number(value, "kv_keep", 1.0, 0.0, 1.0, lo_open=True, where="sparsedecode.")
-        kind = KV_KIND.get(kv) if keep < 1.0 else None
-        if proj < 1.0:
-            if kind == "window":
-                raise RequestError("projection with the in-place window is not a served configuration", "sparsedecode")
-            return Mode("both" if kind else "proj", proj_keep=proj, kv_keep=keep if kind else 1.0).spec
-        return Mode(kind, kv_keep=keep).spec if kind else "dense"
+        return str(SparsityConfig(ProjectionConfig(keep=proj) if proj < 1.0 else None,
+                                  KVConfig(kv, keep) if kv is not None and keep < 1.0 else None))
     except InputError as e:
         raise RequestError(str(e), "sparsedecode.mode") from None
 

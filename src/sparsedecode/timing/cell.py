@@ -35,14 +35,13 @@ ids (token ids do not change the bytes a step reads); the KV read fraction is
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sparsedecode.account.units import check_keep
+from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.projection.thresholds import MIN_TOKENS
 from sparsedecode.timing.clock import process_age_s
@@ -53,83 +52,31 @@ FILLS = ("prefill", "random")
 INITS = ("pretrained", "random")
 IMPLS = ("ours", "transformers", "graph")  # whose decode step a cell times (timing.peer)
 PREFILL_CHUNK = 512
-KV_METHODS = {"sel": "snapkv", "window": "window", "both": "snapkv"}
-
-_KEEP = r"(\d*\.?\d+)"
-_MODE = re.compile(rf"^(?:(dense)|(proj|sel|window){_KEEP}|both{_KEEP}/{_KEEP})$")
+CELL_KINDS = ("dense", "proj", "sel", "window", "both")
 
 
-# -- modes --------------------------------------------------------------------
-@dataclass(frozen=True)
-class Mode:
-    """A parsed mode string: kind ('dense'|'proj'|'sel'|'window'|'both') and keeps
-    (1.0 where the branch is off)."""
-
-    kind: str
-    proj_keep: float = 1.0
-    kv_keep: float = 1.0
-
-    @property
-    def proj_method(self) -> str | None:
-        return "teal" if self.kind in ("proj", "both") else None
-
-    @property
-    def kv_method(self) -> str | None:
-        return KV_METHODS.get(self.kind)
-
-    @property
-    def spec(self) -> str:
-        """The canonical mode string, e.g. 'both0.5/0.3'."""
-        if self.kind == "dense":
-            return "dense"
-        if self.kind == "both":
-            return f"both{self.proj_keep:g}/{self.kv_keep:g}"
-        return f"{self.kind}{self.proj_keep if self.kind == 'proj' else self.kv_keep:g}"
-
-    @property
-    def cell(self) -> str:
-        """The paper's cell id: dense, proj50, sel30, window30, p50_s30 (keep x 100)."""
-        if self.kind == "dense":
-            return "dense"
-        if self.kind == "both":
-            return f"p{_pct(self.proj_keep)}_s{_pct(self.kv_keep)}"
-        return f"{self.kind}{_pct(self.proj_keep if self.kind == 'proj' else self.kv_keep)}"
-
-
-def _pct(keep: float) -> str:
-    return f"{round(keep * 100, 6):g}"
-
-
-def parse_mode(text: str) -> Mode:
-    """'dense', 'proj0.5', 'sel0.3', 'window0.3' or 'both0.5/0.3' -> Mode."""
-    m = _MODE.match(str(text).strip())
-    if not m:
-        raise InputError(
-            f"mode '{text}' is not one of dense, proj<keep>, sel<keep>, window<keep>, "
-            "both<proj keep>/<kv keep>: write e.g. dense, proj0.5, sel0.3, window0.3, both0.5/0.3"
-        )
-    dense, kind, keep, pk, kk = m.groups()
-    if dense:
-        return Mode("dense")
-
-    def keep_of(v: str, what: str) -> float:
-        k = check_keep(v, f"mode '{text}': {what}")
-        if k == 1.0:
-            raise InputError(f"mode '{text}': {what} 1 turns the branch off; use 'dense' or a keep below 1")
-        return k
-
-    if kind == "proj":
-        return Mode("proj", proj_keep=keep_of(keep, "projection keep"))
-    if kind:
-        return Mode(kind, kv_keep=keep_of(keep, "KV keep"))
-    return Mode("both", proj_keep=keep_of(pk, "projection keep"), kv_keep=keep_of(kk, "KV keep"))
+def cell_config(text) -> SparsityConfig:
+    """The configuration a timing cell runs, from its mode string: dense, proj<keep> (TEAL
+    calibrated by the cell), sel<keep>, window<keep> or both<proj keep>/<kv keep>, with the
+    selectors' default fields (the cell's `obs` sets the observation window)."""
+    try:
+        c = SparsityConfig.parse(text)
+    except InputError as e:
+        raise InputError(f"mode '{text}': {e}") from None
+    p, kv = c.projection, c.kv
+    if (c.kind not in CELL_KINDS or (p is not None and p.keep in (None, 1.0)) or c.adapter is not None
+            or (kv is not None and kv.keep == 1.0)
+            or (kv is not None and (kv.params or kv.method not in ("snapkv", "window")))):
+        raise InputError(f"mode '{text}': a timing cell runs dense, proj<keep>, sel<keep>, window<keep> or "
+                         "both<proj keep>/<kv keep> (e.g. both0.5/0.3) with keeps below 1, without files or selector fields")
+    return c
 
 
 # -- the cell's configuration ---------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class CellSpec:
     """One timing cell (App. A 'Timing'). model: a name, path or config ref that
-    `sparsedecode.load` takes; context: n tokens; mode: a mode string (`parse_mode`);
+    `sparsedecode.load` takes; context: n tokens; mode: a configuration's text (`cell_config`);
     attention: the decode attention path; fill: 'prefill' or 'random'; compile_mode:
     '' for torch.compile's default (CUDA only; CPU runs eagerly); text: a folder or
     file for the token stream and the calibration text; calib_tokens: projection
@@ -166,8 +113,8 @@ class CellSpec:
     order: int = 0
 
     def __post_init__(self):
-        mode = parse_mode(self.mode)
-        object.__setattr__(self, "mode", mode.spec)
+        mode = cell_config(self.mode)
+        object.__setattr__(self, "mode", str(mode))
         object.__setattr__(self, "kernels", kernels_text(self.kernels))
         if not self.cell:
             object.__setattr__(self, "cell", mode.cell)
@@ -182,7 +129,7 @@ class CellSpec:
                 raise InputError(f"{name} must be an integer >= {low}, got {v!r}")
         check_alone([], self.shared_gpu)  # the policy's own check
         if mode.proj_method and self.calib_tokens < MIN_TOKENS:  # before a load it would waste
-            raise InputError(f"calib_tokens {self.calib_tokens}: {mode.spec} calibrates its thresholds on at "
+            raise InputError(f"calib_tokens {self.calib_tokens}: {mode} calibrates its thresholds on at "
                              f"least {MIN_TOKENS} tokens (--calib-tokens, or calib_tokens in a campaign spec)")
         if self.profile >= self.generated:
             raise InputError(f"profile {self.profile} steps: a cell decodes {self.generated} tokens "
@@ -193,8 +140,8 @@ class CellSpec:
                              "drop profile from that cell or grid")
 
     @property
-    def parsed(self) -> Mode:
-        return parse_mode(self.mode)
+    def parsed(self) -> SparsityConfig:
+        return cell_config(self.mode)
 
     @property
     def kernel_options(self):
@@ -335,13 +282,13 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     say(f"filled {n} tokens ({spec.fill}) in {one_time['prefill_s']:.1f} s")
 
     if thresholds is not None:
-        eng.sparsify(thresholds)
+        eng.configure(mode, thresholds=thresholds)  # the projection branch; the cell selects itself
     budget, selection = n, None
     if mode.kv_method:
         sel = eng.select_kv(mode.kv_method, mode.kv_keep, generated, window=spec.obs)
         budget = sel.budget
         one_time["select_s"] = sel.select_s  # the process's first selection: kernels load on the way
-        eng.pos = n  # the same selection again, as every later request of a process pays it
+        eng.seek(n)  # the same selection again, as every later request of a process pays it
         again = eng.select_kv(mode.kv_method, mode.kv_keep, generated, window=spec.obs)
         selection = {"first_s": sel.select_s, "first_phases": sel.phases,
                      "warm_s": again.select_s, "warm_phases": again.phases}
@@ -349,7 +296,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     realized = 1.0
     if thresholds is not None:
         t = time.perf_counter()
-        realized = _tracked_keep(eng, thresholds, n, ids[n : n + min(KEEP_STEPS, generated)])
+        realized = _tracked_keep(eng, n, ids[n : n + min(KEEP_STEPS, generated)])
         sync()
         one_time["keep_s"] = time.perf_counter() - t
 
@@ -396,7 +343,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "gpu": gpu,
         "label": gpu.removeprefix("NVIDIA ") if cuda else "CPU",
         "mode": mode.kind,
-        "mode_spec": mode.spec,
+        "mode_spec": str(mode),
         "projection_keep": mode.proj_keep,
         "kv_keep": mode.kv_keep,
         "proj_method": mode.proj_method,
@@ -494,17 +441,12 @@ def _calibrate(eng, spec: CellSpec, keep: float):
 def _fill(eng, spec: CellSpec, ids: list[int]) -> None:
     """Cache positions [0, n): a dense prefill in chunks of 512, or seeded normal keys and
     values with the last `obs` positions prefilled for real (the observation window)."""
-    import torch
 
     n = spec.context
     if spec.fill == "prefill":
         eng.prefill(ids[:n], chunk=PREFILL_CHUNK)
         return
-    gen = torch.Generator(eng.device).manual_seed(spec.seed)
-    with torch.no_grad():
-        for layer in eng.model.layers:
-            layer.self_attn.cache.k.normal_(generator=gen)
-            layer.self_attn.cache.v.normal_(generator=gen)
+    eng.fill_random_(spec.seed)
     w = min(spec.obs, n)
     eng.prefill(ids[n - w:n], chunk=PREFILL_CHUNK, start=n - w)
 
@@ -512,22 +454,16 @@ def _fill(eng, spec: CellSpec, ids: list[int]) -> None:
 KEEP_STEPS = 8  # eager tracked steps that measure the realized projection keep
 
 
-def _tracked_keep(eng, thresholds, n: int, tokens) -> float:
+def _tracked_keep(eng, n: int, tokens) -> float:
     """Projection keep realized by eager decode steps at positions n, n+1, ... feeding
     `tokens` (App. A 'Timed reads'), pooled over the steps by the sparse modules' counters
     (one token alone is noisy); tracking is off again for the timed steps, which rewrite
     the same cache slots."""
-    from sparsedecode.projection.sparse_linear import realized_projection_keep, sparsify_
-
-    ff_only = not set(thresholds.sites) - {"gate", "up", "down"}
-    sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=True, gemv=eng.kernels.gemv)
-    for i, token in enumerate(tokens):
-        eng.seek(n + i, token)
-        eng.eager_step()  # slot n + i: the timed steps rewrite it
-    keep = realized_projection_keep(eng.model)
-    sparsify_(eng.model, thresholds.values, ff_only=ff_only, track=False, gemv=eng.kernels.gemv)
-    eng.invalidate_step()
-    return keep
+    with eng.tracking_keep() as realized:
+        for i, token in enumerate(tokens):
+            eng.seek(n + i, token)
+            eng.eager_step()  # slot n + i: the timed steps rewrite it
+        return realized()
 
 
 def _time_steps(eng, toks: list[int], spec: CellSpec, cuda: bool) -> list[float]:
@@ -550,5 +486,5 @@ def _peak_memory(dev) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-__all__ = ["ATTENTION", "FILLS", "CellSpec", "Mode", "check_fits", "failed_record", "model_window",
-           "parse_mode", "run_cell", "timed_step_bytes"]
+__all__ = ["ATTENTION", "FILLS", "CellSpec", "cell_config", "check_fits", "failed_record", "model_window",
+           "run_cell", "timed_step_bytes"]

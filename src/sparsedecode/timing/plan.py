@@ -74,14 +74,14 @@ def _group_of(rep: dict, group: str, folder) -> dict:
 
 
 def _branch_spec(text: str | None, kind: str) -> str | None:
-    from sparsedecode.timing.cell import parse_mode
+    from sparsedecode.config import SparsityConfig
 
     if text is None:
         return None
-    mode = parse_mode(text)
+    mode = SparsityConfig.parse(text)
     if mode.kind != kind:
         raise InputError(f"--{kind} {text}: give a {kind} mode such as {'proj0.7' if kind == 'proj' else 'sel0.5'}")
-    return mode.spec
+    return str(mode)
 
 
 def _record(folder, group, rep, want, pred, byte_tokens, method, extra) -> dict:
@@ -114,9 +114,10 @@ def _shifted(folder, group, rep, g, cross, swept, want, keep_folder) -> dict:
     import numpy as np
 
     from sparsedecode.account import crossover
+    from sparsedecode.config import SparsityConfig
     from sparsedecode.report.timing_report import build_report
     from sparsedecode.timing import stats
-    from sparsedecode.timing.cell import parse_mode, timed_step_bytes
+    from sparsedecode.timing.cell import timed_step_bytes
     from sparsedecode.timing.cells import load_cells
 
     cc = load_cells(folder)
@@ -152,7 +153,7 @@ def _shifted(folder, group, rep, g, cross, swept, want, keep_folder) -> dict:
                              f"{ctx[0]}..{ctx[-1]}")
         swept_at = float(np.interp(n0, n, cost[b]))
         cost[b] = k["kernel_cost_ms"]["value"] + cost[b] - swept_at
-        mode, size = parse_mode(want[b]), _itemsize(kcc)
+        mode, size = SparsityConfig.parse(want[b]), _itemsize(kcc)
         rp = (k["realized_projection_keep"] or mode.proj_keep) if b == "proj" else 1.0
         kv = [1.0 if b == "proj" else min(np.floor(mode.kv_keep * c + 0.5) / c, 1.0) for c in ctx]
         byt[b] = np.array([timed_step_bytes(cc.dims, c, rp, f, size, size) for c, f in zip(ctx, kv, strict=True)])

@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sparsedecode.account.units import parse_tokens
+from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
-from sparsedecode.timing.cell import ATTENTION, FILLS, IMPLS, kernels_text, model_window, parse_mode
+from sparsedecode.timing.cell import ATTENTION, FILLS, IMPLS, kernels_text, model_window
 from sparsedecode.timing.neighbors import SHARED_GPU
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -208,13 +209,13 @@ def _grid(g: dict, where: str) -> Grid:
         if not isinstance(m, str):
             raise InputError(f"{where}: modes entry {m!r} is not a mode string such as 'sel0.3'")
         try:
-            mode = parse_mode(m)
+            mode = SparsityConfig.parse(m)
         except InputError as e:
             raise InputError(f"{where}: modes: {e}") from None
         if mode.cell in cells:
             raise InputError(f"{where}: modes '{cells[mode.cell]}' and '{m}' are the same cell ({mode.cell})")
         cells[mode.cell] = m
-        modes.append(mode.spec)
+        modes.append(str(mode))
         kinds.append(mode.kind)
     if g["pairs"] == "crossing":  # App. E: the crossing pairs proj with sel in each block, no dense cell
         if sorted(kinds) != ["proj", "sel"]:
