@@ -129,8 +129,8 @@ def test_a_missing_record_is_caught(folders):
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_cited_file_exists(page):
-    text = page.read_text(encoding="utf-8")
-    assert not missing_files(text, page), f"{page.relative_to(ROOT)} cites files that are not in the tree"
+    bad = missing_files(page.read_text(encoding="utf-8"), page)
+    assert not bad, f"{page.relative_to(ROOT)} cites files that are not in the tree: {', '.join(bad)}"
 
 
 def test_a_missing_file_is_caught():
