@@ -14,10 +14,14 @@ rebuilt from the records.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
+
+from sparsedecode.quality.perplexity import pooled_ppl
+from sparsedecode.records import read_record
 
 CONFIGS = [  # label, method, params
     ("dense", "dense", {}),
@@ -39,11 +43,35 @@ def main() -> None:
     ap.add_argument("--table-only", action="store_true")
     a = ap.parse_args()
 
-    from sparsedecode.report.ppl_table import load_ppl_records, ppl_table
-
     if not a.table_only:
         run(a)
     print(ppl_table(load_ppl_records(a.out)))
+
+
+def load_ppl_records(folder: str | Path) -> list[dict]:
+    """The 'ppl_chunked' records of a folder, dense first, then by label."""
+    recs = [read_record(p) for p in sorted(Path(folder).glob("*.json"))]
+    recs = [r for r in recs if r["kind"] == "ppl_chunked"]
+    return sorted(recs, key=lambda r: (r["config"]["method"] != "dense", r["label"]))
+
+
+def ppl_table(records: list[dict]) -> str:
+    """Label, realized keep, pooled PPL and its difference to the dense record of the same text."""
+    dense = {json.dumps(r["text"], sort_keys=True): r for r in records if r["config"]["method"] == "dense"}
+    rows = [
+        "| configuration | realized keep | chunked PPL | ΔPPL vs dense | runtime |",
+        "|---|---|---|---|---|",
+    ]
+    for r in records:
+        ppl = pooled_ppl(r["nll_per_chunk"], r["targets_per_chunk"])
+        d = dense.get(json.dumps(r["text"], sort_keys=True))
+        delta = "" if d is None or d is r else f"{ppl - pooled_ppl(d['nll_per_chunk'], d['targets_per_chunk']):+.3f}"
+        keep = r.get("realized_keep")
+        rows.append(
+            f"| {r['label']} | {'' if keep is None else f'{keep:.3f}'} | {ppl:.3f} | {delta} "
+            f"| {r['runtime']} |"
+        )
+    return "\n".join(rows)
 
 
 def run(a) -> None:

@@ -17,7 +17,7 @@ its token id routes sparse (`quality.perplexity.chunked_nll_many`).
 Everything lands in --out and a rerun resumes: thresholds and routing tables are files,
 the perplexity pass saves every chunk's NLLs to a progress file as it goes, and one
 'mlp_sparsity_eval' record per setting is written at the end. The table is printed, rebuilt
-from the records alone (`report.mlp_table`), as is the README's.
+from the records alone (`mlp_table.py` beside this script).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import os
 import time
 from pathlib import Path
 
+from mlp_table import KIND, comparison_table, load_records  # beside this script
+
 import sparsedecode
 from sparsedecode.account import bounds
 from sparsedecode.errors import InputError
@@ -37,7 +39,6 @@ from sparsedecode.projection.thresholds import ACT_SITE, INPUT_SITES, Thresholds
 from sparsedecode.quality.data import text_ids, wikitext_path
 from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll_many
 from sparsedecode.records import stamp, write_record
-from sparsedecode.report.mlp_table import KIND, comparison_table, load_records
 
 KEEPS = (0.7, 0.5)
 ROUTED_KEEP = 0.5

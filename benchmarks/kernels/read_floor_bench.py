@@ -2,7 +2,7 @@
 
 For each cell of `sparse_gemv_bench.py` (shape, keep: the same random x and quantile threshold,
 so the same kept rows and the same bytes), a contiguous buffer of exactly those bytes is read by
-`timing.read_floor.stream_sum` (no data-dependent addresses, no reduction across programs) in each
+`read_floor.stream_sum` (beside this script) (no data-dependent addresses, no reduction across programs) in each
 of its `CONFIGS`, plain and launched with PDL, and by `torch.sum`, timed as the GEMV is timed:
 `--copies` distinct buffers (beating the 50 MB L2) x `--rounds` calls back to back in one CUDA
 graph, the median per call over `--reps` replays. The least of them is the floor: no kernel that
@@ -23,6 +23,7 @@ import datetime as dt
 import statistics
 
 import torch
+from read_floor import CONFIGS, label, programs, stream_sum, stream_sum_ref  # beside this script
 from sparse_gemv_bench import (
     BYTE_RATE,
     SHAPES,
@@ -34,7 +35,6 @@ from sparse_gemv_bench import (
 )
 
 from sparsedecode.records import stamp, write_record
-from sparsedecode.timing.read_floor import CONFIGS, label, programs, stream_sum, stream_sum_ref
 
 COMBINED = "read_floor_records.json"
 

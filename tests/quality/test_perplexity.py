@@ -1,5 +1,5 @@
 """Chunked perplexity: dense equals a full forward of each chunk, a configuration changes
-only the scored half, and the table is rebuilt from records."""
+only the scored half."""
 
 import pytest
 import torch
@@ -7,9 +7,7 @@ import torch.nn.functional as F
 
 import sparsedecode
 from sparsedecode.errors import InputError
-from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll, pooled_ppl
-from sparsedecode.records import stamp, write_record
-from sparsedecode.report.ppl_table import load_ppl_records, ppl_table
+from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll
 
 CFG = dict(
     model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -49,16 +47,3 @@ def test_too_short_text_is_refused(setup):
     eng, ids = setup
     with pytest.raises(InputError, match="needs 6,145 tokens"):
         chunked_nll(eng, ids, chunks=3)
-
-
-def test_table_from_records(tmp_path, setup):
-    text = {"file": "x", "chunks": 2}
-    for label, method, nll in (("dense", "dense", [2048.0, 2048.0]), ("teal 0.5", "teal", [3072.0, 3072.0])):
-        write_record(tmp_path / f"{label}.json", stamp({
-            "kind": "ppl_chunked", "label": label, "config": {"method": method}, "text": text,
-            "nll_per_chunk": nll, "targets_per_chunk": 1024, "realized_keep": None if method == "dense" else 0.5,
-            "runtime": "masked reference (CPU)"}, with_torch=False))
-    table = ppl_table(load_ppl_records(tmp_path))
-    lines = table.splitlines()
-    assert lines[2].startswith("| dense |") and f"{pooled_ppl([2048.0, 2048.0]):.3f}" in lines[2]
-    assert "| teal 0.5 | 0.500 |" in lines[3] and f"{pooled_ppl([3072.0] * 2) - pooled_ppl([2048.0] * 2):+.3f}" in lines[3]

@@ -1,13 +1,13 @@
-"""Timing tables rebuilt from records: formatting, filtering and bad input."""
+"""The lab's timing tables (speed_tables.py beside this file) rebuilt from records: formatting, filtering and bad input."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from speed_tables import decode_table, gemv_table, load_records, speed_tables
 
 from sparsedecode.errors import InputError
-from sparsedecode.report.speed_tables import decode_table, gemv_table, load_records, speed_tables
 
 
 def gemv(label, keep, t):
@@ -54,7 +54,7 @@ def test_unreadable_record_is_a_clear_error(tmp_path):
 
 
 def test_passkey_table_marks_answers_and_the_window_region():
-    from sparsedecode.report.speed_tables import passkey_table
+    from speed_tables import passkey_table
 
     rows = [{"depth": d, "mode": m, "keep": k, "correct": ok, **extra}
             for d, m, k, ok, extra in [(0.1, "dense", 1.0, True, {}), (0.9, "dense", 1.0, True, {}),
@@ -68,7 +68,7 @@ def test_passkey_table_marks_answers_and_the_window_region():
 
 
 def test_kv_select_table():
-    from sparsedecode.report.speed_tables import kv_select_table
+    from speed_tables import kv_select_table
 
     rec = {"kind": "kv_select_bench", "method": "snapkv", "keep": 0.3, "context": 32768, "budget": 9766,
            "select_s_median": 0.155, "first_s": 0.5277, "target_s": 0.1, "env": {"git_commit": "83120796f5"}}
@@ -77,7 +77,7 @@ def test_kv_select_table():
 
 
 def test_kv_decode_table_puts_each_mode_beside_dense_and_its_bound():
-    from sparsedecode.report.speed_tables import kv_decode_table
+    from speed_tables import kv_decode_table
 
     dense = {"kind": "kv_decode_bench", "mode": "dense", "context": 131007, "step_ms_median": 9.0}
     sel = {"kind": "kv_decode_bench", "mode": "sel0.3", "context": 131007, "kv_budget": 39238,
@@ -92,7 +92,7 @@ def test_kv_decode_table_puts_each_mode_beside_dense_and_its_bound():
 
 
 def test_gemv_table_shows_the_same_bytes_cublas_ratio_and_profile_table_groups_kernels():
-    from sparsedecode.report.speed_tables import kernel_group, profile_table
+    from speed_tables import kernel_group, profile_table
 
     cells = [{**gemv("default", 0.5, 18e-6), "ratio_to_dense_equiv": 0.61}, gemv("default", 1.0, 31e-6)]
     lines = gemv_table(cells).splitlines()
@@ -127,7 +127,7 @@ def sized(shape, N, keep, fixed, rate, label="default", warps=1, dense=None):
 
 
 def test_gemv_fit_recovers_a_fixed_cost_and_a_rate():
-    from sparsedecode.report.speed_tables import gemv_fit, gemv_fit_table
+    from speed_tables import gemv_fit, gemv_fit_table
 
     cells = [sized(s, n, 0.5, 4e-6, 4.2e12) for s, n in (("qkv", 6144), ("gate_up", 14336), ("gate_up2", 28672))]
     fixed, rate, resid = gemv_fit(cells)
@@ -184,7 +184,7 @@ def test_step_mode_marks_gemv_warps_and_the_deferred_finish():
 
 
 def test_ablated_steps_get_no_bound_but_a_profile_row():
-    from sparsedecode.report.speed_tables import profile_table
+    from speed_tables import profile_table
 
     decode = {"kind": "proj_decode_bench", "mode": "proj0.5", "calibration": {"method": "teal"}, "compile_mode": "",
               "realized_keep": 0.46, "step_ms_median": 3.0, "paired_dense_ms": 5.4, "speedup": 1.8, "bound": 1.96,
@@ -200,7 +200,7 @@ def test_ablated_steps_get_no_bound_but_a_profile_row():
 
 
 def test_step_gemv_table_sets_each_call_site_beside_its_byte_time():
-    from sparsedecode.report.speed_tables import step_gemv_table
+    from speed_tables import step_gemv_table
 
     # two layers of (q|k|v, o, gate|up, down) launches, and the weight bytes the step read per call
     sites = [8.0, 6.0, 20.0, 18.0, 10.0, 8.0, 22.0, 20.0]
@@ -220,7 +220,7 @@ def test_step_gemv_table_sets_each_call_site_beside_its_byte_time():
 
 
 def test_read_floor_table_takes_the_fastest_read_and_sets_the_gemv_of_the_same_bytes_beside_it():
-    from sparsedecode.report.speed_tables import read_floor_table
+    from speed_tables import read_floor_table
 
     env = {"git_commit": "abcdef0123"}
     floor = {"kind": "read_floor_bench", "shape": "gate_up", "keep_target": 0.5, "run_id": "r1", "bytes_read": 58_728_448,

@@ -1,4 +1,4 @@
-"""The read-floor kernel (timing.read_floor) against its PyTorch reference: every element read
+"""The read-floor kernel (read_floor.py beside this file) against its PyTorch reference: every element read
 once, each program's partial where the tiling puts it, under TRITON_INTERPRET=1 and on CUDA."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
+from read_floor import CONFIGS, label, programs, stream_sum, stream_sum_ref
 
-from interpreted import run_interpreted
+from interpreted import run_interpreted  # tests/, on the path by pyproject's pythonpath
 from sparsedecode.errors import InputError
-from sparsedecode.timing.read_floor import CONFIGS, label, programs, stream_sum, stream_sum_ref
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SMALL = [("chunk", 64, 3, 1, 1), ("chunk", 32, 1, 1, 1), ("stride", 64, 2, 1, 2), ("stride", 16, 3, 1, 1)]

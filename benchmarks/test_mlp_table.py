@@ -1,4 +1,4 @@
-"""The CATS / SATS / routed comparison table is rebuilt from records alone: known PPLs,
+"""The CATS / SATS / routed comparison table (mlp_table.py beside this file) is rebuilt from records alone: known PPLs,
 ΔPPL against dense and SATS against CATS at the same keep, refusal of mixed runs."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 import math
 
 import pytest
+from mlp_table import KIND, comparison_table, load_records
 
 from sparsedecode.errors import InputError
-from sparsedecode.report.mlp_table import KIND, comparison_table, load_records
 
 
 def _rec(name, method, keep=None, route=None, nll_per_target=2.0, realized=None, routed=None, bound=1.0):
