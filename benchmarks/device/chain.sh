@@ -10,6 +10,12 @@
 set -u
 BUDGET=$1; shift; SPECS=("$@")
 W=${W:-~/w}; mkdir -p $W/runs $W/cache $W/tree
+# the campaigns under benchmarks/records/h200 are H200 campaigns: start none on another GPU (a call
+# with no kind named may get an H100); EXPECT_GPU="" turns this off, e.g. for a CPU campaign
+if [ -n "${EXPECT_GPU-H200}" ] && command -v nvidia-smi > /dev/null; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  case "$gpu" in *"${EXPECT_GPU-H200}"*) ;; *) echo "chain: not started: the GPU is '$gpu', not ${EXPECT_GPU-H200}"; exit 3;; esac
+fi
 [ -f $W/chain.pid ] && while kill -0 $(cat $W/chain.pid) 2>/dev/null; do sleep 2; done
 if [ "$(pwd -P)" != "$(cd $W/tree && pwd -P)" ]; then
   rm -rf $W/tree && mkdir -p $W/tree && tar cf - --exclude=./.xfer --exclude=./.dev . | tar xf - -C $W/tree
