@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import sparsedecode
-from sparsedecode.engine.config import KVConfig, SparsityConfig
+from sparsedecode.config import KVConfig, SparsityConfig
 from sparsedecode.quality.data import wikitext_path
 from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many, partial_path
 from sparsedecode.records import stamp, write_record

@@ -48,7 +48,7 @@ def test_zero_thresholds_decode_as_dense_and_real_ones_do_not(tmp_path):
 def test_load_takes_thresholds_and_ff_only_files(tmp_path):
     eng = _engine()
     path = _thresholds(eng, 0.02, sites=("gate", "up", "down")).save(tmp_path / "ff.safetensors")
-    eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, thresholds=path)
+    eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, config=f"proj[{path}]")
     attn, mlp = eng.model.layers[0].self_attn, eng.model.layers[0].mlp
     assert type(attn.q_proj).__name__ == "Linear" and type(mlp.up_proj).__name__ == "SparseLinear"
 
@@ -91,7 +91,7 @@ def test_cats_runtime_drops_channels_below_the_activation_threshold():
 def test_switching_files_and_back_to_dense_leaves_nothing_behind():
     """CATS then dense, CATS then TEAL, TEAL then CATS: each configuration decodes as it
     does on a fresh engine, and dense puts plain modules back everywhere."""
-    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.config import ProjectionConfig, SparsityConfig
     from sparsedecode.projection.cats_runtime import CatsMLP
     from sparsedecode.projection.sparse_linear import SparseLinear
 
@@ -110,7 +110,7 @@ def test_switching_files_and_back_to_dense_leaves_nothing_behind():
     eng = _engine()
     for name, th in (("cats", cats), ("dense", None), ("cats", cats), ("teal", teal), ("cats", cats),
                      ("dense", None)):
-        eng.configure(SparsityConfig(projection=th))
+        eng.configure(SparsityConfig(None if th is None else ProjectionConfig(keep=th.keep)), thresholds=th)
         torch.testing.assert_close(_decode(eng, ids), want[name], rtol=0, atol=0, msg=f"after -> {name}")
         mods = [m for layer in eng.model.layers for m in layer.modules()]
         assert any(isinstance(m, CatsMLP) for m in mods) == (name == "cats"), name

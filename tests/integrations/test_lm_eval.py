@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import sparsedecode
-from sparsedecode.engine.config import SparsityConfig
+from sparsedecode.config import SparsityConfig
 from sparsedecode.projection.thresholds import Thresholds
 
 HAVE_LM_EVAL = importlib.util.find_spec("lm_eval") is not None

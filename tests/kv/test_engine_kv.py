@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sparsedecode
-from sparsedecode.engine.config import KVConfig, SparsityConfig
+from sparsedecode.config import KVConfig, SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.kv.select import get_selector
 
@@ -141,7 +141,7 @@ def test_modes_generate_and_a_new_prompt_returns_to_dense():
     assert SparsityConfig().mode == "dense"
     assert SparsityConfig(kv=KVConfig("window", 0.3)).mode == "window"
     assert SparsityConfig(kv=KVConfig("snapkv", 1.0)).mode == "dense"
-    assert eng.configure(SparsityConfig(kv=KVConfig("snapkv", 0.5, {"window": 16}))) == "sel"
+    assert eng.configure(SparsityConfig(kv=KVConfig("snapkv", 0.5, {"window": 16}))).mode == "sel"
     out = eng.generate(PROMPT, max_new_tokens=5)
     assert len(out.ids) == 5 and out.kv_select_s > 0 and eng.kv.mode == "sel"
     eng.configure(SparsityConfig())

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import sparsedecode
 from sparsedecode.cli import main
-from sparsedecode.engine.config import SparsityConfig
+from sparsedecode.config import ProjectionConfig, SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.projection.routing import (
     RoutingTable,
@@ -260,11 +260,14 @@ def test_route_needs_cats_thresholds_and_a_calibrated_table(table):
     eng.sparsify(_cats(eng))
     with pytest.raises(InputError, match="route calibrate"):
         eng.route(table)  # no tau yet
-    with pytest.raises(InputError, match="give the thresholds too"):
-        SparsityConfig(routing=half)
-    assert eng.configure(SparsityConfig(projection=_cats(eng), routing=half)) == "proj+route"
+    with pytest.raises(InputError, match="thresholds file too"):
+        SparsityConfig.parse("route[r.json]")
+    th = _cats(eng)
+    named = SparsityConfig(ProjectionConfig(keep=th.keep))
+    assert eng.configure(named, thresholds=th, routing=half) == named
     assert eng.router is not None and eng.routing is half
-    assert eng.configure(SparsityConfig(projection=_cats(eng))) == "proj"
+    th = _cats(eng)
+    assert eng.configure(named, thresholds=th).mode == "proj"
     assert eng.router is None and all(layer.mlp.router is None for layer in eng.model.layers)
 
 

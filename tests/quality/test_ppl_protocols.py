@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import sparsedecode
 from sparsedecode.cli import main
-from sparsedecode.engine.config import KVConfig, SparsityConfig
+from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.projection.thresholds import Thresholds
 from sparsedecode.quality.bootstrap import aggregate_ppl, paired_bootstrap, ppl_interval
@@ -101,6 +101,12 @@ def test_decode_dense_scores_the_targets_of_a_full_forward(tiny):
     assert got.ppl == pytest.approx(math.exp(sum(got.nll) / (3 * scored)), rel=1e-12)
 
 
+def _proj(eng, t: float):
+    """(configuration, thresholds) of the projection branch at threshold t (keep 0.5 by name)."""
+    th = _thresholds(eng, t)
+    return SparsityConfig(ProjectionConfig(keep=th.keep)), th
+
+
 def test_keep_one_is_dense_exactly(tiny):
     """The paper's protocol (512 scored tokens): projection keep 1.0 and KV keep 1.0, either
     KV method, give the dense NLLs bit for bit."""
@@ -108,22 +114,24 @@ def test_keep_one_is_dense_exactly(tiny):
     dense = decode_nll(eng, ids, windows=2, length=640)
     assert dense.targets == [512, 512]
     for method in ("snapkv", "window"):
-        cfg = SparsityConfig(projection=_thresholds(eng, 0.0, keep=1.0), kv=KVConfig(method, 1.0))
-        assert decode_nll(eng, ids, windows=2, length=640, config=cfg).nll == dense.nll, method
+        cfg = SparsityConfig(ProjectionConfig(keep=1.0), KVConfig(method, 1.0))
+        got = decode_nll(eng, ids, windows=2, length=640, config=cfg, thresholds=_thresholds(eng, 0.0, keep=1.0))
+        assert got.nll == dense.nll, method
 
 
 def test_sparse_configurations_change_decode_ppl(tiny):
     eng, ids = tiny
-    run = lambda cfg=None: decode_nll(eng, ids, windows=2, length=160, config=cfg, scored=32).nll  # noqa: E731
+    run = lambda cfg=None, th=None: decode_nll(eng, ids, windows=2, length=160, config=cfg, thresholds=th,  # noqa: E731
+                                               scored=32).nll
     dense = run()
     sel = run(SparsityConfig(kv=KVConfig("snapkv", 0.5, {"window": 16})))
     win = run(SparsityConfig(kv=KVConfig("window", 0.5, {"window": 16})))
-    proj = run(SparsityConfig(projection=_thresholds(eng, 0.05)))
+    proj = run(*_proj(eng, 0.05))
     for name, nll in (("snapkv", sel), ("window", win), ("projection", proj)):
         assert all(abs(a - b) > 1e-6 * abs(b) for a, b in zip(nll, dense, strict=True)), name
     assert sel != pytest.approx(win, rel=1e-6)
     # the projection branch on, nothing dropped: the sparse (masked) decode path agrees with dense
-    assert run(SparsityConfig(projection=_thresholds(eng, 0.0))) == pytest.approx(dense, rel=1e-6)
+    assert run(*_proj(eng, 0.0)) == pytest.approx(dense, rel=1e-6)
     assert run() == dense  # and the engine returns to dense
 
 
@@ -153,10 +161,12 @@ def test_chunked_takes_a_projection_configuration(wide):
     dense = evaluate(eng, ids, "chunked", chunks=2)
     assert dense.targets == [CHUNK - DENSE] * 2 and dense.starts == [0, CHUNK]
     assert dense.ppl == pytest.approx(pooled_ppl(dense.nll), rel=1e-12)
-    sparse = evaluate(eng, ids, "chunked", SparsityConfig(projection=_thresholds(eng, 0.05)), chunks=2)
+    cfg, th = _proj(eng, 0.05)
+    sparse = evaluate(eng, ids, "chunked", cfg, thresholds=th, chunks=2)
     assert sparse.nll == chunked_nll(eng, ids, chunks=2, table=table)
     assert sparse.nll != pytest.approx(dense.nll, rel=1e-6)
-    off = evaluate(eng, ids, "chunked", SparsityConfig(projection=_thresholds(eng, 0.05, keep=1.0)), chunks=2)
+    off = evaluate(eng, ids, "chunked", SparsityConfig(ProjectionConfig(keep=1.0)),
+                   thresholds=_thresholds(eng, 0.05, keep=1.0), chunks=2)
     assert off.nll == dense.nll  # keep 1 turns the branch off
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import sparsedecode
-from sparsedecode.engine.config import SparsityConfig
+from sparsedecode.config import ProjectionConfig, SparsityConfig
 from sparsedecode.projection.routing import RoutingTable, tokenizer_fingerprint
 from sparsedecode.projection.thresholds import Thresholds
 from sparsedecode.quality.data import DEFAULT_WIKITEXT, text_ids
@@ -53,6 +53,11 @@ def _table(eng, tau: float) -> RoutingTable:
                         tokenizer=tokenizer_fingerprint(eng.tokenizer), thresholds={}, text={}, tau=tau)
 
 
+def _described(th):
+    """The configuration naming in-memory CATS thresholds (passed beside it, as configure takes them)."""
+    return SparsityConfig(ProjectionConfig(keep=th.keep))
+
+
 def test_routing_all_sparse_is_cats_all_dense_is_dense(setup):
     eng, ids = setup
     cats = _cats(eng).values
@@ -60,13 +65,15 @@ def test_routing_all_sparse_is_cats_all_dense_is_dense(setup):
         (None, None), (cats, None), (cats, _table(eng, math.inf).sparse_of()),
         (cats, _table(eng, -math.inf).sparse_of())])
     assert all_sparse == sparse and all_dense == dense and sparse != dense
-    assert chunked_nll(eng, ids, 1, config=SparsityConfig(projection=_cats(eng))) == sparse
+    th = _cats(eng)
+    assert chunked_nll(eng, ids, 1, config=_described(th), thresholds=th) == sparse
 
 
 def test_mixed_routing_matches_the_routed_decode_step(setup):
     eng, ids = setup
     table = _table(eng, 0.5)
-    got = chunked_nll(eng, ids, 1, config=SparsityConfig(projection=_cats(eng), routing=table))[0]
+    th = _cats(eng)
+    got = chunked_nll(eng, ids, 1, config=_described(th), thresholds=th, routing=table)[0]
     c = torch.as_tensor(ids)
     on = table.sparse_of()[c[DENSE:CHUNK]]
     assert 0.3 < float(on.float().mean()) < 0.7  # both paths taken
@@ -93,10 +100,11 @@ def test_decode_protocol_runs_the_routing(setup):
     args = dict(windows=1, length=560)
     try:
         dense = decode_nll(eng, ids, **args).nll
-        cats = decode_nll(eng, ids, config=SparsityConfig(projection=_cats(eng)), **args).nll
+        th = _cats(eng)
+        cats = decode_nll(eng, ids, config=_described(th), thresholds=th, **args).nll
         for tau, want in ((math.inf, cats), (-math.inf, dense)):
-            got = decode_nll(eng, ids, config=SparsityConfig(projection=_cats(eng), routing=_table(eng, tau)),
-                             **args).nll
+            th = _cats(eng)
+            got = decode_nll(eng, ids, config=_described(th), thresholds=th, routing=_table(eng, tau), **args).nll
             assert got == want
         assert cats != dense
     finally:

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import sparsedecode
 from sparsedecode.cli import eval_retrieval
 from sparsedecode.cli.eval import eval_app
-from sparsedecode.engine.config import KVConfig, SparsityConfig
+from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.kv.apply import clear_kv
 from sparsedecode.kv.select import get_selector
@@ -301,7 +301,7 @@ def test_projection_runs_in_the_configured_decode_only(tiny):
     values = {f"layers.{i}.{s}": 0.5 for i in range(2) for s in "q k v o gate up down".split()}
     th = Thresholds(values=values, method="teal", keep=0.5, model=tiny.name, dims=tiny.dims.to_dict())
     dense = _run(tiny, "passkey")
-    rec = _run(tiny, "passkey", SparsityConfig(projection=th))
+    rec = _run(tiny, "passkey", SparsityConfig(ProjectionConfig(keep=th.keep)), thresholds=th)
     assert rec["config"]["mode"] == "proj" and rec["config"]["projection"]["runtime"] == "masked reference"
     assert [p["dense"] for p in rec["placements"]] == [p["dense"] for p in dense["placements"]]
     assert [p["configured"]["output"] for p in rec["placements"]] != [p["dense"]["output"] for p in dense["placements"]]

@@ -147,11 +147,26 @@ def _projection(eng, thresholds, keep, text_file, progress: bool):
     return cached_teal(eng, keep, text_file=folder, progress=progress)
 
 
+def _configured(eng, projection, kv_config):
+    """(SparsityConfig, Thresholds or None) of what `_projection` gave (thresholds, a file or
+    None) beside the KV branch: the description records carry, and the calibrated values
+    `Engine.configure` takes with it (None where the branch is off, keep 1 included)."""
+    from sparsedecode.config import ProjectionConfig, SparsityConfig
+    from sparsedecode.projection.thresholds import Thresholds
+    from sparsedecode.quality.perplexity import resolve_projection
+
+    th = None
+    if projection is not None:
+        th = projection if isinstance(projection, Thresholds) else Thresholds.load(projection)
+        th = resolve_projection(eng, ProjectionConfig(keep=th.keep), th)
+    return SparsityConfig(None if th is None else ProjectionConfig(keep=th.keep), kv_config), th
+
+
 def _kv_config(method: str, keep: float, obs: int, params: list[str] | None = None):
     """The `KVConfig` of a KV method at `keep` with observation window `obs` and the
     selector fields of `params` ('KEY=VALUE' each, the value an int, a float or a word); an
     unknown method or field, or a bad value, fails now."""
-    from sparsedecode.engine.config import KVConfig
+    from sparsedecode.config import KVConfig
     from sparsedecode.kv.select import get_selector
 
     extra = {}
@@ -180,7 +195,7 @@ def _param_value(text: str):
 def _check_run(protocol: str, kv_config, *, chunks: int, windows: int, length: int, scored: int,
                resamples: int, level: float) -> None:
     """Refuse protocol and bootstrap options that cannot run, before a model loads."""
-    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.config import SparsityConfig
     from sparsedecode.quality.perplexity import check_config
 
     check_config(protocol, SparsityConfig(kv=kv_config))
@@ -213,14 +228,13 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
          scored, resamples, seed, level, progress, dense=None) -> dict:
     """The 'ppl_eval' record of one configuration beside dense. `dense`, a `WindowNLL` of the
     same text, protocol and windows, is reused instead of run again (`eval grid` shares one)."""
-    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.config import SparsityConfig
     from sparsedecode.quality.bootstrap import paired_bootstrap
     from sparsedecode.quality.data import text_ids
-    from sparsedecode.quality.perplexity import CHUNK, DENSE, evaluate, resolve_projection
+    from sparsedecode.quality.perplexity import CHUNK, DENSE, evaluate
 
     ids = text_ids(eng.tokenizer, path)
-    th = resolve_projection(eng, _projection(eng, thresholds, keep, text_file, progress))
-    config = SparsityConfig(projection=th, kv=kv_config)
+    config, th = _configured(eng, _projection(eng, thresholds, keep, text_file, progress), kv_config)
     args = dict(chunks=chunks, windows=windows, length=length, scored=scored)
     if dense is None:
         if progress:
@@ -229,7 +243,7 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
     same = config.mode == "dense"  # every branch off: the dense run is the configuration's
     if progress and not same:
         typer.echo(f"configuration: {config.mode}", err=True)
-    configured = dense if same else evaluate(eng, ids, protocol, config, progress=progress, **args)
+    configured = dense if same else evaluate(eng, ids, protocol, config, thresholds=th, progress=progress, **args)
     bs = paired_bootstrap(dense.nll, configured.nll, dense.targets, resamples, seed, level)
 
     cpu = eng.device.type == "cpu"

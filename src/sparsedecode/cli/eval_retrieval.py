@@ -176,16 +176,15 @@ def _load(model: str, need: int, **kw):
 
 
 def _run(eng, test, path, thresholds, keep, kv_config, text_file, **kw) -> dict:
-    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.cli.eval import _configured
     from sparsedecode.quality.retrieval import evaluate_retrieval
 
-    projection = _projection(eng, thresholds, keep, text_file, kw["progress"])
+    config, th = _configured(eng, _projection(eng, thresholds, keep, text_file, kw["progress"]), kv_config)
     if kw["progress"]:
         where = "filler" if path is None else f"{path.name}"
         typer.echo(f"{test.replace('_', '-')}: {eng.name}, {kw['context']:,} tokens of {where}, "
                    f"{len(kw['depths'])} depths x {kw['trials']} trials", err=True)
-    rec = evaluate_retrieval(eng, test, SparsityConfig(projection=projection, kv=kv_config),
-                             text_path=path, **kw)
+    rec = evaluate_retrieval(eng, test, config, thresholds=th, text_path=path, **kw)
     if rec["config"]["projection"] is not None and thresholds is not None:
         rec["config"]["projection"]["source"] = str(thresholds)
     return rec

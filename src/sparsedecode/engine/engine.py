@@ -181,6 +181,13 @@ class Engine:
         if token is not None:
             self._tok.fill_(int(token))
 
+    def rewind(self, ids) -> None:
+        """Back to the end of the prompt `ids` (a prefix of what the cache holds, prefilled from
+        position 0): the next step or selection reads the cache as if only `ids` were there."""
+        ids = self._as_ids(ids)
+        self.seek(ids.numel())
+        self.last_prefill = (ids, 0)
+
     def eager_step(self) -> torch.Tensor:
         """The model once on the static token and position, outside any captured graph, so
         that counters (the realized keep) see it; writes the cache slot at `pos`. Logits (1, 1, V)."""
@@ -440,7 +447,9 @@ class Engine:
 
             get_selector(config.kv.method, **config.kv.params)  # an unknown selector or field fails here
         p, th, table = config.projection, None, None
-        if p is not None:
+        if p is not None and p == self.config.projection and thresholds is None and routing is None:
+            th, table = self.thresholds, self.routing  # installed already: nothing to load or calibrate
+        elif p is not None:
             th = thresholds if thresholds is not None else self._thresholds_of(p, progress)
             if not isinstance(th, Thresholds):
                 th = Thresholds.load(th)
@@ -452,6 +461,9 @@ class Engine:
                 table = RoutingTable.load(table)
         elif thresholds is not None or routing is not None:
             raise InputError(f"{config} has no projection branch: thresholds and routing go with proj[...]")
+        if p == self.config.projection and th is self.thresholds and table is self.routing:
+            self.kv_config, self.config = config.kv, config  # the projection branch stays as installed
+            return config
         if table is None:
             self.route(None)
         self._lay_out(th)

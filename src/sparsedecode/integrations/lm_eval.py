@@ -85,7 +85,7 @@ class SparseLM(TemplateLM):
         if batch_size not in (None, 1, "1", "auto"):
             log.warning("%s runs one request at a time (batch 1); batch_size=%s is ignored", NAME, batch_size)
         from sparsedecode.account.units import check_keep
-        from sparsedecode.engine.config import KVConfig, SparsityConfig
+        from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
         from sparsedecode.quality.perplexity import resolve_projection
 
         if thresholds is not None and proj_keep is not None:
@@ -117,16 +117,17 @@ class SparseLM(TemplateLM):
         if engine.tokenizer is None:
             raise InputError(f"'{engine.name}' has no tokenizer; lm-eval tasks are text")
         self.engine = engine
-        projection = thresholds
-        if keep is not None and keep < 1.0:
-            from sparsedecode.projection.calibrate import cached_teal
-
-            projection = cached_teal(engine, keep)
-        self.thresholds = resolve_projection(engine, projection)
-        self.config = SparsityConfig(projection=self.thresholds, kv=self.kv, routing=table)
+        projection = None
+        if keep is not None:
+            projection = ProjectionConfig(keep=keep)
+        elif thresholds is not None:
+            projection = ProjectionConfig(file=str(thresholds), routing=None if routing is None else str(routing))
+        self.thresholds = resolve_projection(engine, projection)  # None at keep 1: dense projections
+        self.config = SparsityConfig(projection if self.thresholds is not None else None, self.kv)
         self.routing_file = routing
+        self._table = table if self.thresholds is not None else None
         # projections and routing now; the KV selection per request, after its prefill (see _select)
-        engine.configure(SparsityConfig(projection=self.thresholds, routing=table))
+        engine.configure(self.config.with_(kv=None), thresholds=self.thresholds, routing=self._table)
         self.tokenizer = engine.tokenizer
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = bool(add_bos_token)
@@ -195,9 +196,7 @@ class SparseLM(TemplateLM):
         if fits:
             eng.select_kv(self.kv.method, self.kv.keep, max_new=max_new, **self.kv.params)
         elif eng.kv is not None:
-            from sparsedecode.kv.apply import clear_kv
-
-            clear_kv(eng)
+            eng.clear_kv()
 
     def _prefill(self, ids: list[int]) -> None:
         """The cache holds `ids` from position 0, prefilled densely (reused when it already does)."""
@@ -205,7 +204,7 @@ class SparseLM(TemplateLM):
 
         eng = self.engine
         if ids and ids == self._prefix:
-            eng.pos = len(ids)  # decode steps of the last request wrote only beyond them
+            eng.seek(len(ids))  # decode steps of the last request wrote only beyond them
             return
         eng.reset()
         if ids:
@@ -290,7 +289,9 @@ class SparseLM(TemplateLM):
                 fits = True
             except InputError:
                 self.kv_dense_fallbacks += 1
-        eng.kv_config = self.kv if fits else None  # engine.tokens selects after its prefill
+        # engine.tokens selects after its prefill; the projection branch stays as installed
+        eng.configure(self.config.with_(kv=self.kv if fits else None), thresholds=self.thresholds,
+                      routing=self._table)
         new: list[int] = []
         text = ""
         try:
@@ -303,7 +304,7 @@ class SparseLM(TemplateLM):
                 if any(u in text for u in until):
                     break
         finally:
-            eng.kv_config = None
+            eng.configure(self.config.with_(kv=None), thresholds=self.thresholds, routing=self._table)
         cut = min((text.find(u) for u in until if u in text), default=len(text))
         return text[:cut]
 

@@ -76,14 +76,25 @@ def check_config(protocol: str, config=None) -> None:
         )
 
 
-def resolve_projection(engine, projection):
-    """The `Thresholds` a configuration's projection names (an object or a file), checked
-    against the engine's dims; None when dense or when its keep is 1 (the branch is off)."""
+def resolve_projection(engine, projection, thresholds=None):
+    """The `Thresholds` of a configuration's projection branch (a `config.ProjectionConfig`):
+    `thresholds` when given (calibrated for it), else its file, else TEAL at its keep (cached,
+    `cached_teal`); checked against the engine's dims; None when dense or when its keep is 1
+    (the branch is off)."""
     from sparsedecode.projection.thresholds import Thresholds
 
     if projection is None:
+        if thresholds is not None:
+            raise InputError("thresholds go with a configuration that has a projection branch (proj...)")
         return None
-    th = projection if isinstance(projection, Thresholds) else Thresholds.load(projection)
+    if thresholds is not None:
+        th = thresholds
+    elif projection.file is not None:
+        th = Thresholds.load(projection.file)
+    else:
+        from sparsedecode.projection.calibrate import cached_teal
+
+        th = cached_teal(engine, projection.keep, progress=False)
     th.validate(engine.dims)
     return None if th.keep >= 1.0 else th
 
@@ -91,21 +102,29 @@ def resolve_projection(engine, projection):
 # -- chunked ------------------------------------------------------------------
 @torch.inference_mode()
 def chunked_nll(engine, ids, chunks: int = 128, table: dict | None = None,
-                progress: bool = False, *, config=None) -> list[float]:
+                progress: bool = False, *, config=None, thresholds=None, routing=None) -> list[float]:
     """Summed next-token NLL (nats) of each chunk's scored targets; `table` maps threshold
-    keys to thresholds (input sites and CATS `act`), or `config` (an
-    `engine.config.SparsityConfig` without a KV branch, possibly routed) names them; neither
-    is dense."""
+    keys to thresholds (input sites and CATS `act`), or `config` (a `config.SparsityConfig`
+    without a KV branch, possibly routed; `thresholds`/`routing`: its calibrated artefacts, as
+    `Engine.configure` takes them) names them; neither is dense."""
     if config is not None:
         if table is not None:
             raise InputError("give a threshold table or a configuration, not both")
         check_config("chunked", config)
-        th = resolve_projection(engine, config.projection)
+        th = resolve_projection(engine, config.projection, thresholds)
         table = None if th is None else th.values
-        if th is not None and getattr(config, "routing", None) is not None:
-            return chunked_nll_many(engine, ids, chunks, [(table, _sparse_of(engine, config.routing))],
+        routing = _routing_of(config, routing)
+        if th is not None and routing is not None:
+            return chunked_nll_many(engine, ids, chunks, [(table, _sparse_of(engine, routing))],
                                     progress)[0]
     return chunked_nll_many(engine, ids, chunks, [(table, None)], progress)[0]
+
+
+def _routing_of(config, routing):
+    """The routing table given, or the file the configuration names (None without routing)."""
+    if routing is not None:
+        return routing
+    return None if config is None or config.projection is None else config.projection.routing
 
 
 def _sparse_of(engine, routing) -> torch.Tensor:
@@ -221,20 +240,23 @@ def _prefill_chunk(n: int, chunk: int = PREFILL_CHUNK) -> int:
 
 
 def decode_nll(engine, ids, windows: int = 8, length: int | None = None, config=None, *,
-               scored: int = SCORED, progress: bool = False) -> WindowNLL:
+               thresholds=None, routing=None, scored: int = SCORED, progress: bool = False) -> WindowNLL:
     """Decode-position NLL of `windows` windows of `length` tokens (default: the engine's
-    cache) under `config` (an `engine.config.SparsityConfig`; None is dense); see the
-    module doc. The engine is left configured with `config`."""
-    from sparsedecode.engine.config import SparsityConfig
+    cache) under `config` (a `config.SparsityConfig`; None is dense; `thresholds`/`routing`:
+    its calibrated artefacts, as `Engine.configure` takes them); see the module doc. The
+    engine is left configured with `config`."""
+    from sparsedecode.config import SparsityConfig
 
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # (N,)
     length = engine.max_len if length is None else length
     check_decode_length(engine, length, scored)
     starts = decode_starts(ids.numel(), windows, length)
     config = config or SparsityConfig()
-    th = resolve_projection(engine, config.projection)
-    engine.configure(SparsityConfig(projection=th, kv=config.kv,
-                                    routing=None if th is None else getattr(config, "routing", None)))
+    th = resolve_projection(engine, config.projection, thresholds)
+    if th is None:  # dense projections (keep 1 reads every row)
+        engine.configure(config.with_(projection=None))
+    else:
+        engine.configure(config, thresholds=th, routing=routing)
     kv = config.kv
     n = length - scored  # dense prefill
     chunk = _prefill_chunk(n)
@@ -261,14 +283,18 @@ def decode_nll(engine, ids, windows: int = 8, length: int | None = None, config=
     return WindowNLL("decode", out, [scored] * len(starts), starts)
 
 
-def evaluate(engine, ids, protocol: str, config=None, *, chunks: int = 128, windows: int = 8,
-             length: int | None = None, scored: int = SCORED, progress: bool = False) -> WindowNLL:
-    """Per-window NLL of `protocol` ('chunked' or 'decode') under `config` (None is dense)."""
+def evaluate(engine, ids, protocol: str, config=None, *, thresholds=None, routing=None, chunks: int = 128,
+             windows: int = 8, length: int | None = None, scored: int = SCORED,
+             progress: bool = False) -> WindowNLL:
+    """Per-window NLL of `protocol` ('chunked' or 'decode') under `config` (None is dense;
+    `thresholds`/`routing`: its calibrated artefacts)."""
     check_config(protocol, config)
     if protocol == "chunked":
-        nll = chunked_nll(engine, ids, chunks, progress=progress, config=config)
+        nll = chunked_nll(engine, ids, chunks, progress=progress, config=config, thresholds=thresholds,
+                          routing=routing)
         return WindowNLL("chunked", nll, [CHUNK - DENSE] * chunks, [k * CHUNK for k in range(chunks)])
-    return decode_nll(engine, ids, windows, length, config, scored=scored, progress=progress)
+    return decode_nll(engine, ids, windows, length, config, thresholds=thresholds, routing=routing, scored=scored,
+                      progress=progress)
 
 
 __all__ = [

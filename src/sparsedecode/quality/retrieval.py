@@ -318,21 +318,21 @@ def summary(verdicts: list[str]) -> dict:
 
 # -- decoding -----------------------------------------------------------------------------
 def _set_projection(engine, th) -> None:
-    """Dense projections (th None) or the thresholds `th` in the decode step."""
-    from sparsedecode.engine.config import SparsityConfig
+    """Dense projections (th None) or the thresholds `th` in the decode step (the selections
+    are this harness's own, so the configuration names no KV branch)."""
+    from sparsedecode.config import ProjectionConfig, SparsityConfig
 
     if th is None and engine.thresholds is not None:
         engine.configure(SparsityConfig())
     elif th is not None and engine.thresholds is not th:
-        engine.sparsify(th)
+        engine.configure(SparsityConfig(ProjectionConfig(keep=th.keep)), thresholds=th)
 
 
 def _rewind(engine, ids: list[int], n: int) -> None:
     """Back to the end of ids[:n]: the cache's first n entries are the dense causal prefill of
     ids[:n] whatever followed, so a selection can be made there (its observation pass re-runs
     the last tokens of ids[:n])."""
-    engine.pos = n
-    engine.last_prefill = (torch.as_tensor(ids[:n], dtype=torch.long, device=engine.device), 0)
+    engine.rewind(ids[:n])
 
 
 def _greedy(engine, first: int, new: int) -> list[int]:
@@ -366,8 +366,6 @@ def _configured_placement(engine, p: Placement, first: int, dense: str, th, kv, 
     """The configuration's answer from the dense prefill of `p` (cache entries [0, n) as the
     prefill left them) beside the dense answer. The kept two-turn variant rewrites entries
     past the first turn, so the caller prefills again before the next configuration."""
-    from sparsedecode.kv.apply import clear_kv
-
     n = len(p.ids)
     sel, n_sel = None, n
     _set_projection(engine, None)
@@ -379,7 +377,7 @@ def _configured_placement(engine, p: Placement, first: int, dense: str, th, kv, 
     else:
         _rewind(engine, p.ids, n)
         if kv is None:
-            clear_kv(engine)
+            engine.clear_kv()
         else:
             sel = engine.select_kv(kv.method, kv.keep, new, indices=True, **kv.params)
     _set_projection(engine, th)
@@ -398,37 +396,39 @@ def _configured_placement(engine, p: Placement, first: int, dense: str, th, kv, 
     }
 
 
-def evaluate_retrieval(engine, test: str, config=None, *, context: int, depths=DEPTHS,
+def evaluate_retrieval(engine, test: str, config=None, *, thresholds=None, context: int, depths=DEPTHS,
                        trials: int = TRIALS, seed: int = 0, new: int = NEW, variant: str | None = None,
                        text_path=None, progress: bool = False, partial=None) -> dict:
     """Run one retrieval test, every placement dense and under `config` (an
-    `engine.config.SparsityConfig`; None is dense) from the same prefill; returns the
+    `config.SparsityConfig`; None is dense; `thresholds`: calibrated ones for its projection
+    branch) from the same prefill; returns the
     'retrieval_eval' record (unstamped). `text_path`: the text whose token stream hides the
     codes (needed by multikey and two_turn; for passkey it replaces the filler). `variant`
     ('kept' by default) applies to two_turn with a KV configuration. `partial`: a file that
     keeps the finished placements, so an interrupted run resumes (`evaluate_retrieval_many`).
     The engine is left dense."""
-    return evaluate_retrieval_many(engine, test, [config], context=context, depths=depths,
+    return evaluate_retrieval_many(engine, test, [config], thresholds=[thresholds], context=context, depths=depths,
                                    trials=trials, seed=seed, new=new, variant=variant,
                                    text_path=text_path, progress=progress,
                                    partials=None if partial is None else [partial])[0]
 
 
-def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=DEPTHS,
+def evaluate_retrieval_many(engine, test: str, configs, *, thresholds=None, context: int, depths=DEPTHS,
                             trials: int = TRIALS, seed: int = 0, new: int = NEW,
                             variant: str | None = None, text_path=None,
                             progress: bool = False, partials=None) -> list[dict]:
     """`evaluate_retrieval` for several configurations at once: one dense prefill and one
     dense answer per placement serve every configuration (a second prefill only after a
     kept two-turn selection, which rewrites the second turn's entries). One record per
-    configuration, each the same as `evaluate_retrieval` would return.
+    configuration, each the same as `evaluate_retrieval` would return. `thresholds`: a list
+    beside `configs` (None entries: from the configuration's file or keep).
 
     `partials`, one file path per configuration: every finished placement is appended to
     its configuration's file as it ends, and a later call with the same files resumes after
     the placements all of them hold (a long run at 32K loses at most one placement when it is
     interrupted). The caller deletes them once the records are written. A file written for
     other arguments or placements is refused, with what differs."""
-    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.config import SparsityConfig
     from sparsedecode.kv.select import get_selector
     from sparsedecode.quality.data import text_ids
     from sparsedecode.quality.perplexity import resolve_projection
@@ -438,6 +438,9 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
     check_counts(context, trials, new)
     check_variant(variant)
     configs = [c or SparsityConfig() for c in configs]
+    ths = list(thresholds) if thresholds is not None else [None] * len(configs)
+    if len(ths) != len(configs):
+        raise InputError(f"{len(ths)} thresholds for {len(configs)} configurations: give one each (None allowed)")
     if not configs:
         raise InputError("no configuration to evaluate: give at least one (None is dense)")
     if context + new > engine.max_len:
@@ -448,7 +451,7 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
     stream = None if text_path is None else text_ids(engine.tokenizer, text_path)
     placements = build_placements(engine.tokenizer, test, context, depths, trials, seed, stream)
     plans = []  # (config, th, kv, selector, variant) of each configuration
-    for config in configs:
+    for config, given in zip(configs, ths, strict=True):
         kv = config.kv
         var = (variant or "kept") if test == "two_turn" and kv is not None else None
         selector = None if kv is None else get_selector(kv.method, **kv.params)
@@ -463,7 +466,7 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
                     raise InputError(f"two-turn kept: the selection after the first question ({at} "
                                      f"tokens) leaves room for the {context - at}-token second turn "
                                      f"and {new} new tokens; {e}; or use --variant rescored") from None
-        plans.append((resolve_projection(engine, config.projection), kv, selector, var))
+        plans.append((resolve_projection(engine, config.projection, given), kv, selector, var))
 
     it = placements
     rows: list[list[dict]] = [[] for _ in plans]
@@ -495,10 +498,8 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
                 for b, r in zip(books or (), rows, strict=False):
                     b.add(r[-1])
     finally:
-        from sparsedecode.kv.apply import clear_kv
-
         _set_projection(engine, None)
-        clear_kv(engine)
+        engine.clear_kv()
         engine.reset()
     return [_record(engine, test, context, depths, trials, seed, new, placements, text_path, stream,
                     th, kv, var, r) for (th, kv, _, var), r in zip(plans, rows, strict=True)]
@@ -574,7 +575,7 @@ def _placement_id(p) -> dict:
 
 def _record(engine, test, context, depths, trials, seed, new, placements, text_path, stream,
             th, kv, variant, rows) -> dict:
-    from sparsedecode.engine.config import SparsityConfig
+    from sparsedecode.config import ProjectionConfig, SparsityConfig
 
     dense = [r["dense"]["verdict"] for r in rows]
     conf = [r["configured"]["verdict"] for r in rows]
@@ -589,7 +590,7 @@ def _record(engine, test, context, depths, trials, seed, new, placements, text_p
         "context": context, "depths": list(depths), "trials": trials, "seed": seed, "new": new,
         "chat_template": placements[0].chat,
         "text": None if text_path is None else {"file": str(text_path), "tokens": len(stream)},
-        "config": {"mode": SparsityConfig(projection=th, kv=kv).mode, "projection": proj, "kv": kvd,
+        "config": {"mode": SparsityConfig(None if th is None else ProjectionConfig(keep=th.keep), kv).mode, "projection": proj, "kv": kvd,
                    "variant": variant},
         "placements": rows,
         "dense": summary(dense), "configured": summary(conf),
