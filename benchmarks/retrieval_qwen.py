@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import sparsedecode
+from sparsedecode.corpus import wikitext_path
 from sparsedecode.engine.config import KVConfig, SparsityConfig
-from sparsedecode.quality.data import wikitext_path
 from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many, partial_path
 from sparsedecode.records import stamp, write_record
 from sparsedecode.report.retrieval_table import load_retrieval_records, retrieval_table

@@ -80,7 +80,7 @@ def ppl(
 ) -> None:
     """Aggregate perplexity of dense and of a configuration on the same windows, and ΔPPL with
     its paired bootstrap interval."""
-    from sparsedecode.quality.data import wikitext_path
+    from sparsedecode.corpus import wikitext_path
     from sparsedecode.quality.perplexity import CHUNK
 
     # Everything the user can get wrong fails here, before a model loads.
@@ -213,9 +213,9 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
          scored, resamples, seed, level, progress, dense=None) -> dict:
     """The 'ppl_eval' record of one configuration beside dense. `dense`, a `WindowNLL` of the
     same text, protocol and windows, is reused instead of run again (`eval grid` shares one)."""
+    from sparsedecode.corpus import text_ids
     from sparsedecode.engine.config import SparsityConfig
     from sparsedecode.quality.bootstrap import paired_bootstrap
-    from sparsedecode.quality.data import text_ids
     from sparsedecode.quality.perplexity import CHUNK, DENSE, evaluate, resolve_projection
 
     ids = text_ids(eng.tokenizer, path)

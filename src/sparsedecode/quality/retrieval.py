@@ -428,9 +428,9 @@ def evaluate_retrieval_many(engine, test: str, configs, *, context: int, depths=
     the placements all of them hold (a long run at 32K loses at most one placement when it is
     interrupted). The caller deletes them once the records are written. A file written for
     other arguments or placements is refused, with what differs."""
+    from sparsedecode.corpus import text_ids
     from sparsedecode.engine.config import SparsityConfig
     from sparsedecode.kv.select import get_selector
-    from sparsedecode.quality.data import text_ids
     from sparsedecode.quality.perplexity import resolve_projection
 
     test = check_test(test)

@@ -468,7 +468,7 @@ def _stream(eng, spec: CellSpec) -> tuple[list[int], str]:
 
     need = spec.context + spec.generated
     if eng.tokenizer is not None:
-        from sparsedecode.quality.data import wikitext_ids, wikitext_path
+        from sparsedecode.corpus import wikitext_ids, wikitext_path
 
         ids = wikitext_ids(eng.tokenizer, "test", spec.text)
         what = wikitext_path("test", spec.text).name
