@@ -312,7 +312,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
                             attention=spec.attention, compile=compile_, seed=spec.seed, quiet=True,
                             kernels=spec.kernel_options)
     sync()
-    # where a cell's time goes, in run order (report.run_conditions): process start to here, the CUDA
+    # where a cell's time goes, in run order (timing.run_conditions): process start to here, the CUDA
     # context and the neighbor probe, then each stage; after_s is the end (bounds, the record)
     one_time = {"start_s": started, "cuda_init_s": cuda_init_s, "load_s": time.perf_counter() - t,
                 "calibrate_s": 0.0, "prefill_s": 0.0, "select_s": 0.0, "select_warm_s": 0.0,
