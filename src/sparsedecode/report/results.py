@@ -14,7 +14,7 @@ reader needs (device, model, what the speedup divides) and where its numbers com
     [[table]]
     kind = "dispatch"                 # `dispatch price ... --markdown` on these records
     records = ["data/bytecross/sweep_a100"]
-    args = ["--select-seconds", "0.24"]
+    select_seconds = 0.24             # or select_record = "FILE"; assume_admissible = true
 
 Other kinds: "dense_steps", "step_profile", "serve_load", "serve_probe", "step_check",
 "generate"; and the paper's tables on our records: "crossings" (Table 2: `records` lists
@@ -114,23 +114,29 @@ def _step_profile_table(root: Path, t: dict) -> tuple[str, str]:
 
 
 def _dispatch_table(root: Path, t: dict) -> tuple[str, str]:
-    import io
-    from contextlib import redirect_stdout
+    """`dispatch price --markdown` on the records: every policy on the App. I workloads, the
+    selection priced by `select_seconds` or a `select_record`, the gate choosing among every
+    configuration when `assume_admissible` (else the paper's choice on its own records)."""
+    from sparsedecode.dispatch.mix import get_mix
+    from sparsedecode.dispatch.policies import admissible, price_workloads
+    from sparsedecode.dispatch.prices import from_records, select_seconds_of
+    from sparsedecode.records import read_record
+    from sparsedecode.report.dispatch_table import price_markdown
 
-    from sparsedecode.cli import main
-
-    records = [str(root / r) for r in t["records"]]
-    args = [str(a) for a in t.get("args", [])]
-    args = [str(root / a) if a.endswith(".json") else a for a in args]
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        try:
-            main(["dispatch", "price", *records, *args, "--markdown"])
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise InputError(f"table {t.get('title')!r}: dispatch price exited {e.code}") from None
-    shown = " ".join([*t["records"], *[str(a) for a in t.get("args", [])]])
-    return buf.getvalue().strip(), f"Rebuilt by `sparsedecode dispatch price {shown} --markdown`."
+    seconds, record = t.get("select_seconds"), t.get("select_record")
+    if seconds is not None and record is not None:
+        raise InputError(f"table {t.get('title')!r}: give select_seconds or select_record, not both")
+    if record is not None:
+        seconds = select_seconds_of(read_record(root / record), f"table {t.get('title')!r}: select_record")
+    flags = ([] if t.get("select_seconds") is None else ["--select-seconds", f"{t['select_seconds']:g}"]) \
+        + ([] if record is None else ["--select-record", record]) \
+        + (["--assume-admissible"] if t.get("assume_admissible") else [])
+    table = from_records([root / r for r in t["records"]], seconds)
+    ok, _ = admissible(table, [], bool(t.get("assume_admissible")))
+    mix = get_mix("mixed")
+    shown = " ".join([*t["records"], *flags])
+    return (price_markdown(price_workloads(table, mix, ok), mix.name),
+            f"Rebuilt by `sparsedecode dispatch price {shown} --markdown`.")
 
 
 def _serve_load_table(root: Path, t: dict) -> tuple[str, str]:
