@@ -116,7 +116,8 @@ def _shifted(folder, group, rep, g, cross, swept, want, keep_folder) -> dict:
     from sparsedecode.account import crossover
     from sparsedecode.timing import stats
     from sparsedecode.timing.analysis import build_report
-    from sparsedecode.timing.cell import parse_mode, timed_step_bytes
+    from sparsedecode.timing.cell import parse_mode
+    from sparsedecode.timing.cell_fields import timed_step_bytes
     from sparsedecode.timing.cells import load_cells
 
     cc = load_cells(folder)
