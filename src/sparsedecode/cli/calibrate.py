@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
     DeviceOpt,
     DtypeOpt,
