@@ -76,8 +76,8 @@ def ppl_table(records: list[dict]) -> str:
 
 def run(a) -> None:
     import sparsedecode
+    from sparsedecode.corpus import wikitext_ids
     from sparsedecode.projection.calibrate import get_calibrator, measure_keep
-    from sparsedecode.quality.data import wikitext_ids
     from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll
     from sparsedecode.records import stamp, write_record
 

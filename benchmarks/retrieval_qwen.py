@@ -30,7 +30,7 @@ from pathlib import Path
 
 import sparsedecode
 from sparsedecode.config import KVConfig, SparsityConfig
-from sparsedecode.quality.data import wikitext_path
+from sparsedecode.corpus import wikitext_path
 from sparsedecode.quality.retrieval import DEPTHS, evaluate_retrieval_many, partial_path
 from sparsedecode.records import stamp, write_record
 from sparsedecode.report.retrieval_table import load_retrieval_records, retrieval_table

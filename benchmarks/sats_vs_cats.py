@@ -32,11 +32,11 @@ from mlp_table import KIND, comparison_table, load_records  # beside this script
 
 import sparsedecode
 from sparsedecode.account import bounds
+from sparsedecode.corpus import text_ids, wikitext_path
 from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import get_calibrator, measure_keep
 from sparsedecode.projection.routing import RoutingTable, build_routing_table, calibrate_routing
 from sparsedecode.projection.thresholds import ACT_SITE, INPUT_SITES, Thresholds, site_params
-from sparsedecode.quality.data import text_ids, wikitext_path
 from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll_many
 from sparsedecode.records import stamp, write_record
 

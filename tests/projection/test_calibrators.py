@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from sparsedecode.corpus import DEFAULT_WIKITEXT, wikitext_ids
 from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import (
     CALIBRATORS,
@@ -25,7 +26,6 @@ from sparsedecode.projection.calibrate import (
     quantile_threshold,
 )
 from sparsedecode.projection.thresholds import INPUT_SITES
-from sparsedecode.quality.data import DEFAULT_WIKITEXT, wikitext_ids
 
 KEEPS = (0.7, 0.5, 0.4)
 CAL_TOKENS, EVAL_TOKENS, GREEDY_TOKENS = 4096, 2048, 128

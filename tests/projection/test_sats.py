@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import sparsedecode
+from sparsedecode.corpus import DEFAULT_WIKITEXT, wikitext_ids
 from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import (
     CALIBRATORS,
@@ -29,7 +30,6 @@ from sparsedecode.projection.calibrate import (
 )
 from sparsedecode.projection.sats import Sats, pick
 from sparsedecode.projection.thresholds import Thresholds
-from sparsedecode.quality.data import DEFAULT_WIKITEXT, wikitext_ids
 
 TINY = dict(model_type="llama", hidden_size=96, intermediate_size=160, num_hidden_layers=4,
             num_attention_heads=6, num_key_value_heads=2, vocab_size=100,

@@ -318,7 +318,7 @@ def test_dense_chunked_ppl_of_smollm2_matches_transformers(wikitext_test):
         pytest.skip("set SPARSEDECODE_PPL_CHUNKS=16 to run the 16-chunk agreement with transformers")
     from transformers import AutoModelForCausalLM
 
-    from sparsedecode.quality.data import wikitext_ids
+    from sparsedecode.corpus import wikitext_ids
 
     chunks = int(os.environ.get("SPARSEDECODE_PPL_CHUNKS", "1"))
     eng = sparsedecode.load("smollm2-135m", device="cpu", dtype="float32", max_len=CHUNK, quiet=True)

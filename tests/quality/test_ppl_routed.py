@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import sparsedecode
 from sparsedecode.config import ProjectionConfig, SparsityConfig
+from sparsedecode.corpus import DEFAULT_WIKITEXT, text_ids
 from sparsedecode.projection.routing import RoutingTable, tokenizer_fingerprint
 from sparsedecode.projection.thresholds import Thresholds
-from sparsedecode.quality.data import DEFAULT_WIKITEXT, text_ids
 from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll, chunked_nll_many
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,

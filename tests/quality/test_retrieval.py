@@ -21,12 +21,12 @@ import sparsedecode
 from sparsedecode.cli import eval_retrieval
 from sparsedecode.cli.eval import eval_app
 from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
+from sparsedecode.corpus import DEFAULT_WIKITEXT, text_ids
 from sparsedecode.errors import InputError
 from sparsedecode.kv.apply import clear_kv
 from sparsedecode.kv.select import get_selector
 from sparsedecode.projection.thresholds import Thresholds
 from sparsedecode.quality import retrieval as rt
-from sparsedecode.quality.data import DEFAULT_WIKITEXT, text_ids
 from sparsedecode.records import read_record, stamp, write_record
 
 TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,

@@ -15,13 +15,9 @@ from test_report import _write  # noqa: E402
 
 from sparsedecode.errors import InputError  # noqa: E402
 from sparsedecode.report import composition  # noqa: E402
-from sparsedecode.report.crossings import (  # noqa: E402
-    crossing_row,
-    crossings_table,
-    keep_costs,
-    keep_costs_table,
-)
+from sparsedecode.report.crossings import crossings_table, keep_costs_table  # noqa: E402
 from sparsedecode.report.results import render  # noqa: E402
+from sparsedecode.timing.paper_tables import crossing_row, keep_costs  # noqa: E402
 
 N = 32768
 

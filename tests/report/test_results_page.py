@@ -44,6 +44,25 @@ def test_a_bad_manifest_is_refused(tmp_path):
         render(m)
 
 
+def test_a_dispatch_table_prices_without_the_command_line(tmp_path):
+    """The dispatch kind calls the pricing functions (report/ does not import cli/): its table is
+    what `dispatch price --markdown` prints, and it refuses two selection prices."""
+    from sparsedecode.dispatch.mix import get_mix
+    from sparsedecode.dispatch.policies import admissible, price_workloads
+    from sparsedecode.dispatch.prices import from_records
+    from sparsedecode.report.dispatch_table import price_markdown
+
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    head = '[[table]]\ntitle = "t"\nconditions = "c"\nkind = "dispatch"\nrecords = ["data/bytecross/sweep_a100"]\n'
+    page = render(_manifest(tmp_path, head + "select_seconds = 0.24\n"))
+    table = from_records([ROOT / "data/bytecross/sweep_a100"], 0.24)
+    rows = price_workloads(table, get_mix("mixed"), admissible(table, [])[0])
+    assert price_markdown(rows, "mixed") in page
+    assert "`sparsedecode dispatch price data/bytecross/sweep_a100 --select-seconds 0.24 --markdown`" in page
+    with pytest.raises(InputError, match="not both"):
+        render(_manifest(tmp_path, head + 'select_seconds = 0.24\nselect_record = "x.json"\n'))
+
+
 def test_a_step_check_says_which_cells_moved(tmp_path):
     import json
     import shutil

@@ -7,7 +7,8 @@ from test_report import _row, _write
 
 from sparsedecode.errors import InputError
 from sparsedecode.records import write_record
-from sparsedecode.report.timing_report import build_report, render_markdown
+from sparsedecode.report.timing_markdown import render_markdown
+from sparsedecode.timing.analysis import build_report
 from sparsedecode.timing.ceiling import measure_ceiling, read_ceiling
 from sparsedecode.timing.cells import load_cells
 

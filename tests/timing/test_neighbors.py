@@ -114,7 +114,7 @@ def test_the_policy_travels_from_the_spec_to_the_cell_command(tmp_path):
 
 def test_the_report_lists_cells_that_saw_another_process(tmp_path):
     from sparsedecode.report.timing_markdown import render_markdown
-    from sparsedecode.report.timing_report import build_report
+    from sparsedecode.timing.analysis import build_report
     from sparsedecode.timing.cells import load_cells
 
     root = tmp_path / "c"

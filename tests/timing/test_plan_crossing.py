@@ -74,7 +74,8 @@ def test_a_crossing_grid_pairs_proj_with_sel_only(tmp_path):
 
 def test_the_report_sets_the_committed_prediction_beside_the_measurement(tmp_path, sweep):
     from sparsedecode.records import write_record
-    from sparsedecode.report.timing_report import build_report, render_markdown
+    from sparsedecode.report.timing_markdown import render_markdown
+    from sparsedecode.timing.analysis import build_report
     from sparsedecode.timing.cells import load_cells
 
     root = tmp_path / "crossing"

@@ -17,13 +17,11 @@ import pytest
 from sparsedecode.account import ModelDims, crossover
 from sparsedecode.errors import InputError
 from sparsedecode.report import figures
-from sparsedecode.report.timing_report import (
-    build_report,
-    nominal_peak,
-    render_markdown,
-    write_report,
-)
+from sparsedecode.report.timing_markdown import render_markdown
+from sparsedecode.report.timing_report import write_report
+from sparsedecode.timing.analysis import build_report
 from sparsedecode.timing.cells import load_cells
+from sparsedecode.timing.costs import nominal_peak
 
 RECORDS = Path(__file__).resolve().parents[2] / "data/bytecross"
 DIMS = ModelDims.known("llama-3.1-8b")
@@ -358,7 +356,6 @@ def test_a_peer_alone_at_a_context_is_not_a_dense_steps_row(tmp_path):
 def test_the_report_says_where_each_cells_device_time_went(tmp_path):
     """Means over cells of the recorded one-time parts and their phases, the timed steps at the
     measured step time, the median gap between records and what the records do not account for."""
-    from sparsedecode.report.timing_report import build_report, render_markdown
 
     root = tmp_path / "overhead"
     spec = {"warmup": 5, "repeats": 5, "steps": 50}  # 255 steps: 2.55 s at 10 ms

@@ -1,6 +1,6 @@
 """The one command, `sparsedecode`, with subcommands.
 
-Each group lives in a module of its own and registers itself on `app`;
+Each group lives in a module of its own and registers itself on `app` (`cli/app.py`);
 shared option parsing lives in `cli/common.py`. Heavy imports (torch) happen
 inside the commands that need them, so `sparsedecode account` stays instant.
 """
@@ -11,46 +11,20 @@ import sys
 
 import typer
 
-from sparsedecode.errors import InputError
-
-app = typer.Typer(
-    name="sparsedecode",
-    help="Faster single-sequence LLM decoding by reading fewer bytes per step.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-
-def _version(value: bool) -> None:
-    if value:
-        from sparsedecode import __version__
-
-        typer.echo(f"sparsedecode {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _main(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit."),
-) -> None:
-    """Faster single-sequence LLM decoding by reading fewer bytes per step."""
-
 # Registration order is the order of `sparsedecode --help`.
-from sparsedecode.cli import account as _account  # noqa: E402,F401
-from sparsedecode.cli import bench as _bench  # noqa: E402,F401
-from sparsedecode.cli import calibrate as _calibrate  # noqa: E402,F401
-from sparsedecode.cli import dispatch as _dispatch  # noqa: E402,F401
-from sparsedecode.cli import engine as _engine  # noqa: E402,F401
-from sparsedecode.cli import eval as _eval  # noqa: E402,F401
-from sparsedecode.cli import eval_grid as _eval_grid  # noqa: E402,F401
-from sparsedecode.cli import eval_retrieval as _eval_retrieval  # noqa: E402,F401
-from sparsedecode.cli import report as _report  # noqa: E402,F401
-from sparsedecode.cli import route as _route  # noqa: E402,F401
-from sparsedecode.cli import serve as _serve  # noqa: E402,F401
+from sparsedecode.cli import account as _account  # noqa: F401
+from sparsedecode.cli import bench as _bench  # noqa: F401
+from sparsedecode.cli import calibrate as _calibrate  # noqa: F401
+from sparsedecode.cli import dispatch as _dispatch  # noqa: F401
+from sparsedecode.cli import engine as _engine  # noqa: F401
+from sparsedecode.cli import eval as _eval  # noqa: F401
+from sparsedecode.cli import eval_grid as _eval_grid  # noqa: F401
+from sparsedecode.cli import eval_retrieval as _eval_retrieval  # noqa: F401
+from sparsedecode.cli import report as _report  # noqa: F401
+from sparsedecode.cli import route as _route  # noqa: F401
+from sparsedecode.cli import serve as _serve  # noqa: F401
+from sparsedecode.cli.app import app  # noqa: F401 (the app the commands registered on)
+from sparsedecode.errors import InputError
 
 # One spelling per option across commands; the old names still work, with a note.
 ALIASES = {"account": {"--rp": "--proj-keep", "--rkv": "--kv-keep"}, "calibrate": {"--keep": "--proj-keep"}}

@@ -17,7 +17,7 @@ import typer
 
 from sparsedecode import account as acc
 from sparsedecode.account.units import check_keep, fmt_bytes, fmt_k
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
     ConfigOpt,
     FfOnlyOpt,

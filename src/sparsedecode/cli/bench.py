@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, check_out_file, emit_json
 from sparsedecode.errors import InputError
 

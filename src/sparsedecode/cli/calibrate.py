@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
     DeviceOpt,
     DtypeOpt,
@@ -51,8 +51,8 @@ def calibrate(
     """Calibrate thresholds on text, save them, and report the realized keep on held-out text."""
     import sparsedecode
     from sparsedecode.account.units import check_keep, parse_tokens
+    from sparsedecode.corpus import require_tokens, text_ids, wikitext_path
     from sparsedecode.projection.calibrate import get_calibrator, measure_keep
-    from sparsedecode.quality.data import require_tokens, text_ids, wikitext_path
 
     apply_threads(threads)
     check_new_file(out, "--out", ".safetensors")
@@ -98,7 +98,7 @@ def calibrate(
 
 def _held_out(eng, text_file, cal_stream, n_cal: int, n_eval: int):
     """WikiText-2 test when it is there; else the calibration file after the tokens used."""
-    from sparsedecode.quality.data import wikitext_ids
+    from sparsedecode.corpus import wikitext_ids
 
     try:
         ids = wikitext_ids(eng.tokenizer, "test", text_file if text_file and _is_dir(text_file) else None)

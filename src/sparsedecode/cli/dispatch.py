@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 from sparsedecode.cli.common import JsonOpt, check_out_file, emit_json, parse_float, parse_requests
 from sparsedecode.errors import InputError
 
@@ -106,8 +106,8 @@ def price_cmd(
     """Speedup over always-dense of each policy (always-X, the calibrated gate, the byte gate,
     a prompt-length threshold) on the App. I workloads, and each policy's share of requests
     per configuration."""
-    from sparsedecode.dispatch.mix import WORKLOADS, get_mix
-    from sparsedecode.dispatch.policies import price
+    from sparsedecode.dispatch.mix import get_mix
+    from sparsedecode.dispatch.policies import price_workloads
 
     if seed < 0 or seed >= 2**63:
         raise InputError(f"--seed must be a whole number in [0, 2^63), got {seed}")
@@ -116,8 +116,7 @@ def price_cmd(
     chosen = get_mix(mix, seed)  # a bad trace fails before any pricing
     table = _table(records, sel)
     ok, why = _admit(table, admit, assume_admissible)
-    mixes = [chosen] + [get_mix(w, seed) for w in WORKLOADS if w != chosen.name]
-    rows = {m.name: price(table, m, ok) for m in mixes}
+    rows = price_workloads(table, chosen, ok, seed)
     main = {r.policy: r for r in rows[chosen.name]}
     if plot_path is not None:
         from sparsedecode.report.dispatch_plot import gate_plot
@@ -146,19 +145,11 @@ def price_cmd(
         })
         return
     if markdown:
-        typer.echo(_markdown(rows, chosen.name))
+        from sparsedecode.report.dispatch_table import price_markdown
+
+        typer.echo(price_markdown(rows, chosen.name))
         return
     _print(table, rows, chosen.name, ok, why, plot_path)
-
-
-def _markdown(rows, chosen: str) -> str:
-    names = list(rows)
-    lines = ["| policy | " + " | ".join(names) + f" | requests whose selection cannot run ({chosen}) |",
-             "|---|" + "---|" * len(names) + "---|"]
-    for i, r in enumerate(rows[chosen]):
-        lines.append(f"| {r.policy} | " + " | ".join(f"{rows[n][i].speedup:.3f}" for n in names)
-                     + f" | {r.infeasible or ''} |")
-    return "\n".join(lines)
 
 
 def _kind(spec: str) -> str:

@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 
 
 @app.command()

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
     TOKENS,
     DeviceOpt,
@@ -80,7 +80,7 @@ def ppl(
 ) -> None:
     """Aggregate perplexity of dense and of a configuration on the same windows, and ΔPPL with
     its paired bootstrap interval."""
-    from sparsedecode.quality.data import wikitext_path
+    from sparsedecode.corpus import wikitext_path
     from sparsedecode.quality.perplexity import CHUNK
 
     # Everything the user can get wrong fails here, before a model loads.
@@ -229,8 +229,8 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
     """The 'ppl_eval' record of one configuration beside dense. `dense`, a `WindowNLL` of the
     same text, protocol and windows, is reused instead of run again (`eval grid` shares one)."""
     from sparsedecode.config import SparsityConfig
+    from sparsedecode.corpus import text_ids
     from sparsedecode.quality.bootstrap import paired_bootstrap
-    from sparsedecode.quality.data import text_ids
     from sparsedecode.quality.perplexity import CHUNK, DENSE, evaluate
 
     ids = text_ids(eng.tokenizer, path)

@@ -54,8 +54,8 @@ def grid(
     """Perplexity of every projection x KV keep pair, each branch alone and dense, on the same
     windows: one dense run shared by all, one record per setting, a table of ΔPPL with paired
     bootstrap intervals."""
+    from sparsedecode.corpus import text_ids, wikitext_path
     from sparsedecode.quality import grid as g
-    from sparsedecode.quality.data import text_ids, wikitext_path
     from sparsedecode.quality.perplexity import CHUNK, WindowNLL
 
     # Everything the user can get wrong fails here, before a model loads.

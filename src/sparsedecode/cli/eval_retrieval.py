@@ -127,7 +127,7 @@ def _command(test: str, *, model, thresholds, proj_keep, kv, kv_keep, obs, kv_pa
     _check_window(model, context + new)
     path = None
     if test != "passkey" or text_file is not None:
-        from sparsedecode.quality.data import wikitext_path
+        from sparsedecode.corpus import wikitext_path
 
         path = wikitext_path("test", text_file)
 

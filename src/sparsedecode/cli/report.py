@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 from sparsedecode.cli.common import JsonOpt, check_out_dir, check_out_file, emit_json, parse_float
 from sparsedecode.errors import InputError
 

@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
     DeviceOpt,
     DtypeOpt,
@@ -60,9 +60,9 @@ def build(
     """Score every token id on routing text: mean excess loss of the CATS path over dense."""
     import sparsedecode
     from sparsedecode.account.units import parse_tokens
+    from sparsedecode.corpus import require_tokens, text_ids, wikitext_path
     from sparsedecode.projection.routing import UNSEEN, build_routing_table, check_cats, file_sha256
     from sparsedecode.projection.thresholds import Thresholds
-    from sparsedecode.quality.data import require_tokens, text_ids, wikitext_path
 
     if unseen not in UNSEEN:
         raise InputError(f"--unseen '{unseen}' must be dense or sparse")
@@ -120,6 +120,7 @@ def calibrate(
 ) -> None:
     """Choose tau so the routed fraction on held-out text is closest to the target."""
     from sparsedecode.account.units import parse_tokens
+    from sparsedecode.corpus import text_ids, wikitext_path
     from sparsedecode.projection.calibrate import MIN_TOKENS
     from sparsedecode.projection.routing import (
         RoutingTable,
@@ -127,7 +128,6 @@ def calibrate(
         file_sha256,
         held_out_start,
     )
-    from sparsedecode.quality.data import text_ids, wikitext_path
 
     r = parse_float(target, "--target")
     if not 0.0 <= r <= 1.0:

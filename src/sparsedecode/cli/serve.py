@@ -6,7 +6,7 @@ import time
 
 import typer
 
-from sparsedecode.cli import app
+from sparsedecode.cli.app import app
 
 
 @app.command()

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sparsedecode.dispatch.mix import Mix
+from sparsedecode.dispatch.mix import WORKLOADS, Mix, get_mix
 from sparsedecode.dispatch.prices import ConfigPrice, PriceTable
 from sparsedecode.errors import InputError
 
@@ -199,6 +199,13 @@ def price(table: PriceTable, mix: Mix, admissible: list[str]) -> list[Result]:
     return results
 
 
+def price_workloads(table: PriceTable, chosen: Mix, admissible: list[str], seed: int = 0) -> dict[str, list[Result]]:
+    """`price` on `chosen`, then on each other App. I workload drawn with `seed`: mix name ->
+    every policy's result, `chosen` first (the columns of `dispatch price`)."""
+    mixes = [chosen] + [get_mix(w, seed) for w in WORKLOADS if w != chosen.name]
+    return {m.name: price(table, m, admissible) for m in mixes}
+
+
 # -- admissibility ------------------------------------------------------------------------------
 def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) -> tuple[list[str], dict[str, str]]:
     """(admissible specs, reason per configuration but dense) from 'admissibility' records (`sparsedecode
@@ -250,4 +257,4 @@ def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) ->
 
 
 __all__ = ["BYTE_GATE", "GATE", "SEGMENT", "SINGLE_GATE", "THRESHOLD_GATE", "Result", "admissible", "byte_predictions",
-           "choose", "cost_matrix", "price", "request_ms", "threshold"]
+           "choose", "cost_matrix", "price", "price_workloads", "request_ms", "threshold"]

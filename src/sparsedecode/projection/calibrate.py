@@ -415,8 +415,8 @@ def cached_teal(engine, keep: float, tokens: int = 8192, text_file=None, progres
     """Uniform TEAL thresholds at `keep` for `engine`, calibrated on the first `tokens` of
     WikiText-2 validation (or `text_file`) once and cached under the sparsedecode cache
     (`generate --proj-keep`)."""
+    from sparsedecode.corpus import text_ids, wikitext_path
     from sparsedecode.models.embedded import cache_dir
-    from sparsedecode.quality.data import text_ids, wikitext_path
 
     keep = check_keep(keep, "--proj-keep")
     path = wikitext_path("valid", text_file)

@@ -429,8 +429,8 @@ def evaluate_retrieval_many(engine, test: str, configs, *, thresholds=None, cont
     interrupted). The caller deletes them once the records are written. A file written for
     other arguments or placements is refused, with what differs."""
     from sparsedecode.config import SparsityConfig
+    from sparsedecode.corpus import text_ids
     from sparsedecode.kv.select import get_selector
-    from sparsedecode.quality.data import text_ids
     from sparsedecode.quality.perplexity import resolve_projection
 
     test = check_test(test)

@@ -1,6 +1,6 @@
 """Figures 3, 4 and 5 of the ByteCross paper redrawn from a timing report (§4.2-4.4).
 
-Each function takes the dict of ``timing_report.build_report`` (records alone,
+Each function takes the dict of ``timing.analysis.build_report`` (records alone,
 nothing re-measured), writes one PNG with one panel per group (or per set of
 attention-path groups) and returns ``{"path": ...}``, or ``{"skipped": reason}``
 when the campaign holds no data for that figure.

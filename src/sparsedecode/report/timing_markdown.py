@@ -1,13 +1,12 @@
-"""The markdown of a timing report (`timing_report.build_report`): one table per group with
-speedups, bounds, kernel costs and crossings, then failed and unpaired cells; records alone,
-nothing re-measured (ByteCross §4.2-4.4, App. D, E)."""
+"""The markdown of a timing report (`timing.analysis.build_report`): one table per group with
+speedups, bounds, kernel costs and crossings, then failed and unpaired cells, other processes on
+the GPU and where each cell's device time went (`timing.run_conditions`); records alone, nothing
+re-measured (ByteCross §4.2-4.4, App. D, E)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-
-from sparsedecode.report.run_conditions import neighbors_md, overhead_md
 
 
 def fmt_ctx(n: float) -> str:
@@ -15,9 +14,6 @@ def fmt_ctx(n: float) -> str:
     if n >= 1024:
         return f"{n / 1024:g}K" if n % 1024 == 0 else f"{n / 1024:.1f}K"
     return f"{n:.0f}"
-
-
-
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -105,6 +101,47 @@ def _crossing_str(m: dict) -> str:
     lo = "?" if math.isnan(m["low"]) else fmt_ctx(m["low"])
     hi = "?" if math.isnan(m["high"]) else fmt_ctx(m["high"])
     return f"{fmt_ctx(m['value'])} [{lo}, {hi}]"
+
+
+def neighbors_md(nb: dict | None) -> list[str]:
+    """The report's section on other processes on the GPU (none when no record was probed)."""
+    if not nb:
+        return []
+    out = ["", "## Other processes on the GPU (around each cell's timed steps)", ""]
+    if nb["shared"]:
+        out += ["| record | group | cell | context | block | processes |", "|---|---|---|---|---|---|"]
+        for s in nb["shared"]:
+            out.append(f"| {Path(s['path']).name} | {s['group']} | {s['cell']} | {fmt_ctx(s['context'])} "
+                       f"| {s['block']} | {', '.join(s['processes'])} |")
+    else:
+        out.append(f"none seen around the {nb['probed']} probed cells")
+    if nb["unknown"]:
+        out.append(f"\n{nb['unknown']} probed cell(s) could not tell (no NVML, no nvidia-smi).")
+    if nb["no_probe"]:
+        out.append(f"\n{nb['no_probe']} cell(s) carry no probe (timed before cells looked).")
+    return out
+
+
+def overhead_md(o: dict | None) -> list[str]:
+    """The report's section: one row per part, seconds per cell."""
+    if not o:
+        return []
+    f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+    out = ["", f"## Where each cell's device time went (mean seconds over {o['cells']} cells)", "",
+           "| part | s per cell | cells |", "|---|---|---|"]
+    out += [f"| {name} | {f(v)} | {k} |" for name, v, k in o["parts"]]
+    out.append(f"| timed steps (warm-up + repeats × steps) | {f(o['timed_s'])} | {o['timed_cells']} |")
+    if o["gap_s"] is not None:
+        out.append(f"| whole cell: median gap between consecutive records | {f(o['gap_s'])} | {o['gaps']} gaps |")
+    if o.get("rest_s") is not None:
+        out.append(f"| the rest of the gap, in no record | {f(o['rest_s'])} | |")
+    out += ["", "start: the process's start and imports; cuda_init: the CUDA context and the neighbor probe; "
+            "select_warm: the same selection again; keep: the eager steps that measure the realized projection "
+            "keep; after: bounds and the record. The gap holds a cell's whole cost when cells run one after "
+            "another; with several lanes at once it is shorter than a cell. Records timed before a part was "
+            "recorded leave it out (its cells column)."]
+    return out
+
 
 
 def render_markdown(rep: dict) -> str:
@@ -195,7 +232,7 @@ def render_markdown(rep: dict) -> str:
 
 
 def step_profile_table(profiles: list[dict]) -> list[str]:
-    """The rows of "Where the step goes" (`timing_report._step_profiles`), header first."""
+    """The rows of "Where the step goes" (`timing.profile.step_profiles`), header first."""
     out = ["| context | group | cell | step µs | bytes at ceiling µs | above µs | gaps µs "
            "| fixed kernels µs (largest) | streaming past bytes µs | kernels a step | streaming kernels µs |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]

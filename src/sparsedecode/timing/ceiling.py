@@ -11,6 +11,7 @@ graph replay (timing/clock.time_graph), on CPU the host clock (labelled CPU).
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from sparsedecode.errors import InputError
 
@@ -78,4 +79,19 @@ def read_ceiling(path) -> dict:
     return rec
 
 
-__all__ = ["KIND", "measure_ceiling", "read_ceiling"]
+def campaign_ceiling(cc, ceiling) -> tuple[float | None, str]:
+    """The measured ceiling in GB/s and where it came from: a 'bandwidth_ceiling' record
+    (`sparsedecode bench ceiling`), the given one or the campaign folder's ceiling.json, for the
+    campaign's cells `cc`."""
+    path = Path(ceiling) if ceiling is not None else Path(cc.folder) / "ceiling.json"
+    if ceiling is None and not path.is_file():
+        return None, ("no measured ceiling (a CUDA `campaign run` writes DIR/ceiling.json; else run "
+                      "`sparsedecode bench ceiling --out DIR/ceiling.json` in the same call as the cells): "
+                      "% of ceiling left blank")
+    rec = read_ceiling(path)
+    if cc.source == "sparsedecode" and rec.get("gpu") != cc.gpu:
+        raise InputError(f"{path}: the ceiling was measured on {rec.get('gpu')}, the cells on {cc.gpu}")
+    return float(rec["gbps"]), f"measured ceiling ({path.name}: {rec['method']})"
+
+
+__all__ = ["KIND", "campaign_ceiling", "measure_ceiling", "read_ceiling"]

@@ -44,6 +44,7 @@ from pathlib import Path
 from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.projection.thresholds import MIN_TOKENS
+from sparsedecode.timing.cell_fields import bookkeeping, peak_memory, timed_step_bytes
 from sparsedecode.timing.clock import process_age_s
 from sparsedecode.timing.neighbors import SharedGpu, check_alone, device_uuid, neighbors, watched
 
@@ -210,18 +211,6 @@ def check_fits(spec: CellSpec) -> None:
         get_selector(mode.kv_method, window=spec.obs).budget(n, mode.kv_keep, g)
 
 
-# -- the byte account of a timed step --------------------------------------------
-def timed_step_bytes(dims, n: int, proj_keep: float, kv_read: float, weight_bytes: float,
-                     kv_bytes: float) -> float:
-    """Bytes one timed step reads (§3.1, Eq. 1-4): `step_bytes` at context n with the
-    projection bytes (MLP + attention projections) scaled by the realized projection keep
-    and the KV bytes by the read fraction; LM head, embedding row and norms stay dense."""
-    from sparsedecode.account.traffic import step_bytes
-
-    b = step_bytes(dims, n, weight_bytes, kv_bytes)
-    return b.other + (b.mlp + b.attn) * proj_keep + b.kv * kv_read
-
-
 # -- running a cell ----------------------------------------------------------------
 def run_cell(spec: CellSpec, log=None) -> dict:
     """Run one cell in this process and return its 'timing_cell' record (stamped).
@@ -236,6 +225,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     if spec.impl != "ours":
         from sparsedecode.timing.peer import run_peer_cell
 
+        check_fits(spec)  # check_peer, and the model window
         return run_peer_cell(spec, log)
     say = log or (lambda line: None)
     started = process_age_s()  # the process's start and imports: part of what a cell costs
@@ -259,7 +249,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
                             attention=spec.attention, compile=compile_, seed=spec.seed, quiet=True,
                             kernels=spec.kernel_options)
     sync()
-    # where a cell's time goes, in run order (report.run_conditions): process start to here, the CUDA
+    # where a cell's time goes, in run order (timing.run_conditions): process start to here, the CUDA
     # context and the neighbor probe, then each stage; after_s is the end (bounds, the record)
     one_time = {"start_s": started, "cuda_init_s": cuda_init_s, "load_s": time.perf_counter() - t,
                 "calibrate_s": 0.0, "prefill_s": 0.0, "select_s": 0.0, "select_warm_s": 0.0,
@@ -335,7 +325,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "kind": "timing_cell",
         "status": "ok",
         "impl": "ours",
-        **_bookkeeping(spec),
+        **bookkeeping(spec),
         "model": {"name": eng.name, "dims": eng.dims.to_dict(), "init": spec.init},
         "model_name": eng.name,
         "dtype": str(eng.dtype).removeprefix("torch."),
@@ -371,7 +361,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "bytes_per_step": nbytes,
         "byte_bound": bound,
         "achieved_gbps": nbytes / (med * 1e-3) / 1e9,
-        "peak_memory_bytes": _peak_memory(dev),
+        "peak_memory_bytes": peak_memory(dev),
         "one_time": one_time,
         "phases": {"load": eng.load_phases, "capture": eng.capture_phases},  # where load_s and capture_s went
         "selection": selection,  # the KV selection's first and warm cost by phase; None without one
@@ -403,11 +393,6 @@ def failed_record(fields: dict, exc: BaseException, lines: int = 20) -> dict:
                   "error": f"{type(exc).__name__}: {exc}", "traceback": "\n".join(tb[-lines:])})
 
 
-def _bookkeeping(spec: CellSpec) -> dict:
-    return {"campaign": spec.campaign, "block": spec.block, "group": spec.group, "cell": spec.cell,
-            "order": spec.order}
-
-
 def _stream(eng, spec: CellSpec) -> tuple[list[int], str]:
     """n + generated token ids of the stream (WikiText-2 test, or the text option, when the
     model has a tokenizer; seeded random ids otherwise), wrapped around when short."""
@@ -415,7 +400,7 @@ def _stream(eng, spec: CellSpec) -> tuple[list[int], str]:
 
     need = spec.context + spec.generated
     if eng.tokenizer is not None:
-        from sparsedecode.quality.data import wikitext_ids, wikitext_path
+        from sparsedecode.corpus import wikitext_ids, wikitext_path
 
         ids = wikitext_ids(eng.tokenizer, "test", spec.text)
         what = wikitext_path("test", spec.text).name
@@ -474,16 +459,6 @@ def _time_steps(eng, toks: list[int], spec: CellSpec, cuda: bool) -> list[float]
 
     it = iter(toks)
     return time_blocks(lambda: eng.decode_step(next(it)), spec.warmup, spec.repeats, spec.steps, cuda)
-
-
-def _peak_memory(dev) -> int:
-    import torch
-
-    if dev.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(dev))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 __all__ = ["ATTENTION", "FILLS", "CellSpec", "cell_config", "check_fits", "failed_record", "model_window",

@@ -46,18 +46,17 @@ def check_peer(spec) -> None:
 
 
 def run_peer_cell(spec, log=None) -> dict:
-    """Time the peer decode step of `spec` (its impl) and return its 'timing_cell' record."""
+    """Time the peer decode step of `spec` (its impl) and return its 'timing_cell' record;
+    `timing.cell.run_cell` has checked that it fits (`check_fits`)."""
     import torch
 
     from sparsedecode.account.dims import ModelDims
     from sparsedecode.account.known import known_model
     from sparsedecode.engine.device import resolve_device, resolve_dtype
-    from sparsedecode.timing.cell import check_fits
     from sparsedecode.timing.clock import time_blocks
     from sparsedecode.timing.neighbors import watched
 
     say = log or (lambda line: None)
-    check_fits(spec)  # check_peer, and the model window
     dev = resolve_device(spec.device)
     dt = resolve_dtype(spec.dtype, dev)
     cuda = dev.type == "cuda"
@@ -253,7 +252,7 @@ def _record(spec, name, dims, dt, dev, step_ms, one_time, *, attention, compile_
     import torch
 
     from sparsedecode.records import stamp
-    from sparsedecode.timing.cell import _bookkeeping, _peak_memory, timed_step_bytes
+    from sparsedecode.timing.cell_fields import bookkeeping, peak_memory, timed_step_bytes
 
     cuda = dev.type == "cuda"
     n, generated = spec.context, spec.generated
@@ -262,7 +261,7 @@ def _record(spec, name, dims, dt, dev, step_ms, one_time, *, attention, compile_
     nbytes = timed_step_bytes(dims, n, 1.0, 1.0, dt.itemsize, dt.itemsize)
     gpu = torch.cuda.get_device_name(dev) if cuda else "CPU"
     return stamp({
-        "kind": "timing_cell", "status": "ok", "impl": spec.impl, **_bookkeeping(spec),
+        "kind": "timing_cell", "status": "ok", "impl": spec.impl, **bookkeeping(spec),
         "model": {"name": name, "dims": dims.to_dict(), "init": "random"}, "model_name": name,
         "dtype": str(dt).removeprefix("torch."), "device": dev.type, "gpu": gpu,
         "label": (gpu.removeprefix("NVIDIA ") if cuda else "CPU") + f" {spec.impl}",
@@ -276,6 +275,6 @@ def _record(spec, name, dims, dt, dev, step_ms, one_time, *, attention, compile_
         "step_ms_runs": step_ms, "tokens_per_sec_runs": tps, "tokens_per_sec": statistics.fmean(tps),
         "ms_per_token": 1e3 / statistics.fmean(tps), "step_ms_median": med,
         "realized_projection_keep": 1.0, "kv_budget": n, "kv_read_fraction": 1.0, "bytes_per_step": nbytes,
-        "byte_bound": 1.0, "achieved_gbps": nbytes / (med * 1e-3) / 1e9, "peak_memory_bytes": _peak_memory(dev),
+        "byte_bound": 1.0, "achieved_gbps": nbytes / (med * 1e-3) / 1e9, "peak_memory_bytes": peak_memory(dev),
         "one_time": one_time, "spec": asdict(spec),
     })

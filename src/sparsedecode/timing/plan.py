@@ -39,7 +39,7 @@ def predict_crossing(folder, group: str, *, proj: str | None = None, sel: str | 
     `proj`/`sel` (mode specs such as 'proj0.7', 'sel0.5') ask for a pair the sweep may lack: a
     keep it did not sweep takes its kernel cost from the keep-ratio campaign `keep_folder`
     (ByteCross App. D), see `_shifted`."""
-    from sparsedecode.report.timing_report import build_report
+    from sparsedecode.timing.analysis import build_report
     from sparsedecode.timing.cells import load_cells
 
     if keep_folder is not None and not Path(keep_folder).is_dir():
@@ -115,9 +115,9 @@ def _shifted(folder, group, rep, g, cross, swept, want, keep_folder) -> dict:
 
     from sparsedecode.account import crossover
     from sparsedecode.config import SparsityConfig
-    from sparsedecode.report.timing_report import build_report
     from sparsedecode.timing import stats
-    from sparsedecode.timing.cell import timed_step_bytes
+    from sparsedecode.timing.analysis import build_report
+    from sparsedecode.timing.cell_fields import timed_step_bytes
     from sparsedecode.timing.cells import load_cells
 
     cc = load_cells(folder)

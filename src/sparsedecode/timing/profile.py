@@ -48,6 +48,7 @@ KINDS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
                                "triton_tem_fused_mm", "aten::mm", "aten::addmm", "aten::mv")),
 )
 OTHER = "other"
+STREAMING = {kind for kind, streams, _ in KINDS if streams}
 
 
 def _matches(low: str, frag: str) -> bool:
@@ -165,4 +166,40 @@ def profile_steps(step: Callable[[], object], steps: int, cuda: bool, byte_us: f
     return rec
 
 
-__all__ = ["KINDS", "kernel_kind", "profile_steps", "summarize"]
+def step_profiles(cc, ceiling: float | None) -> list[dict]:
+    """Where each profiled cell's step goes (`profile_steps`, issue 26 item 2), mean over the
+    blocks that profiled it: the profiled step, its bytes at the measured ceiling, and the time
+    above that split into gaps (no kernel running), fixed kernels (no weight or KV bytes; the
+    two largest kinds named) and the streaming kernels' time past the byte time, with those
+    kernels' (kind, µs) largest first. `cc`: a campaign's cells (`timing.cells.load_cells`)."""
+    import numpy as np
+
+    by: dict[tuple, list] = {}
+    for c in cc.cells:
+        x = cc.extra(c)
+        if x.profile:
+            by.setdefault((c.context, c.group, c.cell), []).append(x)
+    rows = []
+    for (n, group, cell), xs in sorted(by.items()):
+        ps = [x.profile for x in xs]
+        mean = lambda k, ps=ps: float(np.mean([p[k] for p in ps]))  # noqa: E731
+        kinds: dict[str, float] = {}
+        for p in ps:
+            for k, us in p["kinds_us"].items():
+                kinds[k] = kinds.get(k, 0.0) + us / len(ps)
+        byte_us = (float(np.mean([x.bytes_per_step for x in xs])) / (ceiling * 1e9) * 1e6
+                   if ceiling and all(x.bytes_per_step for x in xs) else None)
+        step, streaming = mean("step_us"), mean("streaming_us")
+        ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
+        fixed = [(k, us) for k, us in ranked if k not in STREAMING]
+        rows.append({"context": n, "group": group, "cell": cell, "blocks": len(ps), "clock": ps[0].get("clock"),
+                     "step_us": step, "byte_us": byte_us, "above_us": None if byte_us is None else step - byte_us,
+                     "gap_us": mean("gap_us"), "fixed_us": mean("fixed_us"), "largest_fixed": fixed[:2],
+                     "streaming_kinds": [(k, us) for k, us in ranked if k in STREAMING],
+                     "streaming_us": streaming,
+                     "streaming_past_us": None if byte_us is None else streaming - byte_us,
+                     "launches": mean("launches"), "kinds_us": kinds})
+    return rows
+
+
+__all__ = ["KINDS", "STREAMING", "kernel_kind", "profile_steps", "step_profiles", "summarize"]

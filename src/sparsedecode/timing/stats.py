@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -45,6 +45,18 @@ class Estimate:
     high: float
     n_resamples: int
     n_undefined: int = 0
+
+
+def as_dict(e: Estimate | None) -> dict | None:
+    """An estimate as a JSON-ready dict, as reports keep it; None stays None."""
+    return None if e is None else asdict(e)
+
+
+def mean_of(values) -> float | None:
+    """The mean of the values that are not None (what records left out does not count); None
+    when there are none."""
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
 
 
 def block_resamples(n_blocks: int) -> np.ndarray:

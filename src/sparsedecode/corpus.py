@@ -6,6 +6,9 @@ so window i of a protocol is the same text for every configuration. The files
 come from `--text-file` (a folder holding `wiki.test.raw` / `wiki.valid.raw`,
 or any text file), and by default from `../shared/data/wikitext-2-raw` beside
 the repository. Tokenized streams are kept in memory per (file, tokenizer).
+
+It sits below `projection/` (docs/architecture.md): calibration and evaluation read the
+same text, and a calibrator reading it does not import `quality/`.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from pathlib import Path
 
 from sparsedecode.errors import InputError
 
-# src/sparsedecode/quality/data.py -> parents[3] is the checkout; shared/ sits beside it.
-DEFAULT_WIKITEXT = Path(__file__).resolve().parents[3].parent / "shared/data/wikitext-2-raw"
+# src/sparsedecode/corpus.py -> parents[2] is the checkout; shared/ sits beside it.
+DEFAULT_WIKITEXT = Path(__file__).resolve().parents[2].parent / "shared/data/wikitext-2-raw"
 SPLITS = {"test": "wiki.test.raw", "valid": "wiki.valid.raw", "validation": "wiki.valid.raw"}
 
 _CACHE: dict[tuple, list[int]] = {}

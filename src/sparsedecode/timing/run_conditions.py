@@ -12,13 +12,12 @@ warm-up, graph), beside the timed steps
 themselves (warm-up + repeats x steps at the measured step time) and the median gap
 between consecutive records, which holds a cell's whole cost (process start and imports
 included) when the cells run one after another. It is what a plan of device time and a
-decision about a faster compile rest on.
+decision about a faster compile rest on. `report/timing_markdown.py` renders both.
 """
 
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 from sparsedecode.timing.campaign import cell_seconds
 from sparsedecode.timing.cells import CampaignCells
@@ -46,27 +45,6 @@ def gpu_neighbors(cc: CampaignCells) -> dict | None:
               for c, n in probed if n.get("before") or n.get("after")]
     unknown = sum(n.get("before") is None or n.get("after") is None for _, n in probed)
     return {"probed": len(probed), "shared": shared, "unknown": unknown, "no_probe": len(seen) - len(probed)}
-
-
-def neighbors_md(nb: dict | None) -> list[str]:
-    """The report's section on other processes on the GPU (none when no record was probed)."""
-    from sparsedecode.report.timing_markdown import fmt_ctx
-
-    if not nb:
-        return []
-    out = ["", "## Other processes on the GPU (around each cell's timed steps)", ""]
-    if nb["shared"]:
-        out += ["| record | group | cell | context | block | processes |", "|---|---|---|---|---|---|"]
-        for s in nb["shared"]:
-            out.append(f"| {Path(s['path']).name} | {s['group']} | {s['cell']} | {fmt_ctx(s['context'])} "
-                       f"| {s['block']} | {', '.join(s['processes'])} |")
-    else:
-        out.append(f"none seen around the {nb['probed']} probed cells")
-    if nb["unknown"]:
-        out.append(f"\n{nb['unknown']} probed cell(s) could not tell (no NVML, no nvidia-smi).")
-    if nb["no_probe"]:
-        out.append(f"\n{nb['no_probe']} cell(s) carry no probe (timed before cells looked).")
-    return out
 
 
 def cell_overhead(cc: CampaignCells) -> dict | None:
@@ -100,25 +78,4 @@ def cell_overhead(cc: CampaignCells) -> dict | None:
             "gap_s": gap, "gaps": gaps, "rest_s": rest}
 
 
-def overhead_md(o: dict | None) -> list[str]:
-    """The report's section: one row per part, seconds per cell."""
-    if not o:
-        return []
-    f = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
-    out = ["", f"## Where each cell's device time went (mean seconds over {o['cells']} cells)", "",
-           "| part | s per cell | cells |", "|---|---|---|"]
-    out += [f"| {name} | {f(v)} | {k} |" for name, v, k in o["parts"]]
-    out.append(f"| timed steps (warm-up + repeats × steps) | {f(o['timed_s'])} | {o['timed_cells']} |")
-    if o["gap_s"] is not None:
-        out.append(f"| whole cell: median gap between consecutive records | {f(o['gap_s'])} | {o['gaps']} gaps |")
-    if o.get("rest_s") is not None:
-        out.append(f"| the rest of the gap, in no record | {f(o['rest_s'])} | |")
-    out += ["", "start: the process's start and imports; cuda_init: the CUDA context and the neighbor probe; "
-            "select_warm: the same selection again; keep: the eager steps that measure the realized projection "
-            "keep; after: bounds and the record. The gap holds a cell's whole cost when cells run one after "
-            "another; with several lanes at once it is shorter than a cell. Records timed before a part was "
-            "recorded leave it out (its cells column)."]
-    return out
-
-
-__all__ = ["cell_overhead", "gpu_neighbors", "neighbors_md", "overhead_md"]
+__all__ = ["ORDER", "cell_overhead", "gpu_neighbors"]
