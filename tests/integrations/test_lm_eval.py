@@ -164,6 +164,28 @@ def test_generation_stops_at_the_first_until_string(eng):
     assert full == ref
 
 
+@needs_lm_eval
+def test_generation_configures_the_kv_branch_per_request_and_keeps_the_projection(eng, tmp_path, wikitext_test):
+    """generate_until under thresholds and a window: a long prompt generates as the engine does
+    under the whole configuration, a prompt too short for the window falls back to the whole
+    cache, and between requests the projection modules stay the ones installed (no re-layout)."""
+    from sparsedecode.integrations.lm_eval import SparseLM
+
+    lm = SparseLM(engine=eng, thresholds=_thresholds(eng, tmp_path), kv="window", kv_keep=0.5, obs=16)
+    th, mods = eng.thresholds, [layer.mlp.up_proj for layer in eng.model.layers]
+    assert eng.config == lm.config.with_(kv=None) and lm.config.mode == "proj+window"
+    prompt = wikitext_test[:1000]
+    reqs = [(prompt, {"until": "@@", "max_gen_toks": 4}), ("Once upon a time,", {"until": "@@", "max_gen_toks": 4})]
+    long, short = lm.generate_until(_instances("generate_until", reqs), disable_tqdm=True)
+    assert lm.kv_dense_fallbacks == 1 and eng.kv is None  # the short prompt read its whole cache
+    assert eng.config == lm.config.with_(kv=None) and eng.thresholds is th
+    assert all(a is b for a, b in zip(mods, [layer.mlp.up_proj for layer in eng.model.layers], strict=True))
+    eng.configure(lm.config, thresholds=th)
+    assert long == eng.generate(lm.tok_encode(prompt), max_new_tokens=4).text and eng.kv is not None
+    eng.configure(lm.config.with_(kv=None), thresholds=th)
+    assert short == eng.generate(lm.tok_encode("Once upon a time,"), max_new_tokens=4).text
+
+
 TASK = """
 task: sd_tiny_mc
 dataset_path: json

@@ -246,7 +246,7 @@ def test_routed_kernel_path_under_the_triton_interpreter():
     assert float(frac) == 0.5
 
 
-def test_route_needs_cats_thresholds_and_a_calibrated_table(table):
+def test_route_needs_cats_thresholds_and_a_calibrated_table(table, tmp_path):
     eng = _tiny()
     half = calibrate_routing(table, eng, IDS, 0.5)
     with pytest.raises(InputError, match="install CATS thresholds"):
@@ -262,12 +262,12 @@ def test_route_needs_cats_thresholds_and_a_calibrated_table(table):
         eng.route(table)  # no tau yet
     with pytest.raises(InputError, match="thresholds file too"):
         SparsityConfig.parse("route[r.json]")
-    th = _cats(eng)
-    named = SparsityConfig(ProjectionConfig(keep=th.keep))
-    assert eng.configure(named, thresholds=th, routing=half) == named
+    th = _cats(eng)  # the configuration names the files; the objects go beside it, as calibrated
+    cats_file, half_file = str(th.save(tmp_path / "cats.safetensors")), str(half.save(tmp_path / "half.safetensors"))
+    routed = SparsityConfig(ProjectionConfig(file=cats_file, routing=half_file))
+    assert eng.configure(routed, thresholds=th, routing=half).mode == "proj+route"
     assert eng.router is not None and eng.routing is half
-    th = _cats(eng)
-    assert eng.configure(named, thresholds=th).mode == "proj"
+    assert eng.configure(SparsityConfig(ProjectionConfig(file=cats_file)), thresholds=_cats(eng)).mode == "proj"
     assert eng.router is None and all(layer.mlp.router is None for layer in eng.model.layers)
 
 

@@ -119,6 +119,28 @@ def test_keep_one_is_dense_exactly(tiny):
         assert got.nll == dense.nll, method
 
 
+def test_resolve_projection_calibrates_nothing_at_keep_one_and_checks_the_keep(tiny, monkeypatch):
+    """A keep of 1 turns the branch off without calibrating TEAL for it (the tiny engine has no
+    tokenizer, and cached_teal is made to fail); thresholds given for another keep are refused."""
+    import sparsedecode.projection.calibrate as calibrate
+    from sparsedecode.quality.perplexity import resolve_projection
+
+    eng, _ = tiny
+
+    def refuse(*a, **kw):
+        raise AssertionError("calibrated at keep 1")
+
+    monkeypatch.setattr(calibrate, "cached_teal", refuse)
+    assert resolve_projection(eng, ProjectionConfig(keep=1.0)) is None
+    assert resolve_projection(eng, None) is None
+    th = _thresholds(eng, 0.05)
+    assert resolve_projection(eng, ProjectionConfig(keep=0.5), th) is th
+    with pytest.raises(InputError, match="calibrated at keep 0.5, not at the configuration's projection keep 0.3"):
+        resolve_projection(eng, ProjectionConfig(keep=0.3), th)
+    with pytest.raises(InputError, match="projection branch"):
+        resolve_projection(eng, None, th)
+
+
 def test_sparse_configurations_change_decode_ppl(tiny):
     eng, ids = tiny
     run = lambda cfg=None, th=None: decode_nll(eng, ids, windows=2, length=160, config=cfg, thresholds=th,  # noqa: E731

@@ -53,12 +53,15 @@ def _table(eng, tau: float) -> RoutingTable:
                         tokenizer=tokenizer_fingerprint(eng.tokenizer), thresholds={}, text={}, tau=tau)
 
 
-def _described(th):
-    """The configuration naming in-memory CATS thresholds (passed beside it, as configure takes them)."""
-    return SparsityConfig(ProjectionConfig(keep=th.keep))
+def _named(tmp_path, th, table=None, name: str = "route") -> SparsityConfig:
+    """The configuration naming CATS thresholds (and a routing table) by the files they are
+    saved to, as a record names them; the objects go beside it, as Engine.configure takes them."""
+    file = str(th.save(tmp_path / "cats.safetensors"))
+    routing = None if table is None else str(table.save(tmp_path / f"{name}.safetensors"))
+    return SparsityConfig(ProjectionConfig(file=file, routing=routing))
 
 
-def test_routing_all_sparse_is_cats_all_dense_is_dense(setup):
+def test_routing_all_sparse_is_cats_all_dense_is_dense(setup, tmp_path):
     eng, ids = setup
     cats = _cats(eng).values
     dense, sparse, all_sparse, all_dense = chunked_nll_many(eng, ids, 1, [
@@ -66,14 +69,17 @@ def test_routing_all_sparse_is_cats_all_dense_is_dense(setup):
         (cats, _table(eng, -math.inf).sparse_of())])
     assert all_sparse == sparse and all_dense == dense and sparse != dense
     th = _cats(eng)
-    assert chunked_nll(eng, ids, 1, config=_described(th), thresholds=th) == sparse
+    assert chunked_nll(eng, ids, 1, config=_named(tmp_path, th), thresholds=th) == sparse
 
 
-def test_mixed_routing_matches_the_routed_decode_step(setup):
+def test_mixed_routing_matches_the_routed_decode_step(setup, tmp_path):
     eng, ids = setup
     table = _table(eng, 0.5)
     th = _cats(eng)
-    got = chunked_nll(eng, ids, 1, config=_described(th), thresholds=th, routing=table)[0]
+    routed = _named(tmp_path, th, table)
+    assert routed.mode == "proj+route"
+    got = chunked_nll(eng, ids, 1, config=routed, thresholds=th, routing=table)[0]
+    assert chunked_nll(eng, ids, 1, config=routed) == [got]  # the same from the files it names
     c = torch.as_tensor(ids)
     on = table.sparse_of()[c[DENSE:CHUNK]]
     assert 0.3 < float(on.float().mean()) < 0.7  # both paths taken
@@ -93,7 +99,7 @@ def test_mixed_routing_matches_the_routed_decode_step(setup):
     assert got == pytest.approx(nll, rel=1e-6)
 
 
-def test_decode_protocol_runs_the_routing(setup):
+def test_decode_protocol_runs_the_routing(setup, tmp_path):
     from sparsedecode.quality.perplexity import decode_nll
 
     eng, ids = setup
@@ -101,11 +107,12 @@ def test_decode_protocol_runs_the_routing(setup):
     try:
         dense = decode_nll(eng, ids, **args).nll
         th = _cats(eng)
-        cats = decode_nll(eng, ids, config=_described(th), thresholds=th, **args).nll
+        cats = decode_nll(eng, ids, config=_named(tmp_path, th), thresholds=th, **args).nll
         for tau, want in ((math.inf, cats), (-math.inf, dense)):
-            th = _cats(eng)
-            got = decode_nll(eng, ids, config=_described(th), thresholds=th, routing=_table(eng, tau), **args).nll
-            assert got == want
+            th, table = _cats(eng), _table(eng, tau)
+            routed = _named(tmp_path, th, table, f"tau{tau}")
+            got = decode_nll(eng, ids, config=routed, thresholds=th, routing=table, **args).nll
+            assert got == want and eng.config.mode == "proj+route"
         assert cats != dense
     finally:
         eng.configure(SparsityConfig())

@@ -23,7 +23,6 @@ from sparsedecode.cli.eval import eval_app
 from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
 from sparsedecode.corpus import DEFAULT_WIKITEXT, text_ids
 from sparsedecode.errors import InputError
-from sparsedecode.kv.apply import clear_kv
 from sparsedecode.kv.select import get_selector
 from sparsedecode.projection.thresholds import Thresholds
 from sparsedecode.quality import retrieval as rt
@@ -345,7 +344,7 @@ def test_selection_records_the_needle_it_kept(tiny):
         assert len(sel.kept) == tiny.dims.n_layers and sel.kept[0].shape[-1] == sel.budget
         assert row["configured"]["needle_kept"] == rt.needle_kept(p.needle_span, sel.kept)
         assert 0.0 <= row["configured"]["needle_kept"]["whole"] <= row["configured"]["needle_kept"]["tokens"] <= 1.0
-    clear_kv(tiny)
+    tiny.clear_kv()
     tiny.reset()
 
 

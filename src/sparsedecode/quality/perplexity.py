@@ -79,8 +79,8 @@ def check_config(protocol: str, config=None) -> None:
 def resolve_projection(engine, projection, thresholds=None):
     """The `Thresholds` of a configuration's projection branch (a `config.ProjectionConfig`):
     `thresholds` when given (calibrated for it), else its file, else TEAL at its keep (cached,
-    `cached_teal`); checked against the engine's dims; None when dense or when its keep is 1
-    (the branch is off)."""
+    `cached_teal`); checked against the engine's dims and the branch's keep; None when dense or
+    when its keep is 1 (the branch is off: nothing is calibrated for it)."""
     from sparsedecode.projection.thresholds import Thresholds
 
     if projection is None:
@@ -88,7 +88,12 @@ def resolve_projection(engine, projection, thresholds=None):
             raise InputError("thresholds go with a configuration that has a projection branch (proj...)")
         return None
     if thresholds is not None:
-        th = thresholds
+        th = thresholds if isinstance(thresholds, Thresholds) else Thresholds.load(thresholds)
+        if projection.keep is not None and abs(th.keep - projection.keep) > 1e-9:
+            raise InputError(f"the thresholds given were calibrated at keep {th.keep:g}, not at the "
+                             f"configuration's projection keep {projection.keep:g}")
+    elif projection.keep is not None and projection.keep >= 1.0:
+        return None
     elif projection.file is not None:
         th = Thresholds.load(projection.file)
     else:

@@ -582,6 +582,7 @@ def _record(engine, test, context, depths, trials, seed, new, placements, text_p
     cpu = engine.device.type == "cpu"
     proj = None if th is None else {**th.header(), "runtime": "masked reference" if cpu else "sparse GEMV"}
     kvd = _kv_of(kv)
+    mode = SparsityConfig(None if th is None else ProjectionConfig(keep=th.keep), kv).mode
     return {
         "kind": "retrieval_eval", "test": test,
         "model": {"name": engine.name, "source": str(engine.source_path), "init": engine.init,
@@ -590,8 +591,7 @@ def _record(engine, test, context, depths, trials, seed, new, placements, text_p
         "context": context, "depths": list(depths), "trials": trials, "seed": seed, "new": new,
         "chat_template": placements[0].chat,
         "text": None if text_path is None else {"file": str(text_path), "tokens": len(stream)},
-        "config": {"mode": SparsityConfig(None if th is None else ProjectionConfig(keep=th.keep), kv).mode, "projection": proj, "kv": kvd,
-                   "variant": variant},
+        "config": {"mode": mode, "projection": proj, "kv": kvd, "variant": variant},
         "placements": rows,
         "dense": summary(dense), "configured": summary(conf),
         "matches_dense": all(c == "correct" for d, c in zip(dense, conf, strict=True) if d == "correct"),

@@ -11,9 +11,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sparsedecode.account.units import parse_tokens
-from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
-from sparsedecode.timing.cell import ATTENTION, FILLS, IMPLS, kernels_text, model_window
+from sparsedecode.timing.cell import (
+    ATTENTION,
+    FILLS,
+    IMPLS,
+    cell_config,
+    kernels_text,
+    model_window,
+)
 from sparsedecode.timing.neighbors import SHARED_GPU
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -209,7 +215,7 @@ def _grid(g: dict, where: str) -> Grid:
         if not isinstance(m, str):
             raise InputError(f"{where}: modes entry {m!r} is not a mode string such as 'sel0.3'")
         try:
-            mode = SparsityConfig.parse(m)
+            mode = cell_config(m)
         except InputError as e:
             raise InputError(f"{where}: modes: {e}") from None
         if mode.cell in cells:
