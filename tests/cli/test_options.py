@@ -33,7 +33,7 @@ def test_version_and_short_help():
     (["-h"], []),
     (["account", "-h"], ["--proj-keep KEEP", "--context TOKENS", "--bandwidth GB/S", "--model MODEL"]),
     (["generate", "-h"], ["--temperature FLOAT", "--seed INT", "--kv-keep KEEP", "--prompt TEXT"]),
-    (["eval", "passkey", "-h"], ["--context TOKENS", "--kv-keep KEEP", "--threads INT"]),
+    (["eval", "passkey", "-h"], ["--context TOKENS", "--kv-keep KEEP", "--threads N"]),
 ])
 def test_short_help_and_metavars(capsys, args, shown):
     code, out, _ = run(capsys, *args)

@@ -23,7 +23,16 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, check_out_file, emit_json
+from sparsedecode.cli.common import (
+    TOKENS,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ObsOpt,
+    TextFileOpt,
+    check_out_file,
+    emit_json,
+)
 from sparsedecode.errors import InputError
 
 bench_app = typer.Typer(help="Timing: one cell of the App. A protocol in this process.",
@@ -37,7 +46,7 @@ app.add_typer(campaign_app, name="campaign")
 @bench_app.command("cell")
 def cell(
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, config.json, hub id or .gguf file.")],
-    context: Annotated[str, typer.Option("--context", help="Context n in tokens (e.g. 32K; K = 1024).")],
+    context: Annotated[int, typer.Option("--context", **TOKENS, help="Context n in tokens (e.g. 32K; K = 1024).")],
     mode: Annotated[str, typer.Option("--mode", help="dense, proj0.5, sel0.3, window0.3 or both0.5/0.3.")] = "dense",
     init: Annotated[str, typer.Option("--init", help="pretrained or random (weights from the config).")] = "pretrained",
     attention: Annotated[str, typer.Option("--attention", help="split_k, sdpa_masked or sdpa_fused.")] = "split_k",
@@ -48,9 +57,9 @@ def cell(
     compile_mode: Annotated[str, typer.Option("--compile-mode", help="torch.compile mode on CUDA ('' = default).")] = "",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    text_file: Annotated[str | None, typer.Option("--text-file", help="Token stream and calibration text: a file, or a folder with wiki.test.raw / wiki.valid.raw.")] = None,
-    calib_tokens: Annotated[str, typer.Option("--calib-tokens", help="Projection calibration tokens.")] = "2048",
-    obs: Annotated[int, typer.Option("--obs", help="Observation window of the selection (tokens).")] = 64,
+    text_file: TextFileOpt = None,
+    calib_tokens: Annotated[int, typer.Option("--calib-tokens", **TOKENS, help="Projection calibration tokens.")] = "2048",
+    obs: ObsOpt = 64,
     seed: Annotated[int, typer.Option("--seed", help="Seed of random weights, ids and fills.")] = 0,
     impl: Annotated[str, typer.Option("--impl", help="ours, or a peer (dense, random init and fill): transformers (compiled, StaticCache) or graph (a hand-written F.linear + SDPA step in a CUDA graph).")] = "ours",
     kernels: Annotated[str, typer.Option("--kernels", help="Kernel options, e.g. gemv.pdl=false,attention.min_split_keys=256 (default: none changed).")] = "",
@@ -64,7 +73,10 @@ def cell(
     order: Annotated[int, typer.Option("--order", hidden=True)] = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Time one mode at one context and write its record (ByteCross App. A protocol)."""
+    """Time one mode at one context and write its record (ByteCross App. A protocol).
+
+    --text-file replaces WikiText-2 as the token stream of the prefill (test) and as the
+    projection's calibration text (validation)."""
     from sparsedecode.records import write_record
 
     if out is not None and Path(out).exists():
@@ -162,8 +174,8 @@ def campaign_plan_crossing(
     spec_out: Annotated[str, typer.Option("--spec", help="Write the crossing campaign (TOML) here.")],
     group: Annotated[str, typer.Option("--group", help="The sweep's group holding the proj and sel cells.")] = "sweep",
     name: Annotated[str | None, typer.Option("--name", help="Campaign name (default: the spec file's stem).")] = None,
-    spacing: Annotated[str, typer.Option("--spacing", help="Tokens between contexts (App. E: at most 8K).")] = "8K",
-    half_width: Annotated[str, typer.Option("--half-width", help="Contexts cover the prediction plus and minus this.")] = "24K",
+    spacing: Annotated[int, typer.Option("--spacing", **TOKENS, help="Tokens between contexts (App. E: at most 8K).")] = "8K",
+    half_width: Annotated[int, typer.Option("--half-width", **TOKENS, help="Contexts cover the prediction plus and minus this.")] = "24K",
     blocks: Annotated[int, typer.Option("--blocks", help="Blocks of the crossing campaign (at least 3).")] = 3,
     proj: Annotated[str | None, typer.Option("--proj", help="The pair's projection mode, e.g. proj0.7 (default: the sweep's).")] = None,
     sel: Annotated[str | None, typer.Option("--sel", help="The pair's selection mode, e.g. sel0.5 (default: the sweep's).")] = None,

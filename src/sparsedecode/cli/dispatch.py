@@ -19,7 +19,15 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import app
-from sparsedecode.cli.common import JsonOpt, check_out_file, emit_json, parse_float, parse_requests
+from sparsedecode.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    check_out_file,
+    emit_json,
+    parse_float,
+    parse_requests,
+)
 from sparsedecode.errors import InputError
 
 dispatch_app = typer.Typer(help="Price configurations on request mixes; write the gate table.",
@@ -254,8 +262,8 @@ def check_cmd(
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")],
     request: Annotated[list[str], typer.Option("--request", help="PROMPT:ANSWER tokens, e.g. 2K:256, repeatable.")],
     init: Annotated[str, typer.Option("--init", help="pretrained, or random (paper-sized models for timing).")] = "pretrained",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     attention: Annotated[str, typer.Option("--attention", help="split_k, sdpa_masked or sdpa_fused.")] = "split_k",
     repeats: Annotated[int, typer.Option("--repeats", help="Decode each request this many times.")] = 1,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the requests' random token ids.")] = 0,
