@@ -221,7 +221,7 @@ def campaign_plan_crossing(
 @campaign_app.command("run")
 def campaign_run(
     specs: Annotated[list[str], typer.Argument(metavar="SPEC", help="Campaign spec (TOML); several run one after another (with --out-root).")],
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", metavar="DIR", help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
     out_root: Annotated[str | None, typer.Option("--out-root", metavar="DIR", help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
     executor: Annotated[str, typer.Option("--executor", help="local (one process after another) or ray.")] = "local",
     max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop (over all the specs).")] = None,

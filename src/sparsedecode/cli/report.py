@@ -46,7 +46,7 @@ def _refuse_tracked(folder: str) -> None:
 def report(
     folder: Annotated[str, typer.Argument(help="Campaign folder of timing records.")],
     out: Annotated[
-        str | None, typer.Option("--out", "-o", help="Folder for report.md and figures (default DIR/report).")
+        str | None, typer.Option("--out", "-o", metavar="DIR", help="Folder for report.md and figures (default DIR/report).")
     ] = None,
     peak_gbps: Annotated[
         str | None,
