@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli_commands
+
 CLI = Path(__file__).resolve().parents[2] / "src/sparsedecode/cli"
 SHARED = ["--proj-keep", "--kv", "--kv-keep", "--thresholds", "--method", "--device", "--dtype", "--threads",
           "--max-len", "--text-file", "--json", "--obs"]
@@ -52,19 +54,10 @@ def test_the_count_sees_both_declaration_styles():
 
 def test_every_shared_option_reaches_a_command():
     """Each shared flag is taken by some command, with the help text of its one declaration."""
-    import typer
-
-    from sparsedecode.cli import app
-
     helps: dict[str, set[str]] = {}
-
-    def walk(cmd):
-        for p in getattr(cmd, "params", []):
+    for _, cmd in cli_commands():
+        for p in cmd.params:
             for o in getattr(p, "opts", []):
                 helps.setdefault(o, set()).add(p.help)
-        for sub in getattr(cmd, "commands", {}).values():
-            walk(sub)
-
-    walk(typer.main.get_command(app))
     for flag in SHARED:
         assert len(helps.get(flag, ())) == 1, (flag, helps.get(flag))

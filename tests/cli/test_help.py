@@ -7,6 +7,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from conftest import cli_commands
 from sparsedecode.cli import app
 from sparsedecode.cli.help import summary
 
@@ -16,15 +17,7 @@ UNNAMED = re.compile(r"<[a-z][a-z_ ,|\[\]]*>|\b(?:list|dict|tuple)\[|\b(?:TEXT|I
                      r"FILENAME|DIRECTORY|UUID|DATETIME|STR)\b")
 
 
-def commands(cmd=None, path=()):
-    """(path, click command) of the app and of every group and command under it."""
-    cmd = cmd or typer.main.get_command(app)
-    yield path, cmd
-    for name, sub in getattr(cmd, "commands", {}).items():
-        yield from commands(sub, (*path, name))
-
-
-ALL = list(commands())
+ALL = list(cli_commands())
 GROUPS = [(p, c) for p, c in ALL if getattr(c, "commands", None)]
 
 

@@ -4,20 +4,11 @@
 import re
 
 import pytest
-import typer
 
-from sparsedecode.cli import app, main
+from conftest import cli_commands
+from sparsedecode.cli import main
 
-
-def commands(cmd=None, path=()):
-    """(path, click command) of the app and of every group and command under it."""
-    cmd = cmd or typer.main.get_command(app)
-    yield path, cmd
-    for name, sub in getattr(cmd, "commands", {}).items():
-        yield from commands(sub, (*path, name))
-
-
-ALL = list(commands())
+ALL = list(cli_commands())
 
 
 # Options whose value is a token count; each takes 32K (K = 1,024 tokens). `--budget` is one only
