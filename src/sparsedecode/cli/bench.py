@@ -35,7 +35,7 @@ from sparsedecode.cli.common import (
 )
 from sparsedecode.errors import InputError
 
-bench_app = typer.Typer(help="Timing: one cell of the App. A protocol in this process.",
+bench_app = typer.Typer(help="Timing in this process: one cell of the App. A protocol, or the bandwidth ceiling.",
                         no_args_is_help=True)
 campaign_app = typer.Typer(help="Timing campaigns: every cell of a grid in blocks, fresh processes, "
                            "resumable.", no_args_is_help=True)
@@ -183,6 +183,7 @@ def campaign_plan_crossing(
     json_out: JsonOpt = False,
 ) -> None:
     """Predict a crossing from a sweep (App. D) and write the campaign that measures it (App. E).
+
     A keep the sweep lacks (--proj/--sel) takes its kernel cost from --keep-campaign."""
     from sparsedecode.account.units import parse_tokens
     from sparsedecode.records import write_record
@@ -231,6 +232,7 @@ def campaign_run(
     json_out: JsonOpt = False,
 ) -> None:
     """Run every pending cell of a campaign; finished cells are skipped, failed ones retried.
+
     Several specs with --out-root run as one chain (a device lease, a batch job): Ctrl-C or
     SIGTERM stops the chain, a failed cell does not."""
     from sparsedecode.cli.common import check_out_dir
@@ -287,8 +289,10 @@ def campaign_merge(
     into: Annotated[str, typer.Option("--into", help="The campaign folder that receives their records (made from their spec.toml if it has none).")],
     json_out: JsonOpt = False,
 ) -> None:
-    """Merge the records of runs made elsewhere into one campaign folder; nothing is overwritten
-    or deleted, and two different measurements of one cell refuse the merge."""
+    """Merge the records of runs made elsewhere into one campaign folder.
+
+    Nothing is overwritten or deleted, and two different measurements of one cell refuse the
+    merge."""
     from sparsedecode.timing.merge import merge_campaigns
 
     summary = merge_campaigns(sources, into)

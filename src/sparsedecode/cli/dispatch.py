@@ -111,9 +111,9 @@ def price_cmd(
     plot: Annotated[str | None, typer.Option("--plot", help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Speedup over always-dense of each policy (always-X, the calibrated gate, the byte gate,
-    a prompt-length threshold) on the App. I workloads, and each policy's share of requests
-    per configuration."""
+    """Speedup over always-dense of each policy on the App. I workloads, and its share of requests per configuration.
+
+    The policies: always-X, the calibrated gate, the byte gate, a prompt-length threshold."""
     from sparsedecode.dispatch.mix import WORKLOADS, get_mix
     from sparsedecode.dispatch.policies import price
 
@@ -271,8 +271,9 @@ def check_cmd(
     out: Annotated[str | None, typer.Option("--out", "-o", help="Write a 'gate_check' record (JSON) here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Decode requests under the gate and set each one's measured decode ms/token beside the
-    table's prediction; exit status 1 when one misses by more than --tolerance."""
+    """Decode requests under the gate and set each one's measured ms/token beside the table's prediction.
+
+    Exit status 1 when one misses by more than --tolerance."""
     import time
 
     reqs = parse_requests(request)

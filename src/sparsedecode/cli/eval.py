@@ -39,7 +39,7 @@ from sparsedecode.cli.common import (
 )
 from sparsedecode.errors import InputError
 
-eval_app = typer.Typer(help="Quality: perplexity protocols with paired bootstrap intervals.",
+eval_app = typer.Typer(help="Quality: perplexity with paired bootstrap intervals, retrieval tests, admissibility.",
                        no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 

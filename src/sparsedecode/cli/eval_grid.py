@@ -60,9 +60,10 @@ def grid(
     dtype: DtypeOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Perplexity of every projection x KV keep pair, each branch alone and dense, on the same
-    windows: one dense run shared by all, one record per setting, a table of ΔPPL with paired
-    bootstrap intervals; the token stream is WikiText-2 test or --text-file."""
+    """Perplexity of every projection x KV keep pair, each branch alone and dense, on the same windows.
+
+    One dense run shared by all, one record per setting, a table of ΔPPL with paired bootstrap
+    intervals; the token stream is WikiText-2 test or --text-file."""
     from sparsedecode.quality import grid as g
     from sparsedecode.quality.data import text_ids, wikitext_path
     from sparsedecode.quality.perplexity import CHUNK, WindowNLL
@@ -134,9 +135,9 @@ def admit(
     use_upper: Annotated[bool, typer.Option("--use-upper", help="Hold the upper end of the ΔPPL interval to the budget instead of the point estimate (the paper selects on point estimates).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Is a configuration admissible: both retrieval tests answered on every placement dense
-    answers, and ΔPPL within the budget? Exit status 0 if so, 3 if not (2 is bad input, 1 a
-    crash)."""
+    """Is a configuration admissible: both retrieval tests right wherever dense is, ΔPPL within the budget?
+
+    Exit status 0 if so, 3 if not (2 is bad input, 1 a crash)."""
     from sparsedecode.quality.admit import admit as verdict_of
     from sparsedecode.records import read_record
 
