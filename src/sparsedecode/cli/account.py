@@ -19,13 +19,14 @@ from sparsedecode import account as acc
 from sparsedecode.account.units import check_keep, fmt_bytes, fmt_k
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    TOKENS,
     ConfigOpt,
     FfOnlyOpt,
     JsonOpt,
     KvBytesOpt,
+    KvKeepOpt,
     ModelOpt,
-    RkvOpt,
-    RpOpt,
+    ProjKeepOpt,
     WeightBytesOpt,
     emit_json,
     parse_float,
@@ -109,10 +110,10 @@ def account(
     ctx: typer.Context,
     model: ModelOpt = None,
     config: ConfigOpt = None,
-    rp: RpOpt = "0.5",
-    rkv: RkvOpt = "0.3",
+    rp: ProjKeepOpt = "0.5",
+    rkv: KvKeepOpt = "0.3",
     context: Annotated[
-        str | None, typer.Option("--context", "-n", help="Context length (32768, 32K, 32k).")
+        int | None, typer.Option("--context", "-n", **TOKENS, help="Context length (32768, 32K, 32k).")
     ] = None,
     ff_only: FfOnlyOpt = False,
     batch: Annotated[int | None, typer.Option("--batch", help="Batch size B.")] = None,
@@ -120,7 +121,7 @@ def account(
         str | None, typer.Option("--union", help="Union keep u_B of a batch's channels.")
     ] = None,
     budget: Annotated[
-        str | None, typer.Option("--budget", help="Fixed KV token budget b (e.g. 4K).")
+        int | None, typer.Option("--budget", **TOKENS, help="Fixed KV token budget b (e.g. 4K).")
     ] = None,
     contexts: Annotated[
         str | None, typer.Option("--contexts", help="Traffic table at these contexts: 2K,8K,32K.")
@@ -372,11 +373,11 @@ def plot(
     out: Annotated[str, typer.Option("--out", "-o", help="Output image (.png, .pdf, .svg).")],
     model: ModelOpt = None,
     config: ConfigOpt = None,
-    rp: RpOpt = "0.5",
-    rkv: RkvOpt = "0.3",
+    rp: ProjKeepOpt = "0.5",
+    rkv: KvKeepOpt = "0.3",
     ff_only: FfOnlyOpt = False,
     max_context: Annotated[
-        str | None, typer.Option("--max-context", help="Right end of the axis (default 4 n*).")
+        int | None, typer.Option("--max-context", **TOKENS, help="Right end of the axis (default 4 n*).")
     ] = None,
     weight_bytes: WeightBytesOpt = "2",
     kv_bytes: KvBytesOpt = "2",
@@ -387,6 +388,6 @@ def plot(
     dims = acc.resolve_dims(model, config)
     r_p, r_kv = check_keep(rp, "--proj-keep"), check_keep(rkv, "--kv-keep")
     s_w, s_kv = _sizes(weight_bytes, kv_bytes)
-    n_max = acc.parse_tokens(max_context, "--max-context") if max_context else None
+    n_max = acc.parse_tokens(max_context, "--max-context") if max_context is not None else None
     path = plot_bounds(dims, r_p, r_kv, out, ff_only, s_w, s_kv, n_max)
     typer.echo(f"wrote {path}")

@@ -23,10 +23,19 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli.app import app
-from sparsedecode.cli.common import DeviceOpt, DtypeOpt, JsonOpt, check_out_file, emit_json
+from sparsedecode.cli.common import (
+    TOKENS,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ObsOpt,
+    TextFileOpt,
+    check_out_file,
+    emit_json,
+)
 from sparsedecode.errors import InputError
 
-bench_app = typer.Typer(help="Timing: one cell of the App. A protocol in this process.",
+bench_app = typer.Typer(help="Timing in this process: one cell of the App. A protocol, or the bandwidth ceiling.",
                         no_args_is_help=True)
 campaign_app = typer.Typer(help="Timing campaigns: every cell of a grid in blocks, fresh processes, "
                            "resumable.", no_args_is_help=True)
@@ -37,7 +46,7 @@ app.add_typer(campaign_app, name="campaign")
 @bench_app.command("cell")
 def cell(
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, config.json, hub id or .gguf file.")],
-    context: Annotated[str, typer.Option("--context", help="Context n in tokens (e.g. 32K; K = 1024).")],
+    context: Annotated[int, typer.Option("--context", **TOKENS, help="Context n in tokens (e.g. 32K; K = 1024).")],
     mode: Annotated[str, typer.Option("--mode", help="dense, proj0.5, sel0.3, window0.3 or both0.5/0.3.")] = "dense",
     init: Annotated[str, typer.Option("--init", help="pretrained or random (weights from the config).")] = "pretrained",
     attention: Annotated[str, typer.Option("--attention", help="split_k, sdpa_masked or sdpa_fused.")] = "split_k",
@@ -48,9 +57,9 @@ def cell(
     compile_mode: Annotated[str, typer.Option("--compile-mode", help="torch.compile mode on CUDA ('' = default).")] = "",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    text_file: Annotated[str | None, typer.Option("--text-file", help="Token stream and calibration text: a file, or a folder with wiki.test.raw / wiki.valid.raw.")] = None,
-    calib_tokens: Annotated[str, typer.Option("--calib-tokens", help="Projection calibration tokens.")] = "2048",
-    obs: Annotated[int, typer.Option("--obs", help="Observation window of the selection (tokens).")] = 64,
+    text_file: TextFileOpt = None,
+    calib_tokens: Annotated[int, typer.Option("--calib-tokens", **TOKENS, help="Projection calibration tokens.")] = "2048",
+    obs: ObsOpt = 64,
     seed: Annotated[int, typer.Option("--seed", help="Seed of random weights, ids and fills.")] = 0,
     impl: Annotated[str, typer.Option("--impl", help="ours, or a peer (dense, random init and fill): transformers (compiled, StaticCache) or graph (a hand-written F.linear + SDPA step in a CUDA graph).")] = "ours",
     kernels: Annotated[str, typer.Option("--kernels", help="Kernel options, e.g. gemv.pdl=false,attention.min_split_keys=256 (default: none changed).")] = "",
@@ -64,7 +73,10 @@ def cell(
     order: Annotated[int, typer.Option("--order", hidden=True)] = 0,
     json_out: JsonOpt = False,
 ) -> None:
-    """Time one mode at one context and write its record (ByteCross App. A protocol)."""
+    """Time one mode at one context and write its record (ByteCross App. A protocol).
+
+    --text-file replaces WikiText-2 as the token stream of the prefill (test) and as the
+    projection's calibration text (validation)."""
     from sparsedecode.records import write_record
 
     if out is not None and Path(out).exists():
@@ -163,8 +175,8 @@ def campaign_plan_crossing(
     spec_out: Annotated[str, typer.Option("--spec", help="Write the crossing campaign (TOML) here.")],
     group: Annotated[str, typer.Option("--group", help="The sweep's group holding the proj and sel cells.")] = "sweep",
     name: Annotated[str | None, typer.Option("--name", help="Campaign name (default: the spec file's stem).")] = None,
-    spacing: Annotated[str, typer.Option("--spacing", help="Tokens between contexts (App. E: at most 8K).")] = "8K",
-    half_width: Annotated[str, typer.Option("--half-width", help="Contexts cover the prediction plus and minus this.")] = "24K",
+    spacing: Annotated[int, typer.Option("--spacing", **TOKENS, help="Tokens between contexts (App. E: at most 8K).")] = "8K",
+    half_width: Annotated[int, typer.Option("--half-width", **TOKENS, help="Contexts cover the prediction plus and minus this.")] = "24K",
     blocks: Annotated[int, typer.Option("--blocks", help="Blocks of the crossing campaign (at least 3).")] = 3,
     proj: Annotated[str | None, typer.Option("--proj", help="The pair's projection mode, e.g. proj0.7 (default: the sweep's).")] = None,
     sel: Annotated[str | None, typer.Option("--sel", help="The pair's selection mode, e.g. sel0.5 (default: the sweep's).")] = None,
@@ -172,6 +184,7 @@ def campaign_plan_crossing(
     json_out: JsonOpt = False,
 ) -> None:
     """Predict a crossing from a sweep (App. D) and write the campaign that measures it (App. E).
+
     A keep the sweep lacks (--proj/--sel) takes its kernel cost from --keep-campaign."""
     from sparsedecode.account.units import parse_tokens
     from sparsedecode.records import write_record
@@ -210,7 +223,7 @@ def campaign_plan_crossing(
 @campaign_app.command("run")
 def campaign_run(
     specs: Annotated[list[str], typer.Argument(metavar="SPEC", help="Campaign spec (TOML); several run one after another (with --out-root).")],
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", metavar="DIR", help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
     out_root: Annotated[str | None, typer.Option("--out-root", metavar="DIR", help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
     executor: Annotated[str, typer.Option("--executor", help="local (one process after another) or ray.")] = "local",
     max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop (over all the specs).")] = None,
@@ -220,6 +233,7 @@ def campaign_run(
     json_out: JsonOpt = False,
 ) -> None:
     """Run every pending cell of a campaign; finished cells are skipped, failed ones retried.
+
     Several specs with --out-root run as one chain (a device lease, a batch job): Ctrl-C or
     SIGTERM stops the chain, a failed cell does not."""
     from sparsedecode.cli.common import check_out_dir
@@ -276,8 +290,10 @@ def campaign_merge(
     into: Annotated[str, typer.Option("--into", help="The campaign folder that receives their records (made from their spec.toml if it has none).")],
     json_out: JsonOpt = False,
 ) -> None:
-    """Merge the records of runs made elsewhere into one campaign folder; nothing is overwritten
-    or deleted, and two different measurements of one cell refuse the merge."""
+    """Merge the records of runs made elsewhere into one campaign folder.
+
+    Nothing is overwritten or deleted, and two different measurements of one cell refuse the
+    merge."""
     from sparsedecode.timing.merge import merge_campaigns
 
     summary = merge_campaigns(sources, into)

@@ -18,10 +18,14 @@ import typer
 
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    TOKENS,
     DeviceOpt,
     DtypeOpt,
     FfOnlyOpt,
     JsonOpt,
+    MethodOpt,
+    ProjKeepOpt,
+    TextFileOpt,
     ThreadsOpt,
     apply_threads,
     check_engine_args,
@@ -36,19 +40,23 @@ from sparsedecode.errors import InputError
 def calibrate(
     out: Annotated[str, typer.Option("--out", "-o", help="Thresholds file to write (.safetensors).")],
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")] = "smollm2-135m",
-    method: Annotated[str, typer.Option("--method", help="Calibration method: teal, cats or sats.")] = "teal",
-    keep: Annotated[str, typer.Option("--proj-keep", help="Target projection keep in (0, 1] (formerly --keep).")] = "0.5",
+    method: MethodOpt = "teal",
+    keep: ProjKeepOpt = "0.5",
     greedy: Annotated[bool, typer.Option("--greedy", help="TEAL's greedy block-wise allocation.")] = False,
     ff_only: FfOnlyOpt = False,
-    text_file: Annotated[str | None, typer.Option("--text-file", help="Calibration text: a file, or a folder with wiki.valid.raw.")] = None,
-    tokens: Annotated[str, typer.Option("--tokens", help="Calibration tokens (e.g. 8K).")] = "8K",
-    eval_tokens: Annotated[str, typer.Option("--eval-tokens", help="Held-out tokens for the realized keep (0 skips).")] = "4K",
+    text_file: TextFileOpt = None,
+    tokens: Annotated[int, typer.Option("--tokens", **TOKENS, help="Calibration tokens (e.g. 8K).")] = "8K",
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", **TOKENS, help="Held-out tokens for the realized keep (0 skips).")] = "4K",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Calibrate thresholds on text, save them, and report the realized keep on held-out text."""
+    """Calibrate thresholds on text, save them, and report the realized keep on held-out text.
+
+    The calibration text is WikiText-2 validation or --text-file; the held-out text is WikiText-2
+    test (from a --text-file folder, or beside the checkout), else the calibration text after
+    the tokens it used."""
     import sparsedecode
     from sparsedecode.account.units import check_keep, parse_tokens
     from sparsedecode.corpus import require_tokens, text_ids, wikitext_path

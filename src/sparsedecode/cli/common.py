@@ -1,8 +1,9 @@
 """Options shared by several subcommands, defined once, and output helpers.
 
-Numbers arrive as strings and are parsed by the account's own parsers, so bad
-input fails with one line that says how to fix it (exit code 2), never a
-traceback or a usage box.
+Numbers arrive as strings and are parsed by the account's own parsers (token
+counts by the `TOKENS` callback, while the command line is read), so bad input
+fails with one line that says how to fix it (exit code 2), never a traceback
+or a usage box.
 """
 
 from __future__ import annotations
@@ -17,18 +18,66 @@ import typer
 from sparsedecode.errors import InputError
 
 
-def TOKENS(value) -> int:  # noqa: N802 (a typer parser, named like a type)
-    """A token count written 32768, 32K or 32k (K = 1,024), as a typer `parser`: parsed by the
-    account's parser, so a bad one fails in one line (InputError) like every other number."""
-    from sparsedecode.account.units import parse_tokens
-    from sparsedecode.errors import InputError
+def _as_given(value):
+    """A typer `parser` that keeps the text as given, so `_tokens` sees it whole."""
+    return value
 
-    if isinstance(value, int):
+
+def _tokens(param: typer.CallbackParam, value):
+    """The typer callback of a token-count option: 32768, 32K or 32k (K = 1,024) -> int, named by
+    its flag when bad (an InputError: one line, exit code 2). A plain integer passes as it is,
+    zero and negatives included, so each command keeps its own range check and message."""
+    from sparsedecode.account.units import parse_tokens
+
+    if value is None or isinstance(value, int):
         return value
-    try:
-        return parse_tokens(value, "")
-    except InputError as err:  # typer shows it as the flag's invalid value
-        raise ValueError(str(err).strip()) from None
+    text = str(value).strip()
+    if text.lstrip("+-").isdigit():
+        return int(text)
+    return parse_tokens(text, param.opts[0])
+
+
+# The keyword arguments of an option whose value is a token count: `typer.Option("--x", **TOKENS)`.
+TOKENS = {"parser": _as_given, "callback": _tokens, "metavar": "TOKENS"}
+
+# Options several commands share, declared once: one flag, one help text; each command sets its
+# own default (`proj_keep: ProjKeepOpt = "0.5"`). tests/cli/test_declarations.py counts them.
+ProjKeepOpt = Annotated[str | None, typer.Option(
+    "--proj-keep", metavar="KEEP",
+    help="Projection keep r_P in (0, 1]: the fraction of the projections' weights a decode step reads "
+         "(1 is dense). Commands that decode calibrate uniform TEAL thresholds for it on "
+         "WikiText-2 validation once and cache them.")]
+KvOpt = Annotated[str | None, typer.Option(
+    "--kv", metavar="METHOD",
+    help="KV selector run after the prefill: snapkv (entries scored by attention) or window "
+         "(sinks and the most recent entries).")]
+KvKeepOpt = Annotated[str | None, typer.Option(
+    "--kv-keep", metavar="KEEP",
+    help="KV keep r_KV in (0, 1]: the fraction of the prompt's KV entries a decode step reads "
+         "(1 is dense); commands that decode need --kv too.")]
+ThresholdsOpt = Annotated[str | None, typer.Option(
+    "--thresholds", metavar="FILE",
+    help="Projection thresholds file written by `sparsedecode calibrate` (for routing: a cats or "
+         "sats one).")]
+MethodOpt = Annotated[str, typer.Option(
+    "--method", metavar="METHOD", help="Projection calibration method: teal, cats or sats.")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="float32, bfloat16, float16 or auto.")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    "--threads", metavar="N", help="CPU threads for torch (default: torch's own choice).")]
+MaxLenOpt = Annotated[int | None, typer.Option(
+    "--max-len", **TOKENS,
+    help="Cache length in tokens (4096, 32K): the longest prompt plus answer (default: the "
+         "model window, at most 4K).")]
+TextFileOpt = Annotated[str | None, typer.Option(
+    "--text-file", metavar="FILE",
+    help="Text to read in place of WikiText-2 (found beside the checkout): a UTF-8 file, or a "
+         "folder holding wiki.valid.raw and wiki.test.raw. The command's description says what "
+         "it reads the text for.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout, for scripts.")]
+ObsOpt = Annotated[int, typer.Option(
+    "--obs", **TOKENS, help="Observation window of the KV selection: the last tokens of the prompt, "
+                            "whose attention scores the entries.")]
 
 ModelOpt = Annotated[
     str | None, typer.Option("--model", "-m", help="Known model name (see `sparsedecode models`).")
@@ -37,8 +86,6 @@ ConfigOpt = Annotated[
     str | None,
     typer.Option("--config", help="A HF config.json, a folder holding one, or a hub id."),
 ]
-RpOpt = Annotated[str, typer.Option("--proj-keep", help="Projection keep ratio r_P in (0, 1] (formerly --rp).")]
-RkvOpt = Annotated[str, typer.Option("--kv-keep", help="KV keep ratio r_KV in (0, 1] (formerly --rkv).")]
 FfOnlyOpt = Annotated[
     bool,
     typer.Option("--ff-only", help="Sparsify only gate/up/down, not the attention projections."),
@@ -47,10 +94,6 @@ WeightBytesOpt = Annotated[
     str, typer.Option("--weight-bytes", help="Bytes per weight element (2 = 16-bit, 0.5 = 4-bit).")
 ]
 KvBytesOpt = Annotated[str, typer.Option("--kv-bytes", help="Bytes per KV-cache element.")]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads for torch (default: torch's own choice).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
 
 
 def parse_requests(values: list[str], flag: str = "--request") -> list[tuple[int, int]]:

@@ -19,7 +19,15 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli.app import app
-from sparsedecode.cli.common import JsonOpt, check_out_file, emit_json, parse_float, parse_requests
+from sparsedecode.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    check_out_file,
+    emit_json,
+    parse_float,
+    parse_requests,
+)
 from sparsedecode.errors import InputError
 
 dispatch_app = typer.Typer(help="Price configurations on request mixes; write the gate table.",
@@ -103,9 +111,9 @@ def price_cmd(
     plot: Annotated[str | None, typer.Option("--plot", help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Speedup over always-dense of each policy (always-X, the calibrated gate, the byte gate,
-    a prompt-length threshold) on the App. I workloads, and each policy's share of requests
-    per configuration."""
+    """Speedup over always-dense of each policy on the App. I workloads, and its share of requests per configuration.
+
+    The policies: always-X, the calibrated gate, the byte gate, a prompt-length threshold."""
     from sparsedecode.dispatch.mix import get_mix
     from sparsedecode.dispatch.policies import price_workloads
 
@@ -245,8 +253,8 @@ def check_cmd(
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")],
     request: Annotated[list[str], typer.Option("--request", help="PROMPT:ANSWER tokens, e.g. 2K:256, repeatable.")],
     init: Annotated[str, typer.Option("--init", help="pretrained, or random (paper-sized models for timing).")] = "pretrained",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")] = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     attention: Annotated[str, typer.Option("--attention", help="split_k, sdpa_masked or sdpa_fused.")] = "split_k",
     repeats: Annotated[int, typer.Option("--repeats", help="Decode each request this many times.")] = 1,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the requests' random token ids.")] = 0,
@@ -254,8 +262,9 @@ def check_cmd(
     out: Annotated[str | None, typer.Option("--out", "-o", help="Write a 'gate_check' record (JSON) here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Decode requests under the gate and set each one's measured decode ms/token beside the
-    table's prediction; exit status 1 when one misses by more than --tolerance."""
+    """Decode requests under the gate and set each one's measured ms/token beside the table's prediction.
+
+    Exit status 1 when one misses by more than --tolerance."""
     import time
 
     reqs = parse_requests(request)

@@ -12,39 +12,47 @@ import sys
 import typer
 
 from sparsedecode.cli.app import app
+from sparsedecode.cli.common import (
+    TOKENS,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    KvKeepOpt,
+    KvOpt,
+    MaxLenOpt,
+    ProjKeepOpt,
+    ThreadsOpt,
+    ThresholdsOpt,
+)
 
 
 @app.command()
 def generate(
     prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text ('-' reads it from stdin)."),
     prompt_file: str = typer.Option(None, "--prompt-file", help="Read the prompt from this UTF-8 file."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's own choice)."),
+    threads: ThreadsOpt = None,
     model: str = typer.Option("smollm2-135m", "--model", "-m",
                               help="Known name, HF folder, hub id or .gguf file."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", **TOKENS, help="Tokens to generate at most."),
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     seed: int = typer.Option(None, "--seed", help="Sampling seed."),
-    max_len: int = typer.Option(None, "--max-len", help="Cache length in tokens (default min(window, 4096))."),
+    max_len: MaxLenOpt = None,
     attention: str = typer.Option("split_k", "--attention", help="split_k, sdpa_masked or sdpa_fused."),
-    thresholds: str = typer.Option(None, "--thresholds", help="Projection thresholds file "
-                                   "(sparsedecode calibrate): sparse decode steps."),
-    proj_keep: str = typer.Option(None, "--proj-keep", help="Projection keep: calibrate uniform "
-                                  "TEAL thresholds on WikiText-2 validation once, cache, use."),
+    thresholds: ThresholdsOpt = None,
+    proj_keep: ProjKeepOpt = None,
     routing: str = typer.Option(None, "--routing", help="Routing table (sparsedecode route build + "
                                 "calibrate): each decode step runs the dense MLP or the CATS "
                                 "--thresholds by its token id."),
-    kv: str = typer.Option(None, "--kv", help="KV branch after the prefill: snapkv (attention-scored "
-                           "selection) or window (4 sinks + recent entries)."),
-    kv_keep: str = typer.Option(None, "--kv-keep", help="Fraction of the prompt's KV entries "
-                                  "decoding reads, in (0, 1]; needs --kv."),
+    kv: KvOpt = None,
+    kv_keep: KvKeepOpt = None,
     gate: str = typer.Option(None, "--gate", help="Gate table (sparsedecode dispatch table): decode under "
                              "the admissible configuration of least predicted cost for this prompt and "
                              "--max-new-tokens."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming."),
+    as_json: JsonOpt = False,
 ):
     """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
     import sparsedecode
@@ -167,7 +175,7 @@ def _pct(x: float) -> str:
 
 
 @app.command()
-def models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+def models(as_json: JsonOpt = False):
     """List known models, their dims and where their weights load from."""
     from sparsedecode.account.dims import ModelDims
     from sparsedecode.account.known import KNOWN_MODELS

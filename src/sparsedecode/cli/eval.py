@@ -27,13 +27,19 @@ from sparsedecode.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    KvKeepOpt,
+    KvOpt,
+    ObsOpt,
+    ProjKeepOpt,
+    TextFileOpt,
     ThreadsOpt,
+    ThresholdsOpt,
     apply_threads,
     emit_json,
 )
 from sparsedecode.errors import InputError
 
-eval_app = typer.Typer(help="Quality: perplexity protocols with paired bootstrap intervals.",
+eval_app = typer.Typer(help="Quality: perplexity with paired bootstrap intervals, retrieval tests, admissibility.",
                        no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
@@ -44,10 +50,8 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Known name, HF fol
 ProtocolOpt = Annotated[str, typer.Option("--protocol", help="chunked (2,048-token chunks, last 1,024 scored) or decode (last --scored tokens of each window through the decode step).")]
 ChunksOpt = Annotated[int, typer.Option("--chunks", help="chunked: chunks of 2,048 tokens from token 0 (ByteCross: 128).")]
 WindowsOpt = Annotated[int, typer.Option("--windows", help="decode: evenly spaced windows (ByteCross: 8).")]
-LengthOpt = Annotated[int, typer.Option("--length", parser=TOKENS, metavar="TOKENS", help="decode: window length in tokens (32768, 32K), at most the model window (ByteCross: 32K).")]
-ScoredOpt = Annotated[int, typer.Option("--scored", help="decode: tokens per window scored one step at a time (ByteCross: 512).")]
-ObsOpt = Annotated[int, typer.Option("--obs", help="decode: observation window of the KV selection (tokens).")]
-TextFileOpt = Annotated[str | None, typer.Option("--text-file", help="Token stream: a text file, or a folder with wiki.test.raw (default: WikiText-2 beside the checkout).")]
+LengthOpt = Annotated[int, typer.Option("--length", **TOKENS, help="decode: window length in tokens (32768, 32K), at most the model window (ByteCross: 32K).")]
+ScoredOpt = Annotated[int, typer.Option("--scored", **TOKENS, help="decode: tokens per window scored one step at a time (ByteCross: 512).")]
 ResamplesOpt = Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples of the windows.")]
 KvParamOpt = Annotated[list[str] | None, typer.Option("--kv-param", help="A KV selector field KEY=VALUE, repeatable (e.g. pool_kind=max, pool_width=5, sinks=8).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Bootstrap seed.")]
@@ -62,10 +66,10 @@ def ppl(
     windows: WindowsOpt = 8,
     length: LengthOpt = 4096,
     scored: ScoredOpt = 512,
-    thresholds: Annotated[str | None, typer.Option("--thresholds", help="Projection thresholds file (sparsedecode calibrate).")] = None,
-    proj_keep: Annotated[str | None, typer.Option("--proj-keep", help="Projection keep: uniform TEAL thresholds calibrated on WikiText-2 validation once and cached; 1 is dense.")] = None,
-    kv: Annotated[str | None, typer.Option("--kv", help="decode: KV branch after the prefill, snapkv or window.")] = None,
-    kv_keep: Annotated[str | None, typer.Option("--kv-keep", help="decode: fraction of the prefilled KV entries a step reads, in (0, 1]; needs --kv.")] = None,
+    thresholds: ThresholdsOpt = None,
+    proj_keep: ProjKeepOpt = None,
+    kv: KvOpt = None,
+    kv_keep: KvKeepOpt = None,
     obs: ObsOpt = 64,
     kv_param: KvParamOpt = None,
     text_file: TextFileOpt = None,
@@ -79,7 +83,10 @@ def ppl(
     json_out: JsonOpt = False,
 ) -> None:
     """Aggregate perplexity of dense and of a configuration on the same windows, and ΔPPL with
-    its paired bootstrap interval."""
+    its paired bootstrap interval.
+
+    The token stream is WikiText-2 test or --text-file; the KV branch (--kv) needs the decode
+    protocol."""
     from sparsedecode.corpus import wikitext_path
     from sparsedecode.quality.perplexity import CHUNK
 

@@ -24,17 +24,26 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli import eval as ev
-from sparsedecode.cli.common import JsonOpt, emit_json, parse_float
+from sparsedecode.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    KvOpt,
+    ObsOpt,
+    TextFileOpt,
+    emit_json,
+    parse_float,
+)
 from sparsedecode.cli.eval import eval_app
 from sparsedecode.errors import InputError
 
 
 @eval_app.command("grid")
 def grid(
-    out: Annotated[str, typer.Option("--out", "-o", help="Folder of the grid's records (DIR/dense.json, one record per setting, grid.md); a rerun resumes it.")],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="DIR", help="Folder of the grid's records (DIR/dense.json, one record per setting, grid.md); a rerun resumes it.")],
     proj_keeps: Annotated[str, typer.Option("--proj-keeps", help="Projection keeps, comma-separated (uniform TEAL, calibrated once and cached); 1 is the branch off.")] = "0.7,0.6,0.5",
     kv_keeps: Annotated[str, typer.Option("--kv-keeps", help="KV keeps, comma-separated; 1 is the branch off, '' a projection-only grid.")] = "0.5,0.3,0.2",
-    kv: Annotated[str, typer.Option("--kv", help="KV branch: snapkv (the paper's grid) or window.")] = "snapkv",
+    kv: KvOpt = "snapkv",
     reclaim: Annotated[bool, typer.Option("--reclaim", help="Take over every claim already in DIR/.claims (a setting another process said it was scoring): for a worker on another host that died. Claims of this host's dead processes are taken over without it.")] = False,
     model: ev.ModelOpt = "smollm2-135m",
     protocol: ev.ProtocolOpt = "decode",
@@ -42,18 +51,19 @@ def grid(
     windows: ev.WindowsOpt = 8,
     length: ev.LengthOpt = 4096,
     scored: ev.ScoredOpt = 512,
-    obs: ev.ObsOpt = 64,
-    text_file: ev.TextFileOpt = None,
+    obs: ObsOpt = 64,
+    text_file: TextFileOpt = None,
     resamples: ev.ResamplesOpt = 20000,
     seed: ev.SeedOpt = 0,
     level: ev.LevelOpt = 0.95,
-    device: ev.DeviceOpt = "auto",
-    dtype: ev.DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Perplexity of every projection x KV keep pair, each branch alone and dense, on the same
-    windows: one dense run shared by all, one record per setting, a table of ΔPPL with paired
-    bootstrap intervals."""
+    """Perplexity of every projection x KV keep pair, each branch alone and dense, on the same windows.
+
+    One dense run shared by all, one record per setting, a table of ΔPPL with paired bootstrap
+    intervals; the token stream is WikiText-2 test or --text-file."""
     from sparsedecode.corpus import text_ids, wikitext_path
     from sparsedecode.quality import grid as g
     from sparsedecode.quality.perplexity import CHUNK, WindowNLL
@@ -125,9 +135,9 @@ def admit(
     use_upper: Annotated[bool, typer.Option("--use-upper", help="Hold the upper end of the ΔPPL interval to the budget instead of the point estimate (the paper selects on point estimates).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Is a configuration admissible: both retrieval tests answered on every placement dense
-    answers, and ΔPPL within the budget? Exit status 0 if so, 3 if not (2 is bad input, 1 a
-    crash)."""
+    """Is a configuration admissible: both retrieval tests right wherever dense is, ΔPPL within the budget?
+
+    Exit status 0 if so, 3 if not (2 is bad input, 1 a crash)."""
     from sparsedecode.quality.admit import admit as verdict_of
     from sparsedecode.records import read_record
 

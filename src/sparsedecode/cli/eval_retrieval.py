@@ -28,7 +28,13 @@ from sparsedecode.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    KvKeepOpt,
+    KvOpt,
+    ObsOpt,
+    ProjKeepOpt,
+    TextFileOpt,
     ThreadsOpt,
+    ThresholdsOpt,
     apply_threads,
     emit_json,
     parse_float,
@@ -42,17 +48,11 @@ from sparsedecode.cli.eval import (
 )
 from sparsedecode.errors import InputError
 
-ThresholdsOpt = Annotated[str | None, typer.Option("--thresholds", help="Projection thresholds file (sparsedecode calibrate).")]
-ProjKeepOpt = Annotated[str | None, typer.Option("--proj-keep", help="Projection keep: uniform TEAL thresholds calibrated on WikiText-2 validation once and cached; 1 is dense.")]
-KvOpt = Annotated[str | None, typer.Option("--kv", help="KV branch after the prefill: snapkv or window.")]
-KvKeepOpt = Annotated[str | None, typer.Option("--kv-keep", help="Fraction of the prompt's KV entries a step reads, in (0, 1]; needs --kv.")]
-ObsOpt = Annotated[int, typer.Option("--obs", help="Observation window of the KV selection (tokens).")]
-ContextOpt = Annotated[int, typer.Option("--context", parser=TOKENS, metavar="TOKENS", help="Prompt length in tokens (4096, 4K), template and question included.")]
+ContextOpt = Annotated[int, typer.Option("--context", **TOKENS, help="Prompt length in tokens (4096, 4K), template and question included.")]
 DepthsOpt = Annotated[str, typer.Option("--depths", help="Relative depths of the queried needle, comma-separated, in [0, 1].")]
 TrialsOpt = Annotated[int, typer.Option("--trials", help="Placements per depth (ByteCross: 8).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the codes, archives and placements.")]
-NewOpt = Annotated[int, typer.Option("--new", help="Tokens decoded greedily per answer.")]
-TextOpt = Annotated[str | None, typer.Option("--text-file", help="Text hiding the codes: a file, or a folder with wiki.test.raw (default: WikiText-2 beside the checkout). passkey: replaces the repeated filler.")]
+NewOpt = Annotated[int, typer.Option("--new", **TOKENS, help="Tokens decoded greedily per answer.")]
 OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'retrieval_eval'; never overwritten).")]
 VariantOpt = Annotated[str | None, typer.Option("--variant", help="kept (default): select once after the first question and append the rest; rescored: score the whole cache again after the second question. Needs --kv.")]
 
@@ -66,11 +66,13 @@ def passkey(
     kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, kv_param: KvParamOpt = None,
     context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
-    text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
+    text_file: TextFileOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None, out: OutOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """A six-digit pass key in filler text at each depth: does the configuration answer
-    what dense decoding answers?"""
+    what dense decoding answers?
+
+    --text-file replaces the repeated filler with WikiText-2 test or the file's text."""
     _command("passkey", **locals())
 
 
@@ -80,11 +82,13 @@ def multikey(
     kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, kv_param: KvParamOpt = None,
     context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
-    text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
+    text_file: TextFileOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None, out: OutOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Four archives' codes in WikiText-2 text, one asked for at each depth: correct,
-    distractor (another archive's code) or miss."""
+    distractor (another archive's code) or miss.
+
+    The text hiding the codes is WikiText-2 test or --text-file."""
     _command("multikey", **locals())
 
 
@@ -94,11 +98,13 @@ def two_turn(
     kv: KvOpt = None, kv_keep: KvKeepOpt = None, obs: ObsOpt = 64, kv_param: KvParamOpt = None,
     context: ContextOpt = 2048,
     depths: DepthsOpt = DEPTHS, trials: TrialsOpt = 8, seed: SeedOpt = 0, new: NewOpt = 8,
-    text_file: TextOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
+    text_file: TextFileOpt = None, device: DeviceOpt = "auto", dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None, out: OutOpt = None, json_out: JsonOpt = False, variant: VariantOpt = None,
 ) -> None:
     """Multi-key with a second question (App. G): the first answer is given, the second
-    question asks for another archive at each depth."""
+    question asks for another archive at each depth.
+
+    The text hiding the codes is WikiText-2 test or --text-file."""
     _command("two_turn", **locals())
 
 

@@ -46,7 +46,7 @@ def _refuse_tracked(folder: str) -> None:
 def report(
     folder: Annotated[str, typer.Argument(help="Campaign folder of timing records.")],
     out: Annotated[
-        str | None, typer.Option("--out", "-o", help="Folder for report.md and figures (default DIR/report).")
+        str | None, typer.Option("--out", "-o", metavar="DIR", help="Folder for report.md and figures (default DIR/report).")
     ] = None,
     peak_gbps: Annotated[
         str | None,
@@ -60,7 +60,9 @@ def report(
     manifest: Annotated[str, typer.Option("--manifest", help="report results: the manifest of tables.")] = "docs/results.toml",
     json_out: JsonOpt = False,
 ) -> None:
-    """Paired speedups with intervals, byte bounds, kernel costs, crossings, failed cells, figures.
+    """A timing campaign's report: paired speedups, byte bounds, kernel costs, crossings, figures.
+
+    Tables with intervals, failed cells and figures, from the campaign's records.
     `sparsedecode report results` instead rebuilds the results page (docs/results.md) from the
     records its manifest (docs/results.toml) names."""
     if folder == "results" and not Path(folder).exists():

@@ -21,10 +21,13 @@ import typer
 
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    TOKENS,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    TextFileOpt,
     ThreadsOpt,
+    ThresholdsOpt,
     apply_threads,
     emit_json,
     parse_float,
@@ -38,26 +41,25 @@ route_app = typer.Typer(
 app.add_typer(route_app, name="route")
 
 ModelArg = Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")]
-TextFileOpt = Annotated[
-    str | None, typer.Option("--text-file", help="Routing text: a file, or a folder with wiki.valid.raw.")
-]
 
 
 @route_app.command("build")
 def build(
-    thresholds: Annotated[str, typer.Option("--thresholds", help="CATS/SATS thresholds file (sites 'act').")],
+    thresholds: ThresholdsOpt,
     out: Annotated[str, typer.Option("--out", "-o", help="Routing table to write (.safetensors).")],
     model: ModelArg = "smollm2-135m",
     text_file: TextFileOpt = None,
-    tokens: Annotated[str, typer.Option("--tokens", help="Routing tokens (e.g. 16K).")] = "16K",
-    window: Annotated[str, typer.Option("--window", help="Tokens per teacher-forced window.")] = "2K",
+    tokens: Annotated[int, typer.Option("--tokens", **TOKENS, help="Routing tokens (e.g. 16K).")] = "16K",
+    window: Annotated[int, typer.Option("--window", **TOKENS, help="Tokens per teacher-forced window.")] = "2K",
     unseen: Annotated[str, typer.Option("--unseen", help="Path of ids absent from the routing text: dense or sparse.")] = "dense",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Score every token id on routing text: mean excess loss of the CATS path over dense."""
+    """Score every token id on routing text: mean excess loss of the CATS path over dense.
+
+    The routing text is WikiText-2 validation or --text-file; --thresholds is a cats or sats file."""
     import sparsedecode
     from sparsedecode.account.units import parse_tokens
     from sparsedecode.corpus import require_tokens, text_ids, wikitext_path
@@ -114,11 +116,14 @@ def calibrate(
     table_path: Annotated[str, typer.Option("--table", "-t", help="Routing table from `route build`; tau is written into it.")],
     target: Annotated[str, typer.Option("--target", help="Target routed fraction in [0, 1] (e.g. 0.25, 0.5, 0.75).")] = "0.5",
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model whose tokenizer reads the text (default: the table's).")] = None,
-    text_file: Annotated[str | None, typer.Option("--text-file", help="Held-out text (default: the routing text after the tokens the table used).")] = None,
-    held_out_tokens: Annotated[str, typer.Option("--held-out-tokens", help="Held-out tokens (e.g. 32K).")] = "32K",
+    text_file: TextFileOpt = None,
+    held_out_tokens: Annotated[int, typer.Option("--held-out-tokens", **TOKENS, help="Held-out tokens (e.g. 32K).")] = "32K",
     json_out: JsonOpt = False,
 ) -> None:
-    """Choose tau so the routed fraction on held-out text is closest to the target."""
+    """Choose tau so the routed fraction on held-out text is closest to the target.
+
+    The held-out text is --text-file, or by default the routing text after the tokens the
+    table used."""
     from sparsedecode.account.units import parse_tokens
     from sparsedecode.corpus import text_ids, wikitext_path
     from sparsedecode.projection.calibrate import MIN_TOKENS

@@ -7,6 +7,18 @@ import time
 import typer
 
 from sparsedecode.cli.app import app
+from sparsedecode.cli.common import (
+    TOKENS,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    KvKeepOpt,
+    KvOpt,
+    MaxLenOpt,
+    ProjKeepOpt,
+    ThreadsOpt,
+    ThresholdsOpt,
+)
 
 
 @app.command()
@@ -14,19 +26,19 @@ def serve(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Known name, HF folder, hub id or .gguf file."),
     gate: str = typer.Option(None, "--gate", help="Gate table (sparsedecode dispatch table): every request "
                              "decodes under the admissible configuration of least predicted cost, or the one it names."),
-    thresholds: str = typer.Option(None, "--thresholds", help="Projection thresholds file: one sparse configuration."),
-    proj_keep: str = typer.Option(None, "--proj-keep", help="Projection keep: cached TEAL thresholds on WikiText-2 validation."),
-    kv: str = typer.Option(None, "--kv", help="KV branch after each prefill: snapkv or window."),
-    kv_keep: str = typer.Option(None, "--kv-keep", help="Fraction of the prompt's KV entries decoding reads; needs --kv."),
+    thresholds: ThresholdsOpt = None,
+    proj_keep: ProjKeepOpt = None,
+    kv: KvOpt = None,
+    kv_keep: KvKeepOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get 429."),
-    max_len: int = typer.Option(None, "--max-len", help="Cache length in tokens: the longest prompt + answer."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("auto", "--dtype", help="float32, bfloat16, float16 or auto."),
+    max_len: MaxLenOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
     attention: str = typer.Option("split_k", "--attention", help="split_k or sdpa_masked (the step is captured)."),
     init: str = typer.Option("pretrained", "--init", help="pretrained, or random (a config's dims, token-id prompts)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's own choice)."),
+    threads: ThreadsOpt = None,
     ready_file: str = typer.Option(None, "--ready-file", help="Write a JSON of the start-up (address, seconds "
                                    "per phase and configuration) here once the server accepts requests."),
 ):
@@ -143,12 +155,12 @@ def serve_load(
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The server's base URL."),
     clients: int = typer.Option(32, "--clients", help="Concurrent clients."),
     requests: int = typer.Option(4, "--requests", help="Requests per client, one after another."),
-    max_tokens: int = typer.Option(8, "--max-tokens", help="max_tokens of each request."),
+    max_tokens: int = typer.Option(8, "--max-tokens", **TOKENS, help="max_tokens of each request."),
     prompt: str = typer.Option("The capital of France is", "--prompt", help="The prompt of every request."),
     pid: int = typer.Option(None, "--pid", help="The server's PID, to record its resident memory before and after."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds the whole run may take."),
     out: str = typer.Option(None, "--out", help="Write the record here (JSON)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the record as JSON."),
+    as_json: JsonOpt = False,
 ):
     """A bounded load test of a running server: every request must end in 200 or 429."""
     from sparsedecode.cli.common import check_new_file, emit_json
@@ -201,7 +213,7 @@ def serve_probe(
     vocab: int = typer.Option(32000, "--vocab", help="Prompt token ids are drawn from [0, VOCAB)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompts' token ids."),
     out: str = typer.Option(None, "--out", help="Write the record here (JSON)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the record as JSON."),
+    as_json: JsonOpt = False,
 ):
     """Token-id requests under named configurations; with --cells, exit 1 when the server's
     ms/token misses its timing cell by more than --tolerance."""
