@@ -77,11 +77,11 @@ def test_every_committed_timing_records_mode_string_still_parses():
 
 
 @pytest.mark.parametrize("text,match", [
-    ("", "empty configuration"), ("sparse", "cannot read 'sparse'"), ("proj", "write one of dense"),
-    ("both0.5", "cannot read"), ("proj1.5", "outside"), ("sel0", "outside"),
+    ("", "empty configuration"), ("sparse", "'sparse' is not one of"), ("proj", "is not one of dense"),
+    ("both0.5", "is not one of"), ("proj1.5", "outside"), ("sel0", "outside"),
     ("proj0.5+proj0.3", "projection branch twice"), ("sel0.3+window0.2", "KV branch twice"),
     ("route[r.json]", "give the cats or sats thresholds file too"), ("proj0.5+route[r.json]", "not a keep"),
-    ("sel0.3(window)", "not name=value"), ("proj0.5++sel0.3", "empty part"), ("dense0.5", "cannot read"),
+    ("sel0.3(window)", "not name=value"), ("proj0.5++sel0.3", "empty part"), ("dense0.5", "is not one of"),
 ])
 def test_bad_text_says_what_to_write(text, match):
     with pytest.raises(InputError, match=match):

@@ -177,7 +177,7 @@ class SparsityConfig:
                 kv = KVConfig(_KV_WORDS.get(m["word"], m["word"]), _keep(m["k"], s, "KV keep"),
                               _fields(m["fields"], s))
             else:
-                raise InputError(f"configuration '{s}': cannot read '{part}'; write one of {_FORMS}")
+                raise InputError(f"configuration '{s}': '{part}' is not one of {_FORMS}")
         projection = None
         if keep is not None or file is not None or routing is not None:
             projection = ProjectionConfig(keep=keep, file=file, routing=routing)

@@ -168,9 +168,9 @@ def test_mode_strings_and_paper_cell_ids(text, kind, pk, kk, cell):
 
 
 @pytest.mark.parametrize("text,match", [
-    ("sparse", "write one of dense"), ("proj", "write one of dense"), ("sel0.3/0.5", "cannot read"),
-    ("both0.5", "cannot read"), ("proj1.5", "outside"), ("sel0", "outside"),
-    ("window1", "keeps below 1"), ("Dense", "cannot read"), ("proj[t.st]", "without files"),
+    ("sparse", "is not one of dense"), ("proj", "is not one of dense"), ("sel0.3/0.5", "is not one of"),
+    ("both0.5", "is not one of"), ("proj1.5", "outside"), ("sel0", "outside"),
+    ("window1", "keeps below 1"), ("Dense", "is not one of"), ("proj[t.st]", "without files"),
     ("sel0.3(window=8)", "without files or selector fields"), ("proj0.5+window0.3", "a timing cell runs"),
 ])
 def test_bad_mode_strings_say_what_to_write(text, match):
