@@ -227,6 +227,7 @@ def check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing=None):
     """The decode configuration of `generate` and `serve` from their options, checked before any
     model loads: returns (SparsityConfig, Thresholds or None, RoutingTable or None), the files
     read once here so that a bad one fails first; `Engine.configure` installs the three."""
+    from sparsedecode.account.units import check_keep
     from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
 
     if thresholds is not None and proj_keep is not None:
@@ -243,7 +244,7 @@ def check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing=None):
                          "--thresholds FILE (a cats or sats file) too")
     proj = None
     if proj_keep is not None:
-        proj = ProjectionConfig(keep=_flag_keep(proj_keep, "--proj-keep"))
+        proj = ProjectionConfig(keep=check_keep(proj_keep, "--proj-keep"))
     elif thresholds is not None:
         proj = ProjectionConfig(file=thresholds, routing=routing)
     kv_config = None
@@ -251,7 +252,7 @@ def check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing=None):
         from sparsedecode.kv.select import get_selector
 
         get_selector(kv)
-        kv_config = KVConfig(kv, _flag_keep(kv_keep, "--kv-keep"))
+        kv_config = KVConfig(kv, check_keep(kv_keep, "--kv-keep"))
     table = th = None
     if routing is not None:
         from sparsedecode.projection.routing import RoutingTable
@@ -263,12 +264,6 @@ def check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing=None):
 
         th = Thresholds.load(thresholds)
     return SparsityConfig(proj, kv_config), th, table
-
-
-def _flag_keep(text, flag: str) -> float:
-    from sparsedecode.account.units import check_keep
-
-    return check_keep(text, flag)
 
 
 def apply_sparsity(eng, config, thresholds=None, routing=None, progress: bool = True) -> None:
