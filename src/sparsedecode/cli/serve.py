@@ -33,6 +33,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get 429."),
+    drain_timeout: float = typer.Option(25.0, "--drain-timeout", help="Seconds SIGTERM/SIGINT let the running "
+                                        "answer finish before it is stopped with a 503; queued requests get 503 at once."),
     max_len: MaxLenOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -55,7 +57,7 @@ def serve(
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         raise InputError(f"serve needs the [serve] extra ({e.name} is missing): pip install 'sparsedecode[serve]'") from None
     apply_threads(threads)
@@ -67,6 +69,8 @@ def serve(
         raise InputError(f"--port must be in 0..65535, got {port}")
     if max_queue < 1:
         raise InputError(f"--max-queue must be >= 1, got {max_queue}")
+    if not 0 <= drain_timeout <= 3600:
+        raise InputError(f"--drain-timeout must be in 0..3600 seconds, got {drain_timeout}")
     if ready_file is not None:
         check_new_file(ready_file, "--ready-file", ".json")
     config, th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)
@@ -109,8 +113,7 @@ def serve(
     typer.echo(f"[serving {eng.name} at {url}: configurations {', '.join(server.configs.specs)} "
                f"(default {server.configs.default}); start-up {load_s + warm_s:.1f} s "
                f"(load {load_s:.1f}, warm {warm_s:.1f})]", err=True)
-    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=30)
-    userver = uvicorn.Server(config)
+    userver = server.uvicorn(drain_timeout)
     if ready_file is not None:
         record = {"url": url, "port": addr[1], "model": eng.name, "device": str(eng.device),
                   "configurations": server.configs.specs, "default": server.configs.default,

@@ -20,6 +20,9 @@ class Metrics:
                                    buckets=MS_BUCKETS, registry=r)
         self.by_config = Counter(p + "requests_by_config", "Requests decoded, by configuration", ["mode"],
                                  registry=r)
+        self.refused = Counter(p + "refused", "Requests refused (an error body, or a stream's error event), by "
+                               "endpoint, HTTP status and reason (the error's code)", ["endpoint", "status", "reason"],
+                               registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for the engine", registry=r)
         self.cancelled = Counter(p + "cancelled", "Requests whose client went away before the end",
                                  registry=r)

@@ -5,6 +5,11 @@ configuration) and every request. The HTTP handlers validate, tokenize and queue
 read its events (`delta` text, then `done` or `error`) from an asyncio queue that the worker
 fills through the event loop. A job whose client went away is cancelled: the worker stops it
 between two decode steps (or skips it if it has not started) and takes the next.
+
+Shutdown drains (`close`, then `abort` once the drain time is up): the queued jobs are refused
+with a 503 before any work, the running one finishes, or is stopped between two steps and
+refused if it outlasts the drain, so no handler is left waiting for an engine that decodes for
+nobody.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    refusal: RequestError | None = None  # why the server stopped it (None: its client went away)
 
     def emit(self, kind: str, payload) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
@@ -77,7 +83,8 @@ class TextStream:
 
 class Worker:
     """The engine's thread. `start()` warms every configuration; `submit(job)` queues a job or
-    raises a 429 RequestError beyond `max_queue` waiting jobs; `stop()` drains and joins."""
+    raises a 429 RequestError beyond `max_queue` waiting jobs; `close(refusal)` refuses what
+    waits and all that comes after, `abort(refusal)` stops the running job; `stop()` joins."""
 
     def __init__(self, engine, configs: Configurations, metrics: Metrics, max_queue: int):
         self.engine, self.configs, self.metrics, self.max_queue = engine, configs, metrics, max_queue
@@ -87,6 +94,8 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="sparsedecode-engine", daemon=True)
         self._ready = threading.Event()
         self.running = 0  # 1 while a job decodes
+        self._current: Job | None = None
+        self._closed: RequestError | None = None  # set at shutdown: what every later job gets
         self.warm_s: dict[str, float] = {}
         self.failure: BaseException | None = None
 
@@ -101,9 +110,37 @@ class Worker:
         return self.warm_s
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish the queued jobs, then end the thread."""
+        """Finish the queued jobs (none are left after `close`), then end the thread."""
         self._jobs.put(None)
         self._thread.join(timeout)
+
+    def close(self, refusal: RequestError) -> None:
+        """Refuse every waiting job and every later `submit` with `refusal`; the running job goes on."""
+        with self._lock:
+            self._closed = refusal
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    self._waiting -= 1
+                    self._refuse(job, refusal)
+            self.metrics.queue_depth.set(self._waiting)
+        self._jobs.put(None)  # the thread ends after the running job
+
+    def abort(self, refusal: RequestError) -> None:
+        """Stop the running job between two decode steps; its client gets `refusal`."""
+        with self._lock:
+            job = self._current
+            if job is not None and not job.cancelled.is_set():
+                job.refusal = refusal
+                job.cancelled.set()
+
+    def _refuse(self, job: Job, refusal: RequestError) -> None:
+        job.refusal = refusal
+        job.cancelled.set()
+        job.emit("error", refusal)
 
     @property
     def waiting(self) -> int:
@@ -111,6 +148,8 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         with self._lock:
+            if self._closed is not None:
+                raise self._closed
             if self._waiting >= self.max_queue:
                 raise RequestError(f"the queue is full ({self.max_queue} requests waiting); retry later",
                                    status=429, kind="rate_limit_error")
@@ -136,10 +175,14 @@ class Worker:
             with self._lock:
                 self._waiting -= 1
                 self.metrics.queue_depth.set(self._waiting)
+                if self._closed is None and not job.cancelled.is_set():
+                    self._current, self.running = job, 1
+            if self._closed is not None and not job.cancelled.is_set():
+                self._refuse(job, self._closed)  # taken off the queue as it closed: no work done
+                continue
             if job.cancelled.is_set():
                 self.metrics.cancelled.inc()
                 continue
-            self.running = 1
             try:
                 self._serve(job)
             except RequestError as e:
@@ -151,7 +194,8 @@ class Worker:
                 job.emit("error", RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
                                                kind="server_error"))
             finally:
-                self.running = 0
+                with self._lock:
+                    self._current, self.running = None, 0
 
     def _serve(self, job: Job) -> None:
         from sparsedecode.engine.engine import Generation
@@ -190,7 +234,10 @@ class Worker:
         finally:
             steps.close()
         if finish == "cancelled":
-            self.metrics.cancelled.inc()
+            if job.refusal is not None:  # the drain ran out: the client hears why, not a cut connection
+                job.emit("error", job.refusal)
+            else:
+                self.metrics.cancelled.inc()
             return
         if finish is None:
             finish = "stop" if timing.stopped_at_eos else "length"
