@@ -68,6 +68,7 @@ class Configs:
 
 
 def main(port_file: str, drain_timeout_s: str, max_queue: str, max_prompt_chars: str) -> None:
+    import sparsedecode.engine.engine  # noqa: F401 - what the worker imports on its first request (torch)
     from sparsedecode.serve.app import Server
 
     server = Server(Engine(), Configs(), max_queue=int(max_queue), max_prompt_chars=int(max_prompt_chars))

@@ -47,6 +47,7 @@ from sparsedecode.serve.worker import Job, Worker
 log = logging.getLogger("sparsedecode.serve")
 
 DEFAULT_CHAT_TOKENS = 512  # a chat answer without max_tokens: at most this, or the rest of the cache
+CLIENT_GONE = 499  # the status (nginx's) of an answer whose client disconnected: nobody reads it
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed handler checks for its client
 PROMPT_CHARS_PER_TOKEN = 32  # a prompt's character bound per cache token (English runs ~4; runs of spaces ~60)
 BODY_BYTES_PER_CHAR = 12  # a JSON body's bytes per prompt character at most (an escaped pair \ud83d\ude00)
@@ -170,14 +171,19 @@ class Server:
                             "running server", status=503, kind="server_error", code="shutting_down")
 
     async def _next(self, job: Job, request: Request):
-        """The job's next event; cancels the job if the client disconnects meanwhile."""
+        """The job's next event, or ("gone", None) once the client disconnected (the job is then
+        cancelled). The client is asked every DISCONNECT_POLL_S whether events come or not: an
+        answer whose tokens keep coming must still stop when nobody reads it."""
         while True:
+            if time.monotonic() - job.client_seen >= DISCONNECT_POLL_S:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                    return "gone", None
+                job.client_seen = time.monotonic()
             try:
                 return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancelled.set()
-                    raise asyncio.CancelledError from None
+                pass
 
     def _refuse(self, endpoint: str, e: RequestError) -> Response:
         self.metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -199,6 +205,8 @@ class Server:
             first = await self._next(job, request)
             if first[0] == "error":
                 raise first[1]
+            if first[0] == "gone":
+                return Response(status_code=CLIENT_GONE)
             if p.stream:
                 self.metrics.requests.labels(endpoint, "200").inc()
                 return StreamingResponse(self._stream(job, request, rid, first, endpoint),
@@ -207,6 +215,8 @@ class Server:
             while event[0] == "delta":
                 parts.append(event[1])
                 event = await self._next(job, request)
+            if event[0] == "gone":
+                return Response(status_code=CLIENT_GONE)
             if event[0] == "error":  # after the first token: an engine failure, or the drain ran out
                 raise event[1]
         except RequestError as e:
@@ -232,6 +242,8 @@ class Server:
                 yield _sse(chunk(p, rid, event[1], first=head))
                 head = False
                 event = await self._next(job, request)
+            if event[0] == "gone":
+                return
             if event[0] == "error":  # the status is sent: the error rides in an event
                 e = event[1]
                 self.metrics.refused.labels(endpoint, str(e.status), e.code).inc()

@@ -41,6 +41,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     refusal: RequestError | None = None  # why the server stopped it (None: its client went away)
+    client_seen: float = field(default_factory=time.monotonic)  # when its handler last found the client there
 
     def emit(self, kind: str, payload) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
