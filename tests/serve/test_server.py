@@ -82,7 +82,7 @@ def client(server) -> openai.OpenAI:
 
 def metric(server, name: str, **labels) -> float:
     text = httpx.get(server["url"] + "/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # as exposed: sorted
     m = re.search(rf"^{name}(?:\{{{re.escape(want)}\}})? (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -207,18 +207,92 @@ BAD = [  # (endpoint, body or raw text, status, param, message pattern)
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "not served here"),
     ("chat", {"messages": []}, 400, "messages", "non-empty list"),
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]", "role"),
+    # pathological JSON and wrong types (issue 48): 4xx, never 5xx
+    ("completions", '{"prompt": "hi", "temperature": NaN}', 400, None, "NaN is not a JSON number"),
+    ("completions", '{"prompt": "hi", "top_p": -Infinity}', 400, None, "Infinity is not a JSON number"),
+    ("completions", '{"prompt": ' + "[" * 100000 + "]" * 100000 + "}", 400, None, "nests too deeply"),
+    ("completions", {"prompt": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, 400,
+     "prompt" + "[0]" * 32, "nests deeper than 32"),
+    ("completions", '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", 400, None, "4300 digits"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**400}, 400, "max_tokens", "more than this server's cache"),
+    ("completions", {"prompt": "hi", "temperature": 10**400}, 400, "temperature", "<= 2"),
+    ("completions", {"prompt": "hi", "seed": -(10**400)}, 400, "seed", ">= 0"),
+    ("completions", [{"prompt": "hi"}], 400, None, "JSON object, got list"),
+    ("completions", "\"hi\"", 400, None, "JSON object, got str"),
+    ("completions", "", 400, None, "not JSON"),
+    ("completions", {"prompt": "caf\ud800"}, 400, "prompt", "lone surrogate"),
+    ("completions", {"prompt": "hi", "stop": ["\udfff"]}, 400, "stop[0]", "lone surrogate"),
+    ("chat", {"messages": [{"role": "user", "content": "\ud800hi"}]}, 400, "messages[0].content", "lone surrogate"),
+    ("completions", {"prompt": "hi", "model": 5}, 400, "model", "must be a string"),
+    ("completions", {"prompt": "hi", "stop": 5}, 400, "stop", "a string or a list"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "true or false"),
+    ("completions", {"prompt": "hi", "n": "1"}, 400, "n", "must be 1"),
+    ("completions", {"prompt": "hi", "user": 7}, 400, "user", "must be a string"),
+    ("completions", {"prompt": "hi", "sparsedecode": {"kv": ["snapkv"], "kv_keep": 0.3}}, 400, "sparsedecode.kv",
+     "snapkv"),
+    ("chat", {"messages": "hi"}, 400, "messages", "non-empty list"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "max_completion_tokens": 3}, 400,
+     "max_completion_tokens", "not both"),
+    # OpenAI fields the server does not implement, at a value that asks for something
+    ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs", "not supported.*null or false"),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "not supported.*null or 1"),
+    ("completions", {"prompt": "hi", "logit_bias": {"50256": -100}}, 400, "logit_bias", "not supported"),
+    ("completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "null or 0"),
+    ("completions", {"prompt": "hi", "frequency_penalty": -1}, 400, "frequency_penalty", "not supported"),
+    ("completions", {"prompt": "hi", "suffix": " end"}, 400, "suffix", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function":
+     {"name": "f"}}]}, 400, "tools", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tool_choice", "none"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name",
+     "only 'role' and 'content'"),
+    ("completions", {"prompt": "hi", "top_k": 5}, 400, "top_k", "unknown field"),
+    ("completions", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages",
+     "belongs to /v1/chat/completions"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, 400, "prompt", "belongs to /v1/completions"),
 ]
 
 
 @pytest.mark.parametrize("endpoint,body,status,param,pattern", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_input_gets_its_status_and_says_what_to_change(server, endpoint, body, status, param, pattern):
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    kw = {"content": body} if isinstance(body, str) else {"json": body}
-    r = httpx.post(server["url"] + path, timeout=60, **kw)
+    raw = body if isinstance(body, str) else json.dumps(body)  # a lone surrogate goes as its \\u escape
+    r = httpx.post(server["url"] + path, timeout=60, content=raw, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["code"], str), err
     assert err["param"] == param and re.search(pattern, err["message"]), err
+    assert metric(server, "sparsedecode_refused_total", endpoint=endpoint, status=status, reason=err["code"]) >= 1
     assert httpx.get(server["url"] + "/health").status_code == 200  # still serving
+
+
+def test_openai_defaults_and_nulls_are_accepted(server):
+    """A field the server does not implement, sent at its OpenAI default, and any field sent as
+    null (as some clients do), asks for nothing: the answer is the one without them."""
+    c = client(server)
+    plain = c.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=5, temperature=0)
+    r = c.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=5, temperature=0,
+                             echo=False, best_of=1, logprobs=None, presence_penalty=0, frequency_penalty=0.0,
+                             logit_bias={}, suffix=None, n=1, stop=None, top_p=None, seed=None, user="u1",
+                             extra_body={"stream_options": None, "ignore_eos": None, "sparsedecode": None})
+    assert r.choices[0].text == plain.choices[0].text
+    body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, **dict.fromkeys(
+        ["n", "stream", "top_p", "stop", "seed", "model", "user", "logprobs", "echo", "best_of", "logit_bias",
+         "presence_penalty", "frequency_penalty", "suffix", "tools", "tool_choice", "top_k"])}
+    r = httpx.post(server["url"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain.choices[0].text
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=8, temperature=0)
+    r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=None, max_completion_tokens=8,
+                                  temperature=0, logprobs=False, top_logprobs=None, response_format={"type": "text"},
+                                  tools=[], tool_choice="none", parallel_tool_calls=True, n=None, presence_penalty=None)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="smollm2-135m", prompt="hi", max_tokens=2, logprobs=3)
+    assert e.value.body["param"] == "logprobs" and e.value.body["code"] == "unsupported_parameter"
 
 
 def test_a_client_that_goes_away_frees_the_engine(server):
