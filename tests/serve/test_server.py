@@ -350,6 +350,8 @@ def test_bad_options_fail_before_loading(capsys):
     assert r.returncode == 2 and "file not found" in r.stderr
     r = run_cli(capsys, "serve", "--attention", "sdpa_fused")
     assert r.returncode == 2 and "sdpa_fused" in r.stderr
+    r = run_cli(capsys, "serve", "--drain-timeout", "-1")
+    assert r.returncode == 2 and "--drain-timeout must be in 0..3600" in r.stderr
 
 
 def test_a_random_init_model_answers_token_ids_under_its_one_configuration(tmp_path):

@@ -33,7 +33,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get 429."),
-    drain_timeout: float = typer.Option(25.0, "--drain-timeout", help="Seconds SIGTERM/SIGINT let the running "
+    drain_timeout: float = typer.Option(25.0, "--drain-timeout", metavar="SECONDS", help="Seconds SIGTERM/SIGINT let the running "
                                         "answer finish before it is stopped with a 503; queued requests get 503 at once."),
     max_len: MaxLenOpt = None,
     device: DeviceOpt = "auto",
