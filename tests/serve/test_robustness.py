@@ -99,10 +99,10 @@ def shutting_down(body: dict) -> bool:
 
 
 def test_sigterm_refuses_what_waits_and_stops_an_answer_longer_than_the_grace_period(tmp_path):
-    """Drain 1 s, so uvicorn's grace is 6 s; the running answer would take 15 s. Nothing is cut off
+    """Drain 3 s, so uvicorn's grace is 8 s; the running answer would take 15 s. Nothing is cut off
     with a 500: the queued, the uploading and the tokenizing requests get 503 at once, the running
     one a 503 once the drain is up, and the process exits before the grace period ends."""
-    fake = Fake(tmp_path, drain_s=1.0, max_queue=4)
+    fake = Fake(tmp_path, drain_s=3.0, max_queue=4)
     try:
         out = {}
         threads = [post(fake.url, {"prompt": "long", "max_tokens": 150}, out, "running")]
@@ -127,16 +127,16 @@ def test_sigterm_refuses_what_waits_and_stops_an_answer_longer_than_the_grace_pe
         fake.stop()
     log = fake.log.read_text()
     assert code in DRAINED, log
-    assert exit_s < 1.0 + 5.0 and "timeout graceful shutdown exceeded" not in log and "Traceback" not in log, log
-    assert reply.startswith("HTTP/1.1 503") and waited < 1.0, reply
+    assert exit_s < 3.0 + 5.0 and "timeout graceful shutdown exceeded" not in log and "Traceback" not in log, log
+    assert reply.startswith("HTTP/1.1 503") and waited < 2.0, (reply, waited)
     assert shutting_down(json.loads(reply.split("\r\n\r\n", 1)[1]))
     for key in ("queued", "tokenizing"):
         status, body, _ = out[key]
-        assert status == 503 and shutting_down(body), (key, body)
+        assert status == 503 and shutting_down(body), (key, body, log)
         assert "did not start" in body["error"]["message"]
-    assert out["tokenizing"][2] < SLOW_TOKENIZE_S  # refused, not waited for
+    assert out["tokenizing"][2] < SLOW_TOKENIZE_S, out  # refused, not waited for
     status, body, _ = out["running"]
-    assert status == 503 and shutting_down(body) and "drain time (1 s" in body["error"]["message"]
+    assert status == 503 and shutting_down(body) and "drain time (3 s" in body["error"]["message"]
 
 
 def test_sigterm_lets_a_short_answer_finish_and_ends_a_long_stream_with_an_error_event(tmp_path):

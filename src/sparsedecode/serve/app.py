@@ -323,6 +323,11 @@ class Server:
             e = RequestError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code, code=code)
             return self._refuse("other", e)
 
+        @app.exception_handler(Exception)
+        async def bug(request: Request, exc: Exception):  # outside a handler's own catch; starlette logs it
+            return self._refuse("other", RequestError(f"internal error ({type(exc).__name__}: {exc})", status=500,
+                                                      kind="server_error"))
+
         return app
 
     def _lifespan(self, app):
