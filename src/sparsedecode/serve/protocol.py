@@ -29,7 +29,7 @@ MAX_STOPS = 4  # OpenAI's limit on `stop` sequences
 MAX_DEPTH = 32  # JSON nesting a request may use (a chat body needs 3)
 SPARSITY_FIELDS = ("mode", "proj_keep", "kv", "kv_keep")
 KV_KIND = {"snapkv": "sel", "window": "window"}
-# the fields each endpoint implements (beside OpenAI's, vLLM's `ignore_eos` and our `sparsedecode`)
+# the fields each endpoint implements: OpenAI's, vLLM's `ignore_eos` and our `sparsedecode`
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
           "ignore_eos", "sparsedecode")
 FIELDS = {False: frozenset(COMMON + ("prompt",)), True: frozenset(COMMON + ("messages", "max_completion_tokens"))}

@@ -176,13 +176,14 @@ class Worker:
             with self._lock:
                 self._waiting -= 1
                 self.metrics.queue_depth.set(self._waiting)
-                if self._closed is None and not job.cancelled.is_set():
+                closed, gone = self._closed, job.cancelled.is_set()
+                if closed is None and not gone:  # decided under the lock that `close` takes
                     self._current, self.running = job, 1
-            if self._closed is not None and not job.cancelled.is_set():
-                self._refuse(job, self._closed)  # taken off the queue as it closed: no work done
-                continue
-            if job.cancelled.is_set():
+            if gone:
                 self.metrics.cancelled.inc()
+                continue
+            if closed is not None:
+                self._refuse(job, closed)  # taken off the queue as it closed: no work done
                 continue
             try:
                 self._serve(job)
