@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 
 from sparsedecode.errors import InputError
 
@@ -54,7 +55,7 @@ def require_number(value, name: str, *, lo: float | None = None, hi: float | Non
     """`value` when it is a number (an int when `integer`) with lo <= value <= hi (lo < value
     when `above`); never a bool, NaN, infinity, null or a string."""
     expected = _range(lo, hi, integer, above)
-    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
         raise refuse(where, name, value, expected)
     if not integer and not math.isfinite(value):
         raise refuse(where, name, value, expected)

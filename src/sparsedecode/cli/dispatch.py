@@ -95,7 +95,7 @@ def _admit(table, admit: list[str] | None, assume: bool):
         ok = [s for s, e in table.admissibility.items() if e.get("admitted")]
         why = {s: e["reason"] for s, e in table.admissibility.items() if e.get("reason")}
         return (["dense"] + [s for s in ok if s != "dense"]), why
-    return admissible(table, verdicts, assume)
+    return admissible(table, verdicts, assume, names=list(admit or []))
 
 
 @dispatch_app.command("price")
