@@ -16,11 +16,13 @@ from pathlib import Path
 
 from sparsedecode.account.known import KNOWN_MODELS, known_model
 from sparsedecode.errors import InputError
+from sparsedecode.validate import require_number
 
 # Families whose decoder carries extra per-layer parameters we must count.
 _QKV_BIAS = {"qwen2"}
 _QK_NORM = {"qwen3"}
 # Fields of a mixture-of-experts config (Mixtral, Qwen-MoE, DeepSeek-MoE): more than one expert.
+DIM_LIMIT = 2**31 - 1  # a layer count, width or vocabulary past this is a typo, not a model
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
@@ -49,9 +51,7 @@ class ModelDims:
 
     def __post_init__(self):
         for f in ("n_layers", "d", "d_ff", "n_heads", "n_kv_heads", "head_dim", "vocab"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise InputError(f"model dims: {f} must be a positive integer, got {v!r}")
+            require_number(getattr(self, f), f, lo=1, hi=DIM_LIMIT, integer=True, where="model dims")
         if self.n_heads % self.n_kv_heads:
             raise InputError(
                 f"model dims: {self.n_heads} query heads are not a multiple of "

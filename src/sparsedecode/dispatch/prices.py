@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from sparsedecode.account import ModelDims
+from sparsedecode.account.dims import DIM_LIMIT
 from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.validate import (
@@ -366,9 +367,13 @@ def dims_from_dict(d, where: str) -> ModelDims:
         raise InputError(f"{where}: field 'dims' has unknown fields {', '.join(unknown)} (expected "
                          f"{', '.join(fields)})")
     for k, f in fields.items():
-        if k not in d and f.default is f.default_factory:  # both MISSING: a required field
+        if f.default is MISSING and f.default_factory is MISSING:
             require_field(d, k, where=where, prefix="dims.")
-        if k in d and isinstance(f.default, bool):
+        if k not in d:
+            continue
+        if f.type == "int":
+            require_number(d[k], f"dims.{k}", lo=1, hi=DIM_LIMIT, integer=True, where=where)
+        elif f.type == "bool":
             require_bool(d[k], f"dims.{k}", where=where)
     require_str(d["name"], "dims.name", where=where)
     try:
