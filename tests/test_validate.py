@@ -5,7 +5,13 @@ import math
 import pytest
 
 from sparsedecode.errors import InputError
-from sparsedecode.validate import require_bool, require_field, require_increasing, require_number, require_str
+from sparsedecode.validate import (
+    require_bool,
+    require_field,
+    require_increasing,
+    require_number,
+    require_str,
+)
 
 
 @pytest.mark.parametrize("bad", [True, False, None, "3", math.nan, math.inf, -math.inf, [1], {"a": 1}])

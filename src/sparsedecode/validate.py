@@ -109,7 +109,7 @@ def require_field(obj: dict, key: str, *, where: str = "input", prefix: str = ""
 def require_increasing(values, name: str, *, where: str = "input") -> list:
     """`values` when each is larger than the one before (the numbers themselves are checked by
     the caller)."""
-    for a, b in zip(values, values[1:]):
+    for a, b in zip(values, values[1:], strict=False):
         if not b > a:
             raise InputError(f"{where}: field '{name}' must increase, but {shown(b)} follows {shown(a)} "
                              f"(in {shown(list(values))})")

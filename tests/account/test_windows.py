@@ -8,7 +8,14 @@ import json
 import pytest
 
 from conftest import run_cli
-from sparsedecode.account import ModelDims, bounds, crossover, crossover_batched, crossover_fixed_budget, step_bytes
+from sparsedecode.account import (
+    ModelDims,
+    bounds,
+    crossover,
+    crossover_batched,
+    crossover_fixed_budget,
+    step_bytes,
+)
 from sparsedecode.account.traffic import kv_saving
 from sparsedecode.errors import InputError
 

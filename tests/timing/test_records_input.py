@@ -188,3 +188,15 @@ def test_crossing_spec_checks_what_it_writes(field, value, words):
     with pytest.raises(InputError, match="dtype"):
         crossing_spec({**pred, field: {"proj": "proj0.5", "sel": "sel0.3", "model": "llama-3.1-8b"}[field]},
                       "crossing", [40960, 49152, 57344], 3, {**cell, "dtype": 'x"\ny'})
+
+
+def test_records_whose_dims_describe_no_model_are_refused_not_replaced(tmp_path):
+    from test_report import DIMS
+
+    root, _ = _folder(tmp_path)
+    for p in (root / "cells").rglob("*.json"):
+        rec = json.loads(p.read_text())
+        rec["model"]["dims"] = {**DIMS.to_dict(), "n_kv_heads": 0}
+        p.write_text(json.dumps(rec))
+    with pytest.raises(InputError, match="n_kv_heads' is 0"):
+        load_cells(root)  # never the known llama-3.1-8b dims in their place

@@ -17,12 +17,18 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 from sparsedecode.account.known import KNOWN_MODELS, known_model
 from sparsedecode.errors import InputError
-from sparsedecode.validate import require_number
+from sparsedecode.validate import (
+    require_bool,
+    require_dict,
+    require_field,
+    require_number,
+    require_str,
+)
 
 # Families whose decoder carries extra per-layer parameters we must count.
 _QKV_BIAS = {"qwen2"}
@@ -198,6 +204,31 @@ class ModelDims:
         return cls.from_config(m.config, name=m.name)
 
 
+def dims_from_dict(d, where: str) -> ModelDims:
+    """ModelDims from a file's 'dims' object: each field present, known and of its type (a
+    missing one is named, never defaulted)."""
+    d = require_dict(d, "dims", where=where)
+    fields = ModelDims.__dataclass_fields__
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise InputError(f"{where}: field 'dims' has unknown fields {', '.join(unknown)} (expected "
+                         f"{', '.join(fields)})")
+    for k, f in fields.items():
+        if f.default is MISSING and f.default_factory is MISSING:
+            require_field(d, k, where=where, prefix="dims.")
+        if k not in d:
+            continue
+        if f.type == "int":
+            require_number(d[k], f"dims.{k}", lo=1, hi=DIM_LIMIT, integer=True, where=where)
+        elif f.type == "bool":
+            require_bool(d[k], f"dims.{k}", where=where)
+    require_str(d["name"], "dims.name", where=where)
+    try:
+        return ModelDims(**d)
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
+
+
 def config_number(cfg: dict, key: str, default, kind: type = int):
     """cfg[key] as a positive `kind` (int or float), `default` when absent; InputError otherwise."""
     v = cfg.get(key)
@@ -297,4 +328,4 @@ def resolve_dims(
     return ModelDims.from_config(cfg, name=name)
 
 
-__all__ = ["KNOWN_MODELS", "ModelDims", "load_config", "resolve_dims"]
+__all__ = ["KNOWN_MODELS", "ModelDims", "dims_from_dict", "load_config", "resolve_dims"]

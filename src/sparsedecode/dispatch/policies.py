@@ -38,7 +38,13 @@ import numpy as np
 from sparsedecode.dispatch.mix import WORKLOADS, Mix, check_request, get_mix
 from sparsedecode.dispatch.prices import ConfigPrice, PriceTable
 from sparsedecode.errors import InputError
-from sparsedecode.validate import require_bool, require_dict, require_list, require_number, require_str
+from sparsedecode.validate import (
+    require_bool,
+    require_dict,
+    require_list,
+    require_number,
+    require_str,
+)
 
 SEGMENT = 64  # tokens per pricing segment (App. I)
 BYTE_GATE, GATE, THRESHOLD_GATE = "byte gate", "gate", "threshold gate"
@@ -262,7 +268,8 @@ def verdict_spec(v, where: str) -> str:
 def check_verdict_model(table: PriceTable, v: dict, where: str) -> None:
     """Refuse a verdict of another model than the table's: dims are compared when both carry
     them, and the names otherwise (missing dims never skip the check)."""
-    from sparsedecode.dispatch.prices import dims_differences, dims_from_dict
+    from sparsedecode.account.dims import dims_from_dict
+    from sparsedecode.dispatch.prices import dims_differences
 
     if v.get("dims") is not None and table.dims is not None:
         diff = dims_differences(dims_from_dict(v["dims"], where), table.dims)

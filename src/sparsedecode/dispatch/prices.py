@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from sparsedecode.account import ModelDims
-from sparsedecode.account.dims import DIM_LIMIT
+from sparsedecode.account.dims import dims_from_dict
 from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.validate import (
@@ -357,31 +357,6 @@ def _config_price(spec, curve, select, sinks, window, where) -> ConfigPrice:
         raise InputError(f"{where.rsplit(': configuration', 1)[0]}: {e}") from None
 
 
-def dims_from_dict(d, where: str) -> ModelDims:
-    """ModelDims from a file's 'dims' object: each field present, known and of its type (a
-    missing one is named, never defaulted)."""
-    d = require_dict(d, "dims", where=where)
-    fields = ModelDims.__dataclass_fields__
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise InputError(f"{where}: field 'dims' has unknown fields {', '.join(unknown)} (expected "
-                         f"{', '.join(fields)})")
-    for k, f in fields.items():
-        if f.default is MISSING and f.default_factory is MISSING:
-            require_field(d, k, where=where, prefix="dims.")
-        if k not in d:
-            continue
-        if f.type == "int":
-            require_number(d[k], f"dims.{k}", lo=1, hi=DIM_LIMIT, integer=True, where=where)
-        elif f.type == "bool":
-            require_bool(d[k], f"dims.{k}", where=where)
-    require_str(d["name"], "dims.name", where=where)
-    try:
-        return ModelDims(**d)
-    except InputError as e:
-        raise InputError(f"{where}: {e}") from None
-
-
 def dims_differences(a: ModelDims, b: ModelDims) -> list[str]:
     """'field a vs b' for each field but the name in which two models' dims differ."""
     return [f"{k} {getattr(a, k)} vs {getattr(b, k)}" for k in a.__dataclass_fields__
@@ -491,4 +466,4 @@ def select_seconds_of(record: dict, where: str = "--select-record") -> float:
 
 
 __all__ = ["KIND", "SELECT_REF_TOKENS", "ConfigPrice", "Curve", "PriceTable", "SelectCost", "device_name",
-           "dims_differences", "dims_from_dict", "from_records", "select_seconds_of"]
+           "dims_differences", "from_records", "select_seconds_of"]

@@ -24,8 +24,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sparsedecode.account import ModelDims, known_model
+from sparsedecode.account.dims import dims_from_dict
 from sparsedecode.errors import InputError
-from sparsedecode.timing.paper import PaperCell, check_positive, check_runs, load_campaign, record_field
+from sparsedecode.timing.paper import (
+    PaperCell,
+    check_positive,
+    check_runs,
+    load_campaign,
+    record_field,
+)
 
 KIND = "timing_cell"
 _NUM = (int, float)
@@ -281,16 +288,17 @@ def _one(values: dict[str, Path], what: str, folder: Path) -> str:
     return next(iter(values))
 
 
-def _dims(model: dict | None, name: str) -> tuple[ModelDims | None, str]:
-    """Dims from a record's model.dims (ModelDims fields or a HF config), else by known name."""
+def _dims(model: dict | None, name: str, where: Path | None) -> tuple[ModelDims | None, str]:
+    """Dims from a record's model.dims (ModelDims fields or a HF config), else by known name.
+    ModelDims fields that describe no model (zero KV heads, a field missing) are refused,
+    never replaced by the known model's."""
     dims = (model or {}).get("dims") if isinstance(model, dict) else None
     if isinstance(dims, dict):
+        if set(dims) <= set(ModelDims.__dataclass_fields__):
+            return dims_from_dict(dims, str(where)), "dims from the records' model.dims"
         try:
-            fields = set(ModelDims.__dataclass_fields__)
-            if set(dims) <= fields:
-                return ModelDims(**dims), "dims from the records' model.dims"
             return ModelDims.from_config(dims, name=name), "dims from the records' model config"
-        except (InputError, TypeError):
+        except InputError:
             pass
     return known_dims(name)
 
@@ -337,7 +345,7 @@ def load_cells(folder: str | Path) -> CampaignCells:
     campaign = folder.name
     cells, extras, failed = [], {}, []
     models, gpus, devices = {}, {}, {}
-    model_obj = None
+    model_obj, model_path = None, None
     for path, obj in objs:
         status = obj.get("status")
         if status not in ("ok", "failed"):
@@ -352,11 +360,12 @@ def load_cells(folder: str | Path) -> CampaignCells:
         devices.setdefault(obj["device"], path)
         cells.append(cell)
         extras[path] = extra
-        model_obj = model_obj or obj.get("model")
+        if model_obj is None and obj.get("model"):
+            model_obj, model_path = obj["model"], path
     model = _one(models, "model", folder) if models else "unknown"
     gpu = _one(gpus, "GPU", folder) if gpus else "unknown"
     device = _one(devices, "device", folder) if devices else ("cpu" if gpu == "CPU" else "cuda")
-    dims, note = _dims(model_obj, model)
+    dims, note = _dims(model_obj, model, model_path)
     out = _finish(folder, campaign, "sparsedecode", model, gpu, device, cells, extras, failed,
                   dims, note)
     retired = folder / "failed"
