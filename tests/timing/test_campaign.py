@@ -179,8 +179,13 @@ class FakeCells:
         if out.name in self.fail:
             write_record(out, {**rec, "status": "failed", "error": "InputError: boom"})
             return 2
-        write_record(out, {**rec, "status": "ok", "ms_per_token": 1.0, "tokens_per_sec": 1e3,
-                           "byte_bound": 1.0})
+        from sparsedecode.config import SparsityConfig
+
+        mode = SparsityConfig.parse(val("--mode"))  # every field a finished record holds
+        write_record(out, {**rec, "status": "ok", "mode": mode.kind, "mode_spec": val("--mode"),
+                           "projection_keep": mode.proj_keep, "kv_keep": mode.kv_keep, "ms_per_token": 1.0,
+                           "tokens_per_sec": 1e3, "tokens_per_sec_runs": [1e3, 1e3], "byte_bound": 1.0,
+                           "model_name": Path(val("--model")).stem, "gpu": "CPU", "device": val("--device")})
         return 0
 
 

@@ -10,6 +10,11 @@ crossover four times closer. Variants: the FF-only branch (P -> 3 d d_ff); a
 KV method with a fixed token budget b (r_KV = b/n); a batch of B sequences
 whose sparse projection reads the union u_B of their channels; and the
 latency crossing once each branch pays a kernel cost beyond its byte time.
+
+Sliding windows: a layer with a window of w tokens reads min(n, w) cached tokens, so the KV
+saving stops growing at its window, and the crossing is where the savings of all layers
+together reach the projection saving. It is 'never' (math.inf) when every layer slides and
+the windows cap the KV saving below the projection saving.
 """
 
 from __future__ import annotations
@@ -37,13 +42,36 @@ def crossover(
     weight_bytes: float = 2,
     kv_bytes: float = 2,
 ) -> float:
-    """n* in tokens (Eq. 5), exact; math.inf when the KV branch removes nothing."""
+    """n* in tokens (Eq. 5), exact; math.inf when the KV branch removes nothing, or removes
+    less than the projection branch at any context because every layer's window caps it."""
+    return _kv_crossing(dims, _tokens_per_layer(dims, rp, rkv, ff_only, weight_bytes, kv_bytes))
+
+
+def _tokens_per_layer(dims, rp, rkv, ff_only, weight_bytes, kv_bytes) -> float:
+    """Eq. 5 without windows: the context at which one layer's KV saving equals its projection
+    saving; math.inf when r_KV = 1."""
     rp, rkv = check_keep(rp, "projection keep"), check_keep(rkv, "KV keep")
     _check_sizes(weight_bytes, kv_bytes)
     if rkv == 1.0:
         return math.inf
     p = sparsified_params(dims, ff_only)
     return p * (1.0 - rp) * weight_bytes / (dims.kv_elems_per_token * (1.0 - rkv) * kv_bytes)
+
+
+def _kv_crossing(dims: ModelDims, per_layer: float, budget: float = 0) -> float:
+    """The context n at which the layers together skip n_layers x `per_layer` cached tokens,
+    a layer of window w skipping max(min(n, w) - budget, 0) (w = 0: no window); math.inf when
+    the windows cap the layers below that. Without windows: budget + per_layer."""
+    if not dims.windows:
+        return budget + per_layer
+    target = dims.n_layers * per_layer
+    n, value = float(budget), 0.0
+    slope = sum(1 for w in dims.windows if not w or w > budget)  # layers whose skip still grows
+    for w in sorted(w for w in dims.windows if w > budget):
+        if value + slope * (w - n) >= target:
+            break
+        value, n, slope = value + slope * (w - n), float(w), slope - 1
+    return n + (target - value) / slope if slope else math.inf
 
 
 def crossover_batched(
@@ -60,10 +88,10 @@ def crossover_batched(
     A batch shares each weight read while every sequence reads its own cache,
     and the sparse projection reads every channel any sequence activates.
     """
-    if not isinstance(batch, int) or batch < 1:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise InputError(f"batch must be a positive integer, got {batch}")
     union = check_keep(union, "union keep")
-    return crossover(dims, union, rkv, ff_only, weight_bytes, kv_bytes) / batch
+    return _kv_crossing(dims, _tokens_per_layer(dims, union, rkv, ff_only, weight_bytes, kv_bytes) / batch)
 
 
 def crossover_fixed_budget(
@@ -79,12 +107,12 @@ def crossover_fixed_budget(
     Substituting r_KV = b/n into Eq. 5; valid because the crossing lies above b
     whenever the projection branch removes anything.
     """
-    if not isinstance(budget, int) or budget < 0:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise InputError(f"KV token budget must be a non-negative integer, got {budget}")
     rp = check_keep(rp, "projection keep")
     _check_sizes(weight_bytes, kv_bytes)
     p = sparsified_params(dims, ff_only)
-    return budget + p * (1.0 - rp) * weight_bytes / (dims.kv_elems_per_token * kv_bytes)
+    return _kv_crossing(dims, p * (1.0 - rp) * weight_bytes / (dims.kv_elems_per_token * kv_bytes), budget)
 
 
 def round_tokens(n: float) -> int | None:

@@ -7,7 +7,8 @@ the bytes it reads (Eq. 1):
 
 with, per layer, B_MLP = 3 d d_ff s_w (Eq. 2), B_Attn = (2 d h_q d_h +
 2 d h_kv d_h) s_w (Eq. 3 in its general form) and B_KV(n) = 2 h_kv d_h n s_kv
-(Eq. 4). B_other is the LM head, one embedding row, every norm weight and any
+(Eq. 4), where a layer with a sliding window of w tokens reads min(n, w) of them
+(`ModelDims.kv_tokens`). B_other is the LM head, one embedding row, every norm weight and any
 q/k/v bias: read every step and never sparsified. All functions here count
 bytes over all layers; s_w and s_kv are the weight and cache element sizes.
 """
@@ -57,7 +58,7 @@ def step_bytes(dims: ModelDims, n: int, weight_bytes: float = 2, kv_bytes: float
         context=n,
         mlp=L * dims.mlp_params * weight_bytes,
         attn=L * dims.attn_params * weight_bytes,
-        kv=L * dims.kv_elems_per_token * n * kv_bytes,
+        kv=dims.kv_tokens(n) * dims.kv_elems_per_token * kv_bytes,
         other=dims.other_params * weight_bytes,
     )
 
@@ -76,9 +77,10 @@ def projection_saving(
 
 
 def kv_saving(dims: ModelDims, n: int, rkv: float, kv_bytes: float = 2) -> float:
-    """Delta B_KV(n) = B_KV(n)(1 - r_KV) over all layers (§3.2); linear in n."""
+    """Delta B_KV(n) = B_KV(n)(1 - r_KV) over all layers (§3.2); linear in n up to the
+    smallest sliding window, and flat once every layer's window is full."""
     rkv = check_keep(rkv, "KV keep")
-    return dims.n_layers * dims.kv_elems_per_token * n * kv_bytes * (1.0 - rkv)
+    return dims.kv_tokens(n) * dims.kv_elems_per_token * kv_bytes * (1.0 - rkv)
 
 
 def traffic_table(

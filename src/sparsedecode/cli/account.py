@@ -101,7 +101,7 @@ def _refuse_leading_options(ctx: typer.Context) -> None:
 
 def _tokens_str(n: float | None) -> str:
     if n is None or n == float("inf"):
-        return "never (the KV branch removes nothing)"
+        return "never (the KV branch removes nothing, or its sliding windows cap it below the projection's saving)"
     return f"{acc.round_tokens(n):,} tokens ({fmt_k(n)})"
 
 

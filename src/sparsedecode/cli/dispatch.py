@@ -95,7 +95,7 @@ def _admit(table, admit: list[str] | None, assume: bool):
         ok = [s for s, e in table.admissibility.items() if e.get("admitted")]
         why = {s: e["reason"] for s, e in table.admissibility.items() if e.get("reason")}
         return (["dense"] + [s for s in ok if s != "dense"]), why
-    return admissible(table, verdicts, assume)
+    return admissible(table, verdicts, assume, names=list(admit or []))
 
 
 @dispatch_app.command("price")
@@ -267,7 +267,9 @@ def check_cmd(
     Exit status 1 when one misses by more than --tolerance."""
     import time
 
-    reqs = parse_requests(request)
+    from sparsedecode.dispatch.mix import check_request
+
+    reqs = [check_request(p, a, f"--request {r}") for r, (p, a) in zip(request, parse_requests(request), strict=True)]
     if repeats < 1:
         raise InputError(f"--repeats must be >= 1, got {repeats}")
     tol = parse_float(tolerance, "--tolerance", positive=True)

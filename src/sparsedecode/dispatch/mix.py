@@ -34,6 +34,7 @@ from statistics import NormalDist
 import numpy as np
 
 from sparsedecode.errors import InputError
+from sparsedecode.validate import require_number
 
 CHAT_MEDIAN, CHAT_SIGMA, CHAT_RANGE, CHAT_ANSWER = 1024, 1.1, (64, 32768), 256
 LONG_DOC_RANGE, LONG_DOC_ANSWER = (32768, 131072), 128
@@ -41,6 +42,14 @@ AGENT_RANGE, AGENT_ANSWER = (16384, 98304), 1024
 MIXED = {"chat": 1400, "long_doc": 400, "agent": 200}
 SIZES = {"chat": 2000, "long_doc": 500, "agent": 500}  # a single workload's default size
 WORKLOADS = ("mixed", "chat", "long_doc", "agent")
+PROMPT_LIMIT, ANSWER_LIMIT = 2**24, 2**20  # tokens of one request; beyond them a size is a mistake
+
+
+def check_request(prompt, answer, where: str = "request", *, answer_lo: int = 1) -> tuple[int, int]:
+    """(prompt tokens, answer tokens) of one request when they are whole numbers within
+    1..PROMPT_LIMIT and answer_lo..ANSWER_LIMIT; the message names the limit."""
+    return (int(require_number(prompt, "prompt_tokens", lo=1, hi=PROMPT_LIMIT, integer=True, where=where)),
+            int(require_number(answer, "answer_tokens", lo=answer_lo, hi=ANSWER_LIMIT, integer=True, where=where)))
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,10 @@ class Mix:
     def __post_init__(self):
         if self.prompt.shape != self.answer.shape or self.prompt.ndim != 1 or self.prompt.size == 0:
             raise InputError(f"mix '{self.name}' needs at least one request with a prompt and an answer length")
+        for arr, limit, what in ((self.prompt, PROMPT_LIMIT, "prompt"), (self.answer, ANSWER_LIMIT, "answer")):
+            if arr.min() < 1 or arr.max() > limit:
+                raise InputError(f"mix '{self.name}': {what} lengths run from {arr.min()} to {arr.max()} tokens, "
+                                 f"expected 1 to {limit}")
 
     def __len__(self) -> int:
         return int(self.prompt.size)
@@ -110,17 +123,14 @@ def workload(name: str, seed: int = 0) -> Mix:
 
 def _count(value, line: int, col: str, where: str) -> int:
     if isinstance(value, str):
-        value = value.strip()
+        text = value.strip()
         try:
-            value = int(value)
+            value = int(text)
         except ValueError:
-            raise InputError(f"{where} line {line}: {col} is {value!r}, expected a whole number of tokens") from None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"{where} line {line}: {col} is {value!r}, expected a whole number of tokens")
-    low = 1
-    if value < low:
-        raise InputError(f"{where} line {line}: {col} is {value}, expected at least {low}")
-    return value
+            raise InputError(f"{where} line {line}: field '{col}' is {text!r}, expected a whole number of "
+                             "tokens") from None
+    limit = PROMPT_LIMIT if col == "prompt_tokens" else ANSWER_LIMIT
+    return int(require_number(value, col, lo=1, hi=limit, integer=True, where=f"{where} line {line}"))
 
 
 def read_trace(path: str | Path) -> Mix:
@@ -178,4 +188,5 @@ def get_mix(spec: str, seed: int = 0) -> Mix:
     return workload(spec, seed) if spec in WORKLOADS else read_trace(spec)
 
 
-__all__ = ["MIXED", "WORKLOADS", "Mix", "get_mix", "read_trace", "workload"]
+__all__ = ["ANSWER_LIMIT", "MIXED", "PROMPT_LIMIT", "WORKLOADS", "Mix", "check_request", "get_mix", "read_trace",
+           "workload"]

@@ -35,9 +35,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sparsedecode.dispatch.mix import WORKLOADS, Mix, get_mix
+from sparsedecode.dispatch.mix import WORKLOADS, Mix, check_request, get_mix
 from sparsedecode.dispatch.prices import ConfigPrice, PriceTable
 from sparsedecode.errors import InputError
+from sparsedecode.validate import (
+    require_bool,
+    require_dict,
+    require_list,
+    require_number,
+    require_str,
+)
 
 SEGMENT = 64  # tokens per pricing segment (App. I)
 BYTE_GATE, GATE, THRESHOLD_GATE = "byte gate", "gate", "threshold gate"
@@ -47,21 +54,34 @@ SINGLE_GATE = "gate, single branches"  # the gate restricted to configurations w
 # -- one request, pure Python (the runtime gate) ------------------------------------------
 def request_ms(price: ConfigPrice, prompt: int, answer: int) -> float:
     """Cost in ms of one request under one configuration (inf where infeasible is not
-    checked here: see `ConfigPrice.feasible`)."""
+    checked here: see `ConfigPrice.feasible`). Past the curve's last context every segment
+    costs its last step time, so the tokens from there on are priced at once (a 2^20-token
+    answer costs no more to price than a 64-token one)."""
     total, t = 0.0, 0
     at = price.curve.at
-    while t < answer:
+    flat = int(_flat_start(price.curve.contexts[-1], prompt, answer))
+    while t < flat:
         k = min(SEGMENT, answer - t)
         total += k * at(prompt + t + k / 2)
         t += k
+    total += (answer - t) * price.curve.ms[-1]
     if price.select is not None:
         total += 1000.0 * price.select.at(prompt)
     return total
 
 
+def _flat_start(last: int, prompt, answer):
+    """The first segment start (a multiple of SEGMENT, at most `answer`) at which the context
+    has passed `last`, where the curve is flat: every later segment's midpoint lies beyond it."""
+    return np.minimum(np.ceil(np.maximum(last - np.asarray(prompt, dtype=float), 0) / SEGMENT) * SEGMENT,
+                      answer).astype(np.int64)
+
+
 def choose(table: PriceTable, prompt: int, answer: int, specs: list[str]) -> tuple[str, dict[str, float]]:
     """The configuration of least predicted cost among `specs` for one request, and the
-    predicted cost in ms of each (inf where its KV budget cannot hold sinks and window)."""
+    predicted cost in ms of each (inf where its KV budget cannot hold sinks and window).
+    Sizes beyond `mix.PROMPT_LIMIT` and `mix.ANSWER_LIMIT` are refused."""
+    prompt, answer = check_request(prompt, answer)
     costs = {s: (request_ms(table.configs[s], prompt, answer) if table.configs[s].feasible(prompt, answer)
                  else math.inf) for s in specs}
     best = min(costs, key=costs.__getitem__)
@@ -71,15 +91,21 @@ def choose(table: PriceTable, prompt: int, answer: int, specs: list[str]) -> tup
 
 
 # -- a whole mix, vectorized ------------------------------------------------------------------
-def _integrate(step_ms, price: ConfigPrice, mix: Mix) -> np.ndarray:
+def _integrate(step_ms, price: ConfigPrice, mix: Mix, flat_from: int | None = None) -> np.ndarray:
     """Cost in ms (R,) of every request of `mix`: `step_ms` (a vectorized function of context)
-    summed over 64-token segments at their midpoints, plus the configuration's one-time cost."""
+    summed over 64-token segments at their midpoints, plus the configuration's one-time cost.
+    Where `step_ms` is constant from context `flat_from` on, the segments past it are priced
+    at once."""
     p, a = mix.prompt.astype(float), mix.answer
     total = np.zeros(len(mix))
-    for t in range(0, int(a.max()), SEGMENT):
-        k = np.clip(a - t, 0, SEGMENT)
+    stop = a if flat_from is None else _flat_start(flat_from, mix.prompt, a)
+    for t in range(0, int(stop.max()), SEGMENT):
+        k = np.where(stop > t, np.minimum(a - t, SEGMENT), 0)
         live = k > 0
         total[live] += k[live] * step_ms(p[live] + t + k[live] / 2)
+    if flat_from is not None:
+        rest = a - stop
+        total += rest * step_ms(np.array([float(flat_from)]))[0]
     if price.select is not None:
         total += 1000.0 * price.select.many(p)
     return total
@@ -88,7 +114,8 @@ def _integrate(step_ms, price: ConfigPrice, mix: Mix) -> np.ndarray:
 def cost_matrix(table: PriceTable, mix: Mix) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(specs, costs (C, R) in ms, feasible (C, R)) of every configuration on every request."""
     specs = table.specs
-    out = np.stack([_integrate(table.configs[s].curve.many, table.configs[s], mix) for s in specs])
+    out = np.stack([_integrate(table.configs[s].curve.many, table.configs[s], mix, table.configs[s].curve.contexts[-1])
+                    for s in specs])
     feas = np.stack([table.configs[s].feasible(mix.prompt, mix.answer) for s in specs])
     return specs, out, feas
 
@@ -207,37 +234,78 @@ def price_workloads(table: PriceTable, chosen: Mix, admissible: list[str], seed:
 
 
 # -- admissibility ------------------------------------------------------------------------------
-def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) -> tuple[list[str], dict[str, str]]:
+def verdict_spec(v, where: str) -> str:
+    """The configuration an 'admissibility' record judges, its fields checked (kind, model,
+    admissible, config keeps and method, reasons)."""
+    from sparsedecode.config import SparsityConfig
+
+    if not isinstance(v, dict) or v.get("kind") != "admissibility":
+        got = v.get("kind") if isinstance(v, dict) else type(v).__name__
+        raise InputError(f"{where} is a '{got}' record, expected 'admissibility' "
+                         "(sparsedecode eval admit --json > verdict.json)")
+    require_str(v.get("model"), "model", where=where)
+    require_bool(v.get("admissible"), "admissible", where=where)
+    reasons = v.get("reasons")
+    if reasons is not None:
+        for j, r in enumerate(require_list(reasons, "reasons", where=where, empty=True)):
+            require_str(r, f"reasons[{j}]", where=where, empty=True)
+    cfg = require_dict(v.get("config"), "config", where=where)
+    keeps = {}
+    for part in ("projection", "kv"):
+        sub = cfg.get(part)
+        sub = {} if sub is None else require_dict(sub, f"config.{part}", where=where)
+        keep = sub.get("keep", 1.0)
+        keeps[part] = float(require_number(keep, f"config.{part}.keep", lo=0, above=True, hi=1, where=where))
+        if sub.get("method") is not None:
+            require_str(sub["method"], f"config.{part}.method", where=where)
+    pk, kk = keeps["projection"], keeps["kv"]
+    kv_method = (cfg.get("kv") or {}).get("method")
+    kind = "both" if pk < 1 and kk < 1 else "proj" if pk < 1 else (
+        ("window" if kv_method == "window" else "sel") if kk < 1 else "dense")
+    return str(SparsityConfig.from_fields(kind, pk, kk))
+
+
+def check_verdict_model(table: PriceTable, v: dict, where: str) -> None:
+    """Refuse a verdict of another model than the table's: dims are compared when both carry
+    them, and the names otherwise (missing dims never skip the check)."""
+    from sparsedecode.account.dims import dims_from_dict
+    from sparsedecode.dispatch.prices import dims_differences
+
+    if v.get("dims") is not None and table.dims is not None:
+        diff = dims_differences(dims_from_dict(v["dims"], where), table.dims)
+        if diff:
+            raise InputError(f"{where} judges {v['model']}, whose dims differ from those of {table.model} that "
+                             f"the table prices ({', '.join(diff)}): give the verdicts of {table.model}")
+    elif v["model"] != table.model:
+        raise InputError(f"{where} judges {v['model']} and the table prices {table.model}, and "
+                         f"{'the verdict' if v.get('dims') is None else 'the table'} carries no dims to "
+                         f"compare: give the verdicts of {table.model} (sparsedecode eval admit --json)")
+
+
+def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False,
+               names: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(admissible specs, reason per configuration but dense) from 'admissibility' records (`sparsedecode
     eval admit --json`); dense needs none. With `assume`, every configuration is admitted and
     the reason says so. The paper's own timing records come with the paper's choice: its Table 5
     gate chooses among all the configurations of its sweep (§5.4), and so does ours on them
-    unless --admit records are given."""
-    from sparsedecode.config import SparsityConfig
-
+    unless --admit records are given. `names` names each verdict's file in messages. A verdict
+    of another model than the table's (other dims; without dims on both sides, another name)
+    is refused: it admits nothing here."""
     passed: dict[str, dict] = {}
     if verdicts:
         assume_paper = False
     else:
         assume_paper = table.source == "bytecross"
     for i, v in enumerate(verdicts):
-        if not isinstance(v, dict) or v.get("kind") != "admissibility":
-            got = v.get("kind") if isinstance(v, dict) else type(v).__name__
-            raise InputError(f"--admit record {i + 1} is a '{got}' record, expected 'admissibility' "
-                             "(sparsedecode eval admit --json > verdict.json)")
-        cfg = v.get("config") or {}
-        proj, kv = cfg.get("projection") or {}, cfg.get("kv") or {}
-        pk, kk = float(proj.get("keep", 1.0)), float(kv.get("keep", 1.0))
-        kind = "both" if pk < 1 and kk < 1 else "proj" if pk < 1 else (
-            ("window" if kv.get("method") == "window" else "sel") if kk < 1 else "dense")
-        spec = str(SparsityConfig.from_fields(kind, pk, kk))
-        passed[spec] = v
+        where = f"--admit {names[i]}" if names else f"--admit record {i + 1}"
+        passed[verdict_spec(v, where)] = v
+        check_verdict_model(table, v, where)
     ok, why = ["dense"], {}
     for spec in table.specs:
         if spec == "dense":
             continue
         if spec in passed:
-            if passed[spec].get("admissible"):
+            if passed[spec]["admissible"]:
                 ok.append(spec)
                 why[spec] = f"admitted by its quality record ({passed[spec].get('model')})"
             else:

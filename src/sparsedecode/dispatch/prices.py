@@ -35,12 +35,26 @@ from pathlib import Path
 import numpy as np
 
 from sparsedecode.account import ModelDims
+from sparsedecode.account.dims import dims_from_dict
 from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
+from sparsedecode.validate import (
+    require_bool,
+    require_dict,
+    require_field,
+    require_increasing,
+    require_list,
+    require_number,
+    require_str,
+)
 
 SELECT_REF_TOKENS = 32768  # --select-seconds is the selection's time on a prompt of this length
 SCHEMA = 1
 KIND = "gate_table"
+CONTEXT_LIMIT = 2**25  # tokens: a curve's contexts (a prompt of 2^24 and an answer of 2^20 fit)
+MS_LIMIT = 1e7  # ms per step: nearly three hours a token is a unit error, not a measurement
+SECONDS_LIMIT = 1e6  # seconds of one selection
+SOURCES = ("sparsedecode", "bytecross")
 
 
 def _positive_finite(v, what: str) -> float:
@@ -58,14 +72,16 @@ class Curve:
     ms: tuple[float, ...]
     cells: int = 0
 
+    where: str = field(default="a step curve", compare=False, repr=False)
+
     def __post_init__(self):
         if not self.contexts or len(self.contexts) != len(self.ms):
-            raise InputError("a step curve needs one step time per context, and at least one context")
-        if any(b <= a for a, b in zip(self.contexts, self.contexts[1:], strict=False)):
-            raise InputError(f"a step curve's contexts must increase, got {list(self.contexts)}")
+            raise InputError(f"{self.where}: a step curve needs one step time per context, and at least one "
+                             f"context (got {len(self.contexts)} contexts and {len(self.ms)} times)")
         for n, t in zip(self.contexts, self.ms, strict=True):
-            _positive_finite(n, "a curve context")
-            _positive_finite(t, f"the step ms at context {n}")
+            require_number(n, "contexts", lo=1, hi=CONTEXT_LIMIT, integer=True, where=self.where)
+            require_number(t, f"ms at context {n}", lo=0, above=True, hi=MS_LIMIT, where=self.where)
+        require_increasing(self.contexts, "contexts", where=self.where)
         object.__setattr__(self, "_lx", tuple(math.log(n) for n in self.contexts))
         object.__setattr__(self, "_ly", tuple(math.log(t) for t in self.ms))
 
@@ -77,6 +93,16 @@ class Curve:
             by.setdefault(int(n), []).append(math.log(_positive_finite(t, f"step ms at context {n}")))
         ctx = sorted(by)
         return cls(tuple(ctx), tuple(math.exp(sum(by[n]) / len(by[n])) for n in ctx), len(points))
+
+    @classmethod
+    def from_dict(cls, d, where: str) -> Curve:
+        d = require_dict(d, "curve", where=where)
+        contexts = require_list(require_field(d, "contexts", where=where, prefix="curve."), "curve.contexts",
+                                where=where)
+        ms = require_list(require_field(d, "ms", where=where, prefix="curve."), "curve.ms", where=where)
+        cells = d.get("cells", 0)
+        require_number(cells, "curve.cells", lo=0, integer=True, where=where)
+        return cls(tuple(contexts), tuple(ms), cells, where=f"{where}: curve")
 
     def at(self, n: float) -> float:
         """Step ms at context n (pure Python: the runtime gate calls this per request)."""
@@ -111,20 +137,21 @@ class SelectCost:
     contexts: tuple[int, ...] = ()
     seconds: tuple[float, ...] = ()
 
+    where: str = field(default="the selection cost (--select-seconds)", compare=False, repr=False)
+
     def __post_init__(self):
+        where = self.where
+        require_str(self.kind, "select.kind", choices=("per_token", "measured"), where=where)
         if self.kind == "per_token":
-            if self.seconds_at_32k is None or isinstance(self.seconds_at_32k, bool) or not (
-                    isinstance(self.seconds_at_32k, int | float) and math.isfinite(self.seconds_at_32k)
-                    and self.seconds_at_32k >= 0):
-                raise InputError(f"the selection time at 32K must be a finite number of seconds >= 0, "
-                                 f"got {self.seconds_at_32k!r} (--select-seconds)")
-        elif self.kind == "measured":
-            if not self.contexts or len(self.contexts) != len(self.seconds):
-                raise InputError("a measured selection cost needs one time per context")
-            if any(not (math.isfinite(s) and s >= 0) for s in self.seconds):
-                raise InputError(f"selection times must be finite and >= 0, got {list(self.seconds)}")
+            require_number(self.seconds_at_32k, "select.seconds_at_32k", lo=0, hi=SECONDS_LIMIT, where=where)
         else:
-            raise InputError(f"selection cost kind '{self.kind}' is not 'per_token' or 'measured'")
+            if not self.contexts or len(self.contexts) != len(self.seconds):
+                raise InputError(f"{where}: a measured selection cost needs one time per context, and at least "
+                                 f"one context (got {len(self.contexts)} contexts and {len(self.seconds)} times)")
+            for n, t in zip(self.contexts, self.seconds, strict=True):
+                require_number(n, "select.contexts", lo=1, hi=CONTEXT_LIMIT, integer=True, where=where)
+                require_number(t, f"select.seconds at context {n}", lo=0, hi=SECONDS_LIMIT, where=where)
+            require_increasing(self.contexts, "select.contexts", where=where)
 
     def at(self, n: float) -> float:
         if self.kind == "per_token":
@@ -143,11 +170,16 @@ class SelectCost:
         return {"kind": self.kind, "contexts": list(self.contexts), "seconds": list(self.seconds)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> SelectCost:
-        if not isinstance(d, dict):
-            raise InputError(f"a selection cost must be an object, got {d!r}")
-        return cls(d.get("kind"), d.get("seconds_at_32k"), tuple(d.get("contexts", ())),
-                   tuple(float(s) for s in d.get("seconds", ())))
+    def from_dict(cls, d, where: str = "a selection cost") -> SelectCost:
+        d = require_dict(d, "select", where=where)
+        kind = require_str(d.get("kind"), "select.kind", choices=("per_token", "measured"), where=where)
+        if kind == "per_token":
+            return cls(kind, d.get("seconds_at_32k"), where=where)
+        contexts = require_list(require_field(d, "contexts", where=where, prefix="select."), "select.contexts",
+                                where=where)
+        seconds = require_list(require_field(d, "seconds", where=where, prefix="select."), "select.seconds",
+                               where=where)
+        return cls(kind, None, tuple(contexts), tuple(seconds), where=where)
 
 
 @dataclass(frozen=True)
@@ -160,6 +192,15 @@ class ConfigPrice:
     select: SelectCost | None = None
     sinks: int = 4
     window: int = 64
+
+    def __post_init__(self):
+        where = f"configuration {self.spec}"
+        require_number(self.sinks, "sinks", lo=0, hi=CONTEXT_LIMIT, integer=True, where=where)
+        require_number(self.window, "window", lo=0, hi=CONTEXT_LIMIT, integer=True, where=where)
+        if self.uses_kv and self.select is None:
+            raise InputError(f"{where} selects KV entries but carries no selection cost: a missing cost is "
+                             "not a free selection; rebuild the table (sparsedecode dispatch table RECORDS "
+                             "--select-seconds S)")
 
     @property
     def mode(self) -> SparsityConfig:
@@ -219,10 +260,17 @@ class PriceTable:
         return self.configs[spec].curve.at(n)
 
     def check_engine(self, engine) -> None:
-        """Refuse to price an engine of other dims or on another device than the records."""
-        diff = [] if self.dims is None else [
-            f"{k} {getattr(self.dims, k)} vs {getattr(engine.dims, k)}" for k in self.dims.__dataclass_fields__
-            if k != "name" and getattr(self.dims, k) != getattr(engine.dims, k)]
+        """Refuse to price an engine of another model (other dims; without dims, another name)
+        or on another device than the records."""
+        if self.dims is None:
+            if self.model != engine.name:
+                raise InputError(
+                    f"the gate table was timed on {self.model} and carries no dims to compare; the engine runs "
+                    f"{engine.name}: build a gate table from timing records of {engine.name} (sparsedecode "
+                    "dispatch table RECORDS --out gate.json)")
+            diff = []
+        else:
+            diff = dims_differences(self.dims, engine.dims)
         if diff:
             raise InputError(
                 f"the gate table was timed on {self.model} and the engine runs {engine.name}, whose dims "
@@ -255,28 +303,64 @@ class PriceTable:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "gate table") -> PriceTable:
+        """A table from its JSON; every field's type and range is checked, and a bad one is
+        refused in one line naming `where`, the field, its value and what is expected."""
         if not isinstance(d, dict) or d.get("kind") != KIND:
             got = d.get("kind") if isinstance(d, dict) else type(d).__name__
             raise InputError(f"{where}: not a gate table (kind {got!r}, expected '{KIND}'); make one "
                              "with sparsedecode dispatch table RECORDS --out gate.json")
-        try:
-            configs = {}
-            for spec, c in d["configs"].items():
+        if "schema" in d:
+            require_number(d["schema"], "schema", lo=SCHEMA, hi=SCHEMA, integer=True, where=where)
+        configs_in = require_dict(require_field(d, "configs", where=where), "configs", where=where)
+        configs = {}
+        for spec, c in configs_in.items():
+            at = f"{where}: configuration {spec}"
+            try:
                 SparsityConfig.parse(spec)
-                cv = c["curve"]
-                configs[spec] = ConfigPrice(
-                    spec, Curve(tuple(int(n) for n in cv["contexts"]), tuple(float(t) for t in cv["ms"]),
-                                int(cv.get("cells", 0))),
-                    None if c.get("select") is None else SelectCost.from_dict(c["select"]),
-                    int(c.get("sinks", 4)), int(c.get("window", 64)))
-            dims = None if d.get("dims") is None else ModelDims(**d["dims"])
-            return cls(d["model"], dims, d["gpu"], d.get("device", "cuda"), d.get("dtype"),
-                       d.get("attention"), d.get("source", "sparsedecode"), tuple(d.get("records", ())),
-                       configs, dict(d.get("admissibility") or {}), tuple(d.get("notes", ())))
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            if isinstance(err, InputError):
-                raise InputError(f"{where}: {err}") from None
-            raise InputError(f"{where}: malformed gate table ({type(err).__name__}: {err})") from None
+            except InputError as e:
+                raise InputError(f"{where}: configuration name {spec!r}: {e}") from None
+            c = require_dict(c, f"configs.{spec}", where=where)
+            select = c.get("select")
+            configs[spec] = _config_price(
+                spec, Curve.from_dict(require_field(c, "curve", where=at), at),
+                None if select is None else SelectCost.from_dict(select, at),
+                c.get("sinks", 4), c.get("window", 64), at)
+        dims = None if d.get("dims") is None else dims_from_dict(d["dims"], where)
+        opt = lambda k: None if d.get(k) is None else require_str(d[k], k, where=where)  # noqa: E731
+        strings = lambda k: tuple(require_str(x, f"{k}[{i}]", where=where, empty=True)  # noqa: E731
+                                  for i, x in enumerate(require_list(d.get(k, []), k, where=where, empty=True)))
+        admissibility = require_dict(d.get("admissibility") or {}, "admissibility", where=where)
+        for spec, e in admissibility.items():
+            if spec not in configs:
+                raise InputError(f"{where}: field 'admissibility' names {spec!r}, which is not one of the "
+                                 f"table's configurations ({', '.join(configs)})")
+            e = require_dict(e, f"admissibility.{spec}", where=where)
+            require_bool(e.get("admitted"), f"admissibility.{spec}.admitted", where=where)
+            if e.get("reason") is not None:
+                require_str(e["reason"], f"admissibility.{spec}.reason", where=where, empty=True)
+        try:
+            return cls(require_str(d.get("model"), "model", where=where), dims,
+                       require_str(d.get("gpu"), "gpu", where=where),
+                       require_str(d.get("device", "cuda"), "device", where=where), opt("dtype"), opt("attention"),
+                       require_str(d.get("source", "sparsedecode"), "source", choices=SOURCES, where=where),
+                       strings("records"), configs, admissibility, strings("notes"))
+        except InputError as err:
+            if str(err).startswith(where):
+                raise
+            raise InputError(f"{where}: {err}") from None
+
+
+def _config_price(spec, curve, select, sinks, window, where) -> ConfigPrice:
+    try:
+        return ConfigPrice(spec, curve, select, sinks, window)
+    except InputError as e:  # name the file: ConfigPrice names only the configuration
+        raise InputError(f"{where.rsplit(': configuration', 1)[0]}: {e}") from None
+
+
+def dims_differences(a: ModelDims, b: ModelDims) -> list[str]:
+    """'field a vs b' for each field but the name in which two models' dims differ."""
+    return [f"{k} {getattr(a, k)} vs {getattr(b, k)}" for k in a.__dataclass_fields__
+            if k != "name" and getattr(a, k) != getattr(b, k)]
 
 
 def device_name(device) -> str:
@@ -382,4 +466,4 @@ def select_seconds_of(record: dict, where: str = "--select-record") -> float:
 
 
 __all__ = ["KIND", "SELECT_REF_TOKENS", "ConfigPrice", "Curve", "PriceTable", "SelectCost", "device_name",
-           "from_records", "select_seconds_of"]
+           "dims_differences", "from_records", "select_seconds_of"]

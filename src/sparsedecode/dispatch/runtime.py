@@ -28,6 +28,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from sparsedecode.dispatch.mix import check_request
 from sparsedecode.dispatch.policies import choose
 from sparsedecode.dispatch.prices import PriceTable
 from sparsedecode.errors import InputError
@@ -104,8 +105,9 @@ class RuntimeGate:
         """The admissible configuration of least predicted cost for one request, or `spec`
         (one of `specs`) priced for it: infinite where its selection cannot run."""
         t0 = time.perf_counter()
-        answer = max(int(max_new_tokens), 1)
-        best, costs = choose(self.table, int(prompt_tokens), answer, self.specs)
+        prompt_tokens, max_new_tokens = check_request(prompt_tokens, max_new_tokens, answer_lo=0)
+        answer = max(max_new_tokens, 1)
+        best, costs = choose(self.table, prompt_tokens, answer, self.specs)
         if spec is not None:
             if spec not in self.specs:
                 raise InputError(f"configuration {spec} is not one the gate may run ({', '.join(self.specs)})")

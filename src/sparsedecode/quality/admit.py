@@ -115,6 +115,7 @@ class Verdict:
     retrieval: list[Retrieval]
     ppl: Budget
     reasons: list[str] = field(default_factory=list)
+    dims: dict | None = None  # the model's dims (ModelDims fields): a gate table compares them
 
     @property
     def admissible(self) -> bool:
@@ -257,7 +258,7 @@ def admit(ppl: dict, passkey: dict, multikey: dict, budget: float, *, use_upper:
             reasons.append(f"{t.test} misses {len(t.failures)} of the {t.dense_correct} placements dense answers")
     if not b.passed:
         reasons.append(f"ΔPPL {b.estimate} {b.value:+.4f} exceeds the budget {b.budget:g}")
-    return Verdict(ppl["model"].get("name"), ppl["config"], tests, b, reasons)
+    return Verdict(ppl["model"].get("name"), ppl["config"], tests, b, reasons, ppl["model"].get("dims"))
 
 
 __all__ = ["Budget", "Failure", "Retrieval", "Verdict", "admit", "check_same", "config_label", "retrieval"]

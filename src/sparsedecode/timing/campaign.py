@@ -59,7 +59,7 @@ from pathlib import Path
 
 from sparsedecode.errors import InputError
 from sparsedecode.timing.cell import CellSpec, model_window
-from sparsedecode.timing.folder import read_cell, retire, spec_differences, write_atomic
+from sparsedecode.timing.folder import finished, retire, spec_differences, write_atomic
 from sparsedecode.timing.neighbors import check_alone
 from sparsedecode.timing.processes import TermAsInterrupt, launch, stop
 from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is part of a campaign)
@@ -262,8 +262,7 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
     for c in cells:
         path = record_path(folder, c)
         if path.exists():
-            rec = read_cell(path)
-            if rec is not None and rec.get("status") == "ok":
+            if finished(path)[1] is None:
                 summary.skipped += 1
                 continue
             retire(folder, path)
@@ -329,13 +328,14 @@ def _log_path(folder: Path, cell: CellSpec) -> Path:
 
 def _settle(folder: Path, cell: CellSpec, rc: int, start: int) -> dict:
     """The record of a finished cell process; when it died without one (killed, out of
-    memory), a 'failed' record with its exit code and the end of its log."""
+    memory), a 'failed' record with its exit code and the end of its log. An 'ok' record
+    without its timings counts as failed (its file stays, and a resume retries it)."""
     from sparsedecode.records import stamp, write_record
 
     path = record_path(folder, cell)
-    rec = read_cell(path) if path.exists() else None
+    rec, why = finished(path) if path.exists() else (None, None)
     if rec is not None:
-        return rec
+        return rec if why is None or rec.get("status") != "ok" else {**rec, "status": "failed", "error": why}
     log = _log_path(folder, cell)
     tail = log.read_bytes()[start:].decode(errors="replace").rstrip().splitlines()[-20:] if log.exists() else []
     rec = stamp({"kind": "timing_cell", "status": "failed", "campaign": cell.campaign, "block": cell.block,
@@ -352,8 +352,8 @@ def _tally(summary: Summary, cell: CellSpec, rec: dict, echo) -> None:
     where = f"{cell.group} {cell.cell} n={cell.context} b{cell.block}"
     if rec.get("status") == "ok":
         summary.ok += 1
-        echo(f"{where}: {rec['ms_per_token']:.3f} ms/token, {rec['tokens_per_sec']:.1f} tok/s, "
-             f"bound {rec['byte_bound']:.3f}x")
+        bound = "" if rec.get("byte_bound") is None else f", bound {rec['byte_bound']:.3f}x"
+        echo(f"{where}: {rec['ms_per_token']:.3f} ms/token, {rec['tokens_per_sec']:.1f} tok/s{bound}")
     else:
         error = _first_line(rec.get("error"))
         summary.failed += 1
@@ -519,21 +519,21 @@ def status(folder: str | os.PathLike) -> dict:
         raise InputError(f"{folder} is not a campaign folder (no {SPEC_FILE}); "
                          "start one with `sparsedecode campaign run SPEC --out DIR`")
     spec = load_spec(saved)
-    groups = {g.group: {"done": 0, "failed": 0, "pending": 0} for g in spec.grids}
     pending, failed = [], []
     cells = plan(spec)
+    groups = {c.group: {"done": 0, "failed": 0, "pending": 0} for c in cells}  # a variant is a group
     stamps = []
     for c in cells:
         path = record_path(folder, c)
-        rec = read_cell(path) if path.exists() else None
+        rec, why = finished(path) if path.exists() else (None, None)
         what = {"group": c.group, "cell": c.cell, "context": c.context, "block": c.block,
                 "mode": c.mode, "order": c.order, "path": str(path)}
-        if rec is not None and rec.get("status") == "ok":
+        if path.exists() and why is None:
             groups[c.group]["done"] += 1
             stamps.append(rec.get("timestamp"))
         elif path.exists():
             groups[c.group]["failed"] += 1
-            failed.append({**what, "error": _first_line((rec or {}).get("error", "unreadable record"))})
+            failed.append({**what, "error": _first_line(why)})
         else:
             groups[c.group]["pending"] += 1
             pending.append(what)

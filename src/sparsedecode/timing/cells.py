@@ -19,12 +19,20 @@ from the byte account. Which format a folder holds is decided by the records'
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sparsedecode.account import ModelDims, known_model
+from sparsedecode.account.dims import dims_from_dict
 from sparsedecode.errors import InputError
-from sparsedecode.timing.paper import PaperCell, check_runs, load_campaign, record_field
+from sparsedecode.timing.paper import (
+    PaperCell,
+    check_positive,
+    check_runs,
+    load_campaign,
+    record_field,
+)
 
 KIND = "timing_cell"
 _NUM = (int, float)
@@ -179,13 +187,20 @@ def _read_json(path: Path) -> dict:
     return obj
 
 
-def _ok_cell(obj: dict, path: Path, campaign: str) -> tuple[PaperCell, CellExtras]:
+def check_ok_record(obj: dict, path: Path, campaign: str | None = None) -> tuple[PaperCell, CellExtras]:
+    """The cell and extras of a finished ('ok') timing record, every field checked: the one
+    validator of timing records that report, dispatch, merge, a resume and `campaign status`
+    apply. Missing timing fields, NaN, infinity and non-positive times are refused (file and
+    field named)."""
+    campaign = campaign if campaign is not None else path.parent.parent.parent.name
     v = {name: record_field(obj, name, types, path, required=True) for name, types in _REQUIRED.items()}
     runs = check_runs(v["tokens_per_sec_runs"], path)
-    for name in ("ms_per_token", "context"):
-        if v[name] <= 0:
-            raise InputError(f"{path}: field '{name}' must be positive, got {v[name]!r}")
+    check_positive(v, path)
     x = {name: record_field(obj, name, types, path, required=False) for name, types in _EXTRAS.items()}
+    check_positive(x, path, ("step_ms_median", "bytes_per_step", "achieved_gbps", "byte_bound"))
+    for k, t in (x["one_time"] or {}).items():
+        if isinstance(t, bool) or (isinstance(t, int | float) and not (math.isfinite(t) and t >= 0)):
+            raise InputError(f"{path}: field 'one_time.{k}' is {t}, expected a finite number of seconds >= 0")
     cell = PaperCell(
         campaign=campaign,
         path=path,
@@ -273,16 +288,17 @@ def _one(values: dict[str, Path], what: str, folder: Path) -> str:
     return next(iter(values))
 
 
-def _dims(model: dict | None, name: str) -> tuple[ModelDims | None, str]:
-    """Dims from a record's model.dims (ModelDims fields or a HF config), else by known name."""
+def _dims(model: dict | None, name: str, where: Path | None) -> tuple[ModelDims | None, str]:
+    """Dims from a record's model.dims (ModelDims fields or a HF config), else by known name.
+    ModelDims fields that describe no model (zero KV heads, a field missing) are refused,
+    never replaced by the known model's."""
     dims = (model or {}).get("dims") if isinstance(model, dict) else None
     if isinstance(dims, dict):
+        if set(dims) <= set(ModelDims.__dataclass_fields__):
+            return dims_from_dict(dims, str(where)), "dims from the records' model.dims"
         try:
-            fields = set(ModelDims.__dataclass_fields__)
-            if set(dims) <= fields:
-                return ModelDims(**dims), "dims from the records' model.dims"
             return ModelDims.from_config(dims, name=name), "dims from the records' model config"
-        except (InputError, TypeError):
+        except InputError:
             pass
     return known_dims(name)
 
@@ -329,7 +345,7 @@ def load_cells(folder: str | Path) -> CampaignCells:
     campaign = folder.name
     cells, extras, failed = [], {}, []
     models, gpus, devices = {}, {}, {}
-    model_obj = None
+    model_obj, model_path = None, None
     for path, obj in objs:
         status = obj.get("status")
         if status not in ("ok", "failed"):
@@ -340,15 +356,16 @@ def load_cells(folder: str | Path) -> CampaignCells:
         if status == "failed":
             failed.append(_failed_cell(obj, path))
             continue
-        cell, extra = _ok_cell(obj, path, campaign)
+        cell, extra = check_ok_record(obj, path, campaign)
         devices.setdefault(obj["device"], path)
         cells.append(cell)
         extras[path] = extra
-        model_obj = model_obj or obj.get("model")
+        if model_obj is None and obj.get("model"):
+            model_obj, model_path = obj["model"], path
     model = _one(models, "model", folder) if models else "unknown"
     gpu = _one(gpus, "GPU", folder) if gpus else "unknown"
     device = _one(devices, "device", folder) if devices else ("cpu" if gpu == "CPU" else "cuda")
-    dims, note = _dims(model_obj, model)
+    dims, note = _dims(model_obj, model, model_path)
     out = _finish(folder, campaign, "sparsedecode", model, gpu, device, cells, extras, failed,
                   dims, note)
     retired = folder / "failed"
@@ -399,5 +416,5 @@ def _finish(folder, campaign, source, model, gpu, device, cells, extras, failed,
     )
 
 
-__all__ = ["KIND", "CampaignCells", "CellExtras", "FailedCell", "MissingPair", "known_dims",
+__all__ = ["KIND", "CampaignCells", "CellExtras", "FailedCell", "MissingPair", "check_ok_record", "known_dims",
            "load_cells"]

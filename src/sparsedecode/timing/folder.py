@@ -44,6 +44,29 @@ def read_cell(path: Path) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
+def finished(path: Path) -> tuple[dict | None, str | None]:
+    """(record, None) when the record at `path` is a finished cell: kind 'timing_cell', status
+    'ok' and every timing field present, finite and positive (`cells.check_ok_record`, as
+    report and dispatch check it); otherwise (the record or None, why it is not). A record
+    that only says {"status": "ok"} is not a finished cell: a resume moves it to DIR/failed/
+    and runs the cell again."""
+    from sparsedecode.errors import InputError
+    from sparsedecode.timing.cells import KIND, check_ok_record
+
+    rec = read_cell(path)
+    if rec is None:
+        return None, "unreadable record (not UTF-8 JSON holding an object)"
+    if rec.get("status") != "ok":
+        return rec, str(rec.get("error") or f"status {rec.get('status')!r}")
+    if rec.get("kind") != KIND:
+        return rec, f"incomplete record: kind {rec.get('kind')!r}, expected '{KIND}'"
+    try:
+        check_ok_record(rec, path)
+    except InputError as e:
+        return rec, f"incomplete record: {e}"
+    return rec, None
+
+
 def failed_path(folder: Path, group: str, stem: str, taken=()) -> Path:
     """DIR/failed/{group}/{stem}.{k}.json with the first k free on disk and not in `taken`."""
     k = 1
@@ -60,4 +83,4 @@ def retire(folder: Path, path: Path) -> Path:
     return dest
 
 
-__all__ = ["failed_path", "read_cell", "retire", "spec_differences", "write_atomic"]
+__all__ = ["failed_path", "finished", "read_cell", "retire", "spec_differences", "write_atomic"]

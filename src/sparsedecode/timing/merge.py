@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparsedecode.errors import InputError
-from sparsedecode.timing.folder import failed_path, read_cell, spec_differences, write_atomic
+from sparsedecode.timing.folder import failed_path, finished, spec_differences, write_atomic
 from sparsedecode.timing.spec import SPEC_FILE, load_spec
 
 CEILING = "ceiling.json"
@@ -52,9 +52,10 @@ class MergeSummary:
 
 
 def _status(path: Path) -> str | None:
-    """'ok', 'failed' (any other status), or None for a file that is not a JSON record."""
-    rec = read_cell(path)
-    return None if rec is None else ("ok" if rec.get("status") == "ok" else "failed")
+    """'ok' (a finished cell, its timing fields checked), 'failed' (any other status, or an
+    'ok' record that lacks or spoils its timings), or None for a file that is not a JSON record."""
+    rec, why = finished(path)
+    return None if rec is None else ("ok" if why is None else "failed")
 
 
 def _digest(path: Path) -> str:

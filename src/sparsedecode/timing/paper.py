@@ -11,6 +11,7 @@ frozen dataclasses and nothing else: the statistics live in ``stats.py``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,20 @@ def record_field(obj: dict, name: str, types: tuple[type, ...], path: Path, *, r
             f"{path}: field '{name}' is {value!r}, expected {'/'.join(t.__name__ for t in types)}"
             + ("" if required else " or null")
         )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{path}: field '{name}' is {value}, expected a finite number")
     return value
+
+
+TIMES = ("ms_per_token", "tokens_per_sec", "context")  # positive in every finished record
+
+
+def check_positive(values: dict, path: Path, names=TIMES) -> None:
+    """Each of `names` in `values` (already typed by record_field) is > 0 when present."""
+    for name in names:
+        v = values.get(name)
+        if v is not None and not v > 0:
+            raise InputError(f"{path}: field '{name}' is {v!r}, expected a positive number")
 
 
 def _field(obj: dict, name: str, types: tuple[type, ...], path: Path):
@@ -93,10 +107,10 @@ def _optional(obj: dict, name: str, types: tuple[type, ...], path: Path):
 def check_runs(runs: list, path: Path) -> list:
     """`runs` (a record's tokens_per_sec_runs) when it is a non-empty list of positive numbers."""
     if not runs or not all(
-        isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in runs
+        isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in runs
     ):
         raise InputError(
-            f"{path}: field 'tokens_per_sec_runs' must be a non-empty list of positive numbers"
+            f"{path}: field 'tokens_per_sec_runs' must be a non-empty list of positive finite numbers"
         )
     return runs
 
@@ -114,8 +128,7 @@ def read_cell(path: str | Path, campaign: str | None = None) -> PaperCell:
         raise InputError(f"{path}: timing record is a {type(obj).__name__}, expected a JSON object")
     v = {name: _field(obj, name, types, path) for name, types in _REQUIRED.items()}
     runs = check_runs(v["tokens_per_sec_runs"], path)
-    if v["ms_per_token"] <= 0 or v["context"] <= 0:
-        raise InputError(f"{path}: fields 'ms_per_token' and 'context' must be positive")
+    check_positive(v, path)
     return PaperCell(
         campaign=campaign if campaign is not None else path.parent.name,
         path=path,

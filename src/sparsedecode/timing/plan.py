@@ -17,6 +17,7 @@ first; `report` on the crossing campaign then sets it beside the measured crossi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from sparsedecode.errors import InputError
@@ -228,24 +229,41 @@ def crossing_contexts(predicted: float, spacing: int, half_width: int, window: i
 def crossing_spec(pred: dict, name: str, contexts: list[int], blocks: int, cell: dict) -> str:
     """The campaign TOML that measures the predicted crossing: proj and sel at `contexts` (no
     dense cell: the crossing pairs the two within each block, as the paper's crossing campaigns),
-    with the sweep's model, init, dtype, device and fill (`cell`: one of its records)."""
+    with the sweep's model, init, dtype, device and fill (`cell`: one of its records). The names
+    it writes (model, modes, settings) come from records, so the text is checked as a campaign
+    spec before it is returned: a bad name is refused before anything is written."""
+    from sparsedecode.timing.spec import parse_spec
+
     if blocks < 3:
         raise InputError(f"--blocks {blocks}: a crossing interval over block resamples wants at least 3")
-    head = (f"# The crossing of {pred['proj']} and {pred['sel']} on {pred['model']} dims, measured around its\n"
+    model = pred.get("model")
+    if not isinstance(model, str) or not model.strip() or not model.isprintable() or '"' in model \
+            or "\\" in model or len(model) > 300:
+        raise InputError(f"the sweep's records name the model {str(model)[:80]!r}, which a campaign spec cannot "
+                         "hold: expected a known model name, a hub id or a config path")
+    q = json.dumps  # a TOML basic string: quotes and backslashes escaped
+    head = (f"# The crossing of {pred['proj']} and {pred['sel']} on {model} dims, measured around its\n"
             f"# cost-aware prediction of {pred['predicted_tokens']:.0f} tokens (App. D), which\n"
             f"# `sparsedecode campaign plan-crossing {pred['source']} --group {pred['group']}{_pair_flags(pred)}`\n"
             "# wrote and "
             "committed before this campaign ran (ByteCross App. E: contexts at most 8K apart).\n#\n"
             f"#   sparsedecode campaign run <this file> --out DIR\n\n")
+    if any("\n" in str(v) or "\r" in str(v) for v in (pred["proj"], pred["sel"], pred["source"], pred["group"])):
+        raise InputError("the prediction's modes, source and group must be single-line names")
     ctx = ", ".join(str(n) for n in contexts)
-    return head + "\n".join([
-        f'name = "{name}"', f'model = "{pred["model"]}"', f'init = "{cell.get("model", {}).get("init", "random")}"',
-        f'dtype = "{cell["dtype"]}"', f'device = "{cell["device"]}"', f"blocks = {blocks}", "repeats = 5",
-        "steps = 50", "warmup = 5", f'fill = "{cell.get("fill", "random")}"', "seed = 0", "",
+    text = head + "\n".join([
+        f"name = {q(name)}", f"model = {q(model)}", f'init = {q(cell.get("model", {}).get("init", "random"))}',
+        f'dtype = {q(cell.get("dtype"))}', f'device = {q(cell.get("device"))}', f"blocks = {blocks}", "repeats = 5",
+        "steps = 50", "warmup = 5", f'fill = {q(cell.get("fill", "random"))}', "seed = 0", "",
         "[[grid]]", 'group = "crossing"', f"contexts = [{ctx}]",
-        f'modes = ["{pred["proj"]}", "{pred["sel"]}"]', 'pairs = "crossing"',
-        f'attention = "{cell.get("attention", "split_k")}"', "",
+        f"modes = [{q(pred['proj'])}, {q(pred['sel'])}]", 'pairs = "crossing"',
+        f'attention = {q(cell.get("attention", "split_k"))}', "",
     ])
+    try:
+        parse_spec(text, where="the crossing campaign")
+    except InputError as e:
+        raise InputError(f"{e} (from the sweep's records; nothing was written)") from None
+    return text
 
 
 def _pair_flags(pred: dict) -> str:
