@@ -422,8 +422,8 @@ def cached_teal(engine, keep: float, tokens: int = 8192, text_file=None, progres
 
     keep = check_keep(keep, "--proj-keep")
     path = wikitext_path("valid", text_file)
-    text = f"{path.stem}-{sha256_of(path)[:12]}"
-    out = cache_dir() / "thresholds" / f"{engine.name}-teal-{keep:g}-{tokens}-{text}.safetensors"
+    text = sha256_of(path)[:16]  # the content names the file: the same text anywhere, other text anew
+    out = cache_dir() / "thresholds" / f"{engine.name}-teal-{keep:g}-{tokens}-text{text}.safetensors"
     if out.is_file():
         return Thresholds.load(out)
     ids = text_ids(engine.tokenizer, path)
