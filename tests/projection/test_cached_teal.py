@@ -44,8 +44,8 @@ def test_the_cache_is_keyed_by_the_texts_content(tiny, texts, tmp_path, capsys, 
     th_a = calibrate.cached_teal(tiny, 0.5, tokens=512, text_file=a, progress=True)
     err = capsys.readouterr().err
     (cached,) = (tmp_path / "cache/thresholds").iterdir()
-    assert "calibrating TEAL thresholds for keep 0.5" in err and "done once" in err
-    assert f"cached at {cached}" in err and f"--thresholds {cached}" in err
+    assert "calibrating TEAL thresholds for keep 0.5 on 512 tokens of t.txt, once" in err
+    assert f"reuse them from {cached}" in err and "--thresholds FILE" in err
     assert Thresholds.load(cached).values == pytest.approx(th_a.values, rel=1e-6)
 
     th_b = calibrate.cached_teal(tiny, 0.5, tokens=512, text_file=b, progress=False)  # same name, other text

@@ -432,9 +432,9 @@ def cached_teal(engine, keep: float, tokens: int = 8192, text_file=None, progres
     if progress:
         import sys
 
-        print(f"[calibrating TEAL thresholds for keep {keep:g} on {tokens:,} tokens of {path.name}: done once "
-              f"per model, keep and text, then cached at {out}; pass --thresholds {out} to reuse them "
-              "anywhere]", file=sys.stderr, flush=True)
+        print(f"[calibrating TEAL thresholds for keep {keep:g} on {tokens:,} tokens of {path.name}, once per "
+              f"model, keep and text: later runs reuse them from {out}, and --thresholds FILE takes that "
+              "file anywhere]", file=sys.stderr, flush=True)
     th = get_calibrator("teal", keep=keep).calibrate(
         engine, ids[:tokens], text=f"{path.name}[:{tokens}]", progress=progress
     )
