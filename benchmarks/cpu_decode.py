@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
+from sparsedecode.corpus import wikitext_path
+
 ROOT = Path(__file__).resolve().parents[1]
-WIKITEXT = ROOT.parent / "shared/data/wikitext-2-raw/wiki.test.raw"
 TARGET = 1.5  # issue 26: >= 1.5x transformers' generate at the defaults, 2 threads, 1K prompt, 128 tokens
 
 
@@ -68,7 +69,7 @@ def load_ours(a, compile: bool):
     import sparsedecode
 
     eng = sparsedecode.load(a.model, device="cpu", dtype="float32", compile=compile or None, quiet=True)
-    ids = eng.tokenizer(WIKITEXT.read_text(encoding="utf-8")[: 40 * a.context])["input_ids"][: a.context]
+    ids = eng.tokenizer(wikitext_path("test").read_text(encoding="utf-8")[: 40 * a.context])["input_ids"][: a.context]
     assert len(ids) == a.context, "WikiText-2 test split too short for --context"
     ours_decode(eng, ids[:64], 8)  # warm-up (and compilation)
     return eng, ids

@@ -6,19 +6,15 @@ $SPARSEDECODE_CACHE), so reruns only pay for dequantization.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw"
 
 
 @pytest.fixture(scope="session")
 def wikitext_test() -> str:
-    path = WIKITEXT / "wiki.test.raw"
-    if not path.is_file():
-        pytest.skip(f"WikiText-2 raw test split not found at {path} (../shared next to the checkout)")
-    return path.read_text(encoding="utf-8")
+    """WikiText-2 raw test, the copy the package ships (unpacked into the cache on first use)."""
+    from sparsedecode.corpus import wikitext_path
+
+    return wikitext_path("test").read_text(encoding="utf-8")
 
 
 _ENGINES: dict = {}

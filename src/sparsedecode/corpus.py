@@ -4,8 +4,10 @@ The token stream of a split is the whole raw file tokenized as one string,
 without special tokens (ByteCross App. A 'Quality protocols'; issue 7 item 1),
 so window i of a protocol is the same text for every configuration. The files
 come from `--text-file` (a folder holding `wiki.test.raw` / `wiki.valid.raw`,
-or any text file), and by default from `../shared/data/wikitext-2-raw` beside
-the repository. Tokenized streams are kept in memory per (file, tokenizer).
+or any text file), and by default from the copy shipped in the package
+(`data/wikitext-2-raw/*.xz`, CC BY-SA 3.0, its SOURCE.md), unpacked into the
+cache on first use and checked against the pinned sha256 (`SHIPPED`). Tokenized
+streams are kept in memory per (file, tokenizer).
 
 It sits below `projection/` (docs/architecture.md): calibration and evaluation read the
 same text, and a calibrator reading it does not import `quality/`.
@@ -13,28 +15,66 @@ same text, and a calibrator reading it does not import `quality/`.
 
 from __future__ import annotations
 
+import lzma
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
+from sparsedecode.cache import cache_dir, sha256_of
 from sparsedecode.errors import InputError
 
-# src/sparsedecode/corpus.py -> parents[2] is the checkout; shared/ sits beside it.
-DEFAULT_WIKITEXT = Path(__file__).resolve().parents[2].parent / "shared/data/wikitext-2-raw"
 SPLITS = {"test": "wiki.test.raw", "valid": "wiki.valid.raw", "validation": "wiki.valid.raw"}
+# sha256 of each shipped file once unpacked (the canonical wikitext-2-raw files; SOURCE.md)
+SHIPPED = {
+    "wiki.test.raw": "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08",
+    "wiki.valid.raw": "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7",
+}
+PACKAGED = Path(__file__).resolve().parent / "data" / "wikitext-2-raw"
 
 _CACHE: dict[tuple, list[int]] = {}
+_CHECKED: set[Path] = set()  # unpacked files whose sha256 this process has checked
+
+
+def shipped_text(name: str) -> Path:
+    """The unpacked shipped file `name` (a key of `SHIPPED`) under the cache: unpacked from the
+    package's .xz on first use, or again where the cached copy is not the pinned one."""
+    dest = cache_dir() / "data" / "wikitext-2-raw" / name
+    if dest in _CHECKED:
+        return dest
+    pinned = SHIPPED[name]
+    if not (dest.is_file() and sha256_of(dest) == pinned):
+        packed = PACKAGED / f"{name}.xz"
+        if not packed.is_file():
+            raise InputError(f"the package's copy of {name} ({packed}) is missing: reinstall sparsedecode, "
+                             "or pass --text-file FILE")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=f".{name}-", delete=False) as tmp:
+            with lzma.open(packed) as src:
+                shutil.copyfileobj(src, tmp)
+        got = sha256_of(tmp.name)
+        if got != pinned:
+            os.unlink(tmp.name)
+            raise InputError(f"{packed} unpacks to sha256 {got[:12]}..., not the pinned {pinned[:12]}...: "
+                             "the package is damaged; reinstall sparsedecode")
+        os.chmod(tmp.name, 0o644)  # a temporary file is private; the text is not
+        os.replace(tmp.name, dest)  # whole or not at all: a second process sees no half file
+    _CHECKED.add(dest)
+    return dest
 
 
 def wikitext_path(split: str = "test", source: str | os.PathLike | None = None) -> Path:
-    """The raw file of `split` ('test' or 'valid') in `source` (a folder or a text file)."""
+    """The raw file of `split` ('test' or 'valid') in `source` (a folder or a text file), by
+    default the shipped one (`shipped_text`)."""
     if split not in SPLITS:
         raise InputError(f"unknown WikiText-2 split '{split}': use 'test' or 'valid'")
-    root = Path(source).expanduser() if source is not None else DEFAULT_WIKITEXT
+    if source is None:
+        return shipped_text(SPLITS[split])
+    root = Path(source).expanduser()
     path = root / SPLITS[split] if root.is_dir() else root
     if not path.is_file():
-        where = "the default folder" if source is None else "--text-file"
         raise InputError(
-            f"no text at {path} ({where}); pass --text-file FILE (any text file) or a folder "
+            f"no text at {path} (--text-file); pass --text-file FILE (any text file) or a folder "
             "holding wiki.test.raw and wiki.valid.raw (WikiText-2 raw)"
         )
     return path
@@ -71,4 +111,4 @@ def wikitext_ids(tokenizer, split: str = "test", source: str | os.PathLike | Non
     return text_ids(tokenizer, wikitext_path(split, source))
 
 
-__all__ = ["DEFAULT_WIKITEXT", "text_ids", "wikitext_ids", "wikitext_path"]
+__all__ = ["SHIPPED", "require_tokens", "shipped_text", "text_ids", "wikitext_ids", "wikitext_path"]

@@ -13,7 +13,7 @@ CPU_CELLS = Path(__file__).resolve().parents[2] / "benchmarks/records/cpu/dispat
 def paper(name: str) -> Path:
     path = RECORDS / name
     if not path.is_dir():
-        pytest.skip(f"ByteCross records not found at {path} (../shared next to the checkout)")
+        pytest.skip(f"ByteCross records not found at {path} (data/bytecross in the checkout)")
     return path
 
 

@@ -103,7 +103,7 @@ def test_generate_refuses_a_gate_of_another_model(tmp_path, capsys):
     one_line_error(r, "--gate chooses the configuration per request")
 
 
-def test_generate_under_a_cpu_gate_reports_its_choice(tmp_path, capsys, wikitext_test):
+def test_generate_under_a_cpu_gate_reports_its_choice(tmp_path, capsys):
     from _tables import CPU_CELLS
 
     if not CPU_CELLS.is_dir():

@@ -114,9 +114,8 @@ def test_every_request_decodes_as_its_configuration_alone(device, fresh_dynamo):
 
 
 @pytest.mark.slow
-def test_smollm2_gate_from_cpu_cell_records(wikitext_test):
-    """(wikitext_test: the gate calibrates its TEAL thresholds on WikiText-2 validation, as the
-    timing cells did; skipped where the shared copy is absent.)"""
+def test_smollm2_gate_from_cpu_cell_records():
+    """(The gate calibrates its TEAL thresholds on WikiText-2 validation, as the timing cells did.)"""
     from _tables import CPU_CELLS
 
     from sparsedecode.dispatch.policies import admissible, choose

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from sparsedecode.corpus import DEFAULT_WIKITEXT, wikitext_ids
+from sparsedecode.corpus import wikitext_ids
 from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import (
     CALIBRATORS,
@@ -91,8 +91,6 @@ QWEN = pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.skipif(
 @pytest.fixture(scope="module", params=["smollm2-135m", QWEN])
 def calibrated(request, embedded_engine):
     """(engine, activations of 4K validation tokens, 2K held-out test ids) per model."""
-    if not (DEFAULT_WIKITEXT / "wiki.valid.raw").is_file():
-        pytest.skip(f"WikiText-2 raw not found at {DEFAULT_WIKITEXT} (../shared beside the checkout)")
     eng = embedded_engine(request.param)
     val = wikitext_ids(eng.tokenizer, "valid")[:CAL_TOKENS]
     test = wikitext_ids(eng.tokenizer, "test")[:EVAL_TOKENS]

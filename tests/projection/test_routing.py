@@ -317,11 +317,9 @@ def smol():
     """SmolLM2-135M, its CATS thresholds at keep 0.5, a table on 1,024 WikiText-2 validation
     tokens and the next 16K tokens as held-out text (about 54% of whose occurrences are of
     ids the table saw: the unseen rest routes dense)."""
-    from sparsedecode.corpus import DEFAULT_WIKITEXT, wikitext_ids
+    from sparsedecode.corpus import wikitext_ids
     from sparsedecode.projection.calibrate import get_calibrator
 
-    if not (DEFAULT_WIKITEXT / "wiki.valid.raw").is_file():
-        pytest.skip(f"WikiText-2 validation not found under {DEFAULT_WIKITEXT}")
     torch.set_num_threads(1)
     eng = sparsedecode.load("smollm2-135m", device="cpu", dtype="float32", max_len=1024, quiet=True)
     ids = wikitext_ids(eng.tokenizer, "valid")

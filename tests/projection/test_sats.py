@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import sparsedecode
-from sparsedecode.corpus import DEFAULT_WIKITEXT, wikitext_ids
+from sparsedecode.corpus import wikitext_ids
 from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import (
     CALIBRATORS,
@@ -181,8 +181,6 @@ BIG = dict(cal=4096, test=2048, refine_tokens=1024, error_tokens=512)
 @pytest.fixture(scope="module", params=["smollm2-135m", QWEN])
 def real(request, embedded_engine):
     """(engine, activations of validation tokens, held-out test ids, sizes) per model."""
-    if not (DEFAULT_WIKITEXT / "wiki.valid.raw").is_file():
-        pytest.skip(f"WikiText-2 raw not found at {DEFAULT_WIKITEXT} (../shared beside the checkout)")
     size = BIG if FULL else CI
     eng = embedded_engine(request.param)
     val = wikitext_ids(eng.tokenizer, "valid")[: size["cal"]]

@@ -101,6 +101,41 @@ def test_decode_dense_scores_the_targets_of_a_full_forward(tiny):
     assert got.ppl == pytest.approx(math.exp(sum(got.nll) / (3 * scored)), rel=1e-12)
 
 
+class _Bar:
+    """Records what a progress bar is told: its total and every update."""
+
+    def __init__(self, total, enabled, desc):
+        self.total, self.enabled, self.desc, self.updates = total, enabled, desc, []
+        BARS.append(self)
+
+    def update(self, n):
+        self.updates.append(n)
+
+    def set_postfix_str(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+BARS: list[_Bar] = []
+
+
+def test_the_progress_bar_counts_tokens_so_it_moves_within_a_window(tiny, wide, monkeypatch):
+    """`eval ppl`'s bar (issue 48): counted in tokens, so a long window moves it step by step and
+    its ETA holds from the first window; it ends at its total."""
+    from sparsedecode.quality import perplexity
+
+    monkeypatch.setattr(perplexity, "_token_bar", _Bar)
+    BARS.clear()
+    decode_nll(tiny[0], tiny[1], windows=2, length=160, scored=32, progress=True)
+    chunked_nll(wide[0], wide[1], chunks=1, progress=True)
+    dec, chk = BARS
+    assert dec.enabled and dec.total == 2 * 160 == sum(dec.updates)
+    assert dec.updates[:33] == [128] + [1] * 32  # the prefill, then each decode step
+    assert chk.total == CHUNK == sum(chk.updates) and chk.updates[0] == DENSE and len(chk.updates) > 2
+
+
 def _proj(eng, t: float):
     """(configuration, thresholds) of the projection branch at threshold t (keep 0.5 by name)."""
     th = _thresholds(eng, t)

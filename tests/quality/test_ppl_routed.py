@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import sparsedecode
 from sparsedecode.config import ProjectionConfig, SparsityConfig
-from sparsedecode.corpus import DEFAULT_WIKITEXT, text_ids
+from sparsedecode.corpus import text_ids, wikitext_path
 from sparsedecode.projection.routing import RoutingTable, tokenizer_fingerprint
 from sparsedecode.projection.thresholds import Thresholds
 from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll, chunked_nll_many
@@ -21,21 +21,18 @@ from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll, chunked_n
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=4096,
             rope_theta=10000.0, eos_token_id=None)
-TEXT = DEFAULT_WIKITEXT / "wiki.test.raw"
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from sparsedecode.models.load import load_tokenizer, resolve
 
-    if not TEXT.is_file():
-        pytest.skip(f"WikiText-2 raw test split not found at {TEXT}")
     tok = load_tokenizer(resolve("smollm2-135m", quiet=True))
     eng = sparsedecode.load(dict(TINY), init="random", device="cpu", dtype="float32", max_len=CHUNK + 8,
                             compile=False)
     eng.tokenizer = tok  # only its fingerprint matters: tables are checked against it
     path = tmp_path_factory.mktemp("text") / "wiki.txt"
-    path.write_text(TEXT.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    path.write_text(wikitext_path("test").read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     ids = [t % 1000 for t in text_ids(tok, path)[: CHUNK + 1]]  # a small vocabulary: a fast LM head
     assert len(ids) == CHUNK + 1
     return eng, ids

@@ -21,7 +21,7 @@ import sparsedecode
 from sparsedecode.cli import eval_retrieval
 from sparsedecode.cli.eval import eval_app
 from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
-from sparsedecode.corpus import DEFAULT_WIKITEXT, text_ids
+from sparsedecode.corpus import text_ids, wikitext_path
 from sparsedecode.errors import InputError
 from sparsedecode.kv.select import get_selector
 from sparsedecode.projection.thresholds import Thresholds
@@ -32,7 +32,6 @@ TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidde
             num_attention_heads=6, num_key_value_heads=2, vocab_size=49152, max_position_embeddings=1024,
             rope_theta=10000.0, eos_token_id=None)
 CTX = 320
-TEXT = DEFAULT_WIKITEXT / "wiki.test.raw"
 RECORD_KEYS = {"kind", "test", "model", "device", "dtype", "context", "depths", "trials", "seed", "config",
                "placements", "dense", "configured", "matches_dense"}
 
@@ -57,10 +56,8 @@ def tok():
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
     """The first 40,000 characters of WikiText-2 test (about 9K tokens) as a small text file."""
-    if not TEXT.is_file():
-        pytest.skip(f"WikiText-2 raw test split not found at {TEXT}")
     path = tmp_path_factory.mktemp("text") / "wiki.txt"
-    path.write_text(TEXT.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    path.write_text(wikitext_path("test").read_text(encoding="utf-8")[:40_000], encoding="utf-8")
     return path
 
 

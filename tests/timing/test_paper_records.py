@@ -20,7 +20,7 @@ K = 1024
 @pytest.fixture(scope="module")
 def records() -> Path:
     if not RECORDS.is_dir():
-        pytest.skip(f"ByteCross records not found at {RECORDS} (../shared next to the checkout)")
+        pytest.skip(f"ByteCross records not found at {RECORDS} (data/bytecross in the checkout)")
     return RECORDS
 
 

@@ -55,7 +55,7 @@ def calibrate(
     """Calibrate thresholds on text, save them, and report the realized keep on held-out text.
 
     The calibration text is WikiText-2 validation or --text-file; the held-out text is WikiText-2
-    test (from a --text-file folder, or beside the checkout), else the calibration text after
+    test (from a --text-file folder, or the copy the package ships), else the calibration text after
     the tokens it used."""
     import sparsedecode
     from sparsedecode.account.units import check_keep, parse_tokens

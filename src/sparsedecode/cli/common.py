@@ -71,7 +71,7 @@ MaxLenOpt = Annotated[int | None, typer.Option(
          "model window, at most 4K).")]
 TextFileOpt = Annotated[str | None, typer.Option(
     "--text-file", metavar="FILE",
-    help="Text to read in place of WikiText-2 (found beside the checkout): a UTF-8 file, or a "
+    help="Text to read in place of WikiText-2 (the copy the package ships): a UTF-8 file, or a "
          "folder holding wiki.valid.raw and wiki.test.raw. The command's description says what "
          "it reads the text for.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout, for scripts.")]
@@ -209,6 +209,23 @@ def check_text_file(path) -> None:
     read_text(path, "text file")
 
 
+def check_calibration_text(text_file: str | None, *, calibrates: bool, init: str = "pretrained") -> None:
+    """--text-file of a command that calibrates thresholds only for --proj-keep or a --gate (generate,
+    serve, dispatch check): read before the model loads, and refused where nothing would read it."""
+    if text_file is None:
+        return
+    if init == "random":
+        raise InputError("--text-file with --init random: a random-init model has no tokenizer, so its "
+                         "thresholds calibrate on seeded random token ids; drop --text-file")
+    if not calibrates:
+        raise InputError("--text-file is the text that --proj-keep (or a --gate) calibrates thresholds on; "
+                         "nothing calibrates here (--thresholds FILE, or no projection branch): drop "
+                         "--text-file or give --proj-keep K")
+    from sparsedecode.corpus import wikitext_path
+
+    check_text_file(wikitext_path("valid", text_file))
+
+
 def apply_threads(threads: int | None) -> None:
     """--threads: torch's intra-op CPU threads, checked first."""
     if threads is None:
@@ -266,7 +283,13 @@ def check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing=None):
     return SparsityConfig(proj, kv_config), th, table
 
 
-def apply_sparsity(eng, config, thresholds=None, routing=None, progress: bool = True) -> None:
+def apply_sparsity(eng, config, thresholds=None, routing=None, progress: bool = True, text_file=None) -> None:
     """Install on a loaded engine what `check_sparsity_args` checked (`Engine.configure`; TEAL
-    thresholds for --proj-keep are calibrated once and cached)."""
+    thresholds for --proj-keep are calibrated once, on `text_file` or WikiText-2 validation, and
+    cached)."""
+    p = config.projection
+    if thresholds is None and text_file is not None and p is not None and p.file is None:
+        from sparsedecode.projection.calibrate import cached_teal
+
+        thresholds = cached_teal(eng, p.keep, text_file=text_file, progress=progress)
     eng.configure(config, thresholds=thresholds, routing=routing, progress=progress)

@@ -23,6 +23,8 @@ from sparsedecode.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    TextFileOpt,
+    check_calibration_text,
     check_out_file,
     emit_json,
     parse_float,
@@ -260,11 +262,14 @@ def check_cmd(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the requests' random token ids.")] = 0,
     tolerance: Annotated[str, typer.Option("--tolerance", help="Largest |measured / predicted - 1| that passes.")] = "0.1",
     out: Annotated[str | None, typer.Option("--out", "-o", help="Write a 'gate_check' record (JSON) here.")] = None,
+    text_file: TextFileOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Decode requests under the gate and set each one's measured ms/token beside the table's prediction.
 
-    Exit status 1 when one misses by more than --tolerance."""
+    The gate's projection keeps calibrate TEAL thresholds once (a pretrained model: on WikiText-2
+    validation or --text-file; --init random: on seeded random ids). Exit status 1 when one misses
+    by more than --tolerance."""
     import time
 
     from sparsedecode.dispatch.mix import check_request
@@ -278,6 +283,7 @@ def check_cmd(
         raise InputError(f"--out {path} exists; records are never overwritten (pick a new path)")
     if not Path(gate).is_file():
         raise InputError(f"{gate}: gate table not found")
+    check_calibration_text(text_file, calibrates=True, init=init)
     import sparsedecode
     from sparsedecode.dispatch.runtime import check_requests, load_gate
     from sparsedecode.records import stamp, write_record
@@ -285,7 +291,7 @@ def check_cmd(
     t0 = time.perf_counter()
     eng = sparsedecode.load(model, device=device, dtype=dtype, init=init, attention=attention, quiet=True,
                             max_len=max(p + a for p, a in reqs))
-    gate_obj = load_gate(eng, gate)
+    gate_obj = load_gate(eng, gate, progress=not json_out, text_file=text_file)
     load_s = time.perf_counter() - t0
     say = (lambda line: None) if json_out else typer.echo
     say(f"loaded {eng!r} with the gate in {load_s:.1f} s; configurations {', '.join(gate_obj.specs)}")

@@ -21,6 +21,7 @@ from sparsedecode.cli.common import (
     KvOpt,
     MaxLenOpt,
     ProjKeepOpt,
+    TextFileOpt,
     ThreadsOpt,
     ThresholdsOpt,
 )
@@ -52,11 +53,20 @@ def generate(
     gate: str = typer.Option(None, "--gate", help="Gate table (sparsedecode dispatch table): decode under "
                              "the admissible configuration of least predicted cost for this prompt and "
                              "--max-new-tokens."),
+    text_file: TextFileOpt = None,
     as_json: JsonOpt = False,
 ):
-    """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
+    """Generate text, streaming it to stdout; speeds go to stderr (or into --json).
+
+    --proj-keep and --gate calibrate TEAL thresholds once (on WikiText-2 validation, or
+    --text-file) and cache them."""
     import sparsedecode
-    from sparsedecode.cli.common import apply_sparsity, check_engine_args, check_sparsity_args
+    from sparsedecode.cli.common import (
+        apply_sparsity,
+        check_calibration_text,
+        check_engine_args,
+        check_sparsity_args,
+    )
     from sparsedecode.engine.sampling import check_sampling
     from sparsedecode.errors import InputError
 
@@ -70,6 +80,7 @@ def generate(
         raise InputError(f"--max-new-tokens must be >= 0 new tokens, got {max_new_tokens}")
     check_engine_args(device, dtype, max_len, attention)
     config, th, table = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing)
+    check_calibration_text(text_file, calibrates=proj_keep is not None or gate is not None)
     import time
 
     t_load = time.perf_counter()
@@ -79,13 +90,13 @@ def generate(
     if gate is not None:
         from sparsedecode.dispatch.runtime import load_gate
 
-        gate_obj = load_gate(eng, gate, progress=not as_json)
+        gate_obj = load_gate(eng, gate, progress=not as_json, text_file=text_file)
     load_s = time.perf_counter() - t_load
     if not as_json:
         typer.echo(f"[loaded {eng.name} from {eng.source_path} on {eng.device}, "
                    f"{str(eng.dtype).removeprefix('torch.')}, cache {eng.max_len} tokens, in {load_s:.1f} s]",
                    err=True)
-    apply_sparsity(eng, config, th, table, progress=not as_json)
+    apply_sparsity(eng, config, th, table, progress=not as_json, text_file=text_file)
 
     def show(text: str) -> None:
         sys.stdout.write(text)

@@ -16,6 +16,7 @@ from sparsedecode.cli.common import (
     KvOpt,
     MaxLenOpt,
     ProjKeepOpt,
+    TextFileOpt,
     ThreadsOpt,
     ThresholdsOpt,
 )
@@ -40,6 +41,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     attention: str = typer.Option("split_k", "--attention", help="split_k or sdpa_masked (the step is captured)."),
     init: str = typer.Option("pretrained", "--init", help="pretrained, or random (a config's dims, token-id prompts)."),
+    text_file: TextFileOpt = None,
     threads: ThreadsOpt = None,
     ready_file: str = typer.Option(None, "--ready-file", help="Write a JSON of the start-up (address, seconds "
                                    "per phase and configuration) here once the server accepts requests."),
@@ -48,6 +50,7 @@ def serve(
     from sparsedecode.cli.common import (
         apply_sparsity,
         apply_threads,
+        check_calibration_text,
         check_engine_args,
         check_new_file,
         check_sparsity_args,
@@ -74,6 +77,7 @@ def serve(
     if ready_file is not None:
         check_new_file(ready_file, "--ready-file", ".json")
     config, th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)
+    check_calibration_text(text_file, calibrates=proj_keep is not None or gate is not None, init=init)
 
     import socket
 
@@ -89,12 +93,12 @@ def serve(
         raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
     t0 = time.perf_counter()
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len, attention=attention, init=init)
-    apply_sparsity(eng, config, th)
+    apply_sparsity(eng, config, th, text_file=text_file)
     gate_obj = None
     if gate is not None:  # the server asks it per request itself (auto or named)
         from sparsedecode.dispatch.runtime import load_gate
 
-        gate_obj = load_gate(eng, gate, progress=True)
+        gate_obj = load_gate(eng, gate, progress=True, text_file=text_file)
     load_s = time.perf_counter() - t0
     server = Server(eng, Configurations(eng, gate_obj), max_queue=max_queue)
     typer.echo(f"[loaded {eng.name} on {eng.device}, {str(eng.dtype).removeprefix('torch.')}, cache {eng.max_len} "

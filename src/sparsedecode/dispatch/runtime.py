@@ -60,7 +60,7 @@ class RuntimeGate:
     """Per-request configuration choice on one engine from a `PriceTable` (a gate table)."""
 
     def __init__(self, engine, table: PriceTable, *, thresholds: dict | None = None,
-                 calib_tokens: int = 2048, seed: int = 0, progress: bool = False):
+                 calib_tokens: int = 2048, seed: int = 0, progress: bool = False, text_file=None):
         from sparsedecode.kv.select import get_selector
 
         table.check_engine(engine)
@@ -87,7 +87,8 @@ class RuntimeGate:
             if given is None:
                 from sparsedecode.projection.calibrate import own_teal
 
-                given, _ = own_teal(engine, keep, tokens=calib_tokens, seed=seed, progress=progress)
+                given, _ = own_teal(engine, keep, tokens=calib_tokens, seed=seed, text_file=text_file,
+                                    progress=progress)
             self._thresholds[keep] = given
         self._reserve_kv()
         engine.keep_states("the runtime gate's configurations")  # layouts swapped, graphs kept per state

@@ -78,7 +78,7 @@ def use_compile_cache() -> str:
     Returns the directory."""
     import os
 
-    from sparsedecode.models.embedded import cache_dir
+    from sparsedecode.cache import cache_dir
 
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")

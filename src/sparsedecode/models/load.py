@@ -92,7 +92,7 @@ def _is_gguf(path: Path) -> bool:
 def _corrupt(path: Path, err: BaseException) -> InputError:
     """The error for a GGUF file that does not parse (truncated by an interrupted download, or
     not a model): it names the file and, for a cached download, how to fetch it again."""
-    from sparsedecode.models.embedded import cache_dir
+    from sparsedecode.cache import cache_dir
 
     where = f"{path} is not a readable GGUF file ({type(err).__name__}: {str(err)[:80]}; truncated?)"
     try:
@@ -141,7 +141,7 @@ def converted_folder(path: Path) -> Path:
     """Where the dequantized copy of a GGUF file is cached: dequantizing through transformers
     takes about 20 s for the embedded SmolLM2 and its tokenizer 7 s more, paid by every fresh
     process (a timing cell, a CLI call) without it. Keyed by file name, size and mtime."""
-    from sparsedecode.models.embedded import cache_dir
+    from sparsedecode.cache import cache_dir
 
     st = path.stat()
     return cache_dir() / "converted" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"

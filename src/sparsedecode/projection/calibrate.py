@@ -414,18 +414,27 @@ __all__ = [
 def cached_teal(engine, keep: float, tokens: int = 8192, text_file=None, progress: bool = True):
     """Uniform TEAL thresholds at `keep` for `engine`, calibrated on the first `tokens` of
     WikiText-2 validation (or `text_file`) once and cached under the sparsedecode cache
-    (`generate --proj-keep`)."""
+    (`generate --proj-keep`). The cache file is named by the text's sha256, so other text
+    calibrates anew; with `progress` the first run says (stderr) where the file goes and how
+    to reuse it."""
+    from sparsedecode.cache import cache_dir, sha256_of
     from sparsedecode.corpus import text_ids, wikitext_path
-    from sparsedecode.models.embedded import cache_dir
 
     keep = check_keep(keep, "--proj-keep")
     path = wikitext_path("valid", text_file)
-    out = cache_dir() / "thresholds" / f"{engine.name}-teal-{keep:g}-{tokens}-{path.name}.safetensors"
+    text = sha256_of(path)[:16]  # the content names the file: the same text anywhere, other text anew
+    out = cache_dir() / "thresholds" / f"{engine.name}-teal-{keep:g}-{tokens}-text{text}.safetensors"
     if out.is_file():
         return Thresholds.load(out)
     ids = text_ids(engine.tokenizer, path)
     if len(ids) < tokens:
         raise InputError(f"{path} has {len(ids):,} tokens, fewer than the {tokens:,} calibration needs")
+    if progress:
+        import sys
+
+        print(f"[calibrating TEAL thresholds for keep {keep:g} on {tokens:,} tokens of {path.name}, once per "
+              f"model, keep and text: later runs reuse them from {out}, and --thresholds FILE takes that "
+              "file anywhere]", file=sys.stderr, flush=True)
     th = get_calibrator("teal", keep=keep).calibrate(
         engine, ids[:tokens], text=f"{path.name}[:{tokens}]", progress=progress
     )

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sparsedecode.cache import sha256_of as file_sha256  # a routing text: known by its content
 from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import MIN_TOKENS, WINDOW, _bar, masks, run_layers, windows
 from sparsedecode.projection.thresholds import ACT_SITE, Thresholds
@@ -216,15 +217,6 @@ def _describe(fingerprint: dict) -> str:
         return "no tokenizer"
     return (f"a tokenizer of {fingerprint['vocab']:,} tokens "
             f"(vocabulary sha256 {fingerprint['sha256'][:12]})")
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes (identifies a routing text wherever it lies)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def held_out_start(table: RoutingTable, path: str | os.PathLike, explicit: bool) -> tuple[int, str]:

@@ -165,15 +165,13 @@ def chunked_nll_many(engine, ids, chunks: int, settings, progress: bool = False)
     if engine.max_len < CHUNK:
         raise InputError(f"chunked perplexity needs a cache of {CHUNK} tokens; load with max_len >= {CHUNK}")
     out: list[list[float]] = [[] for _ in settings]
-    it = range(chunks)
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(it, desc="chunks", unit="chunk", leave=False)
-    for k in it:
+    bar = _token_bar(chunks * (DENSE + len(settings) * (CHUNK - DENSE)), progress, "chunked")
+    for k in range(chunks):
+        bar.set_postfix_str(f"chunk {k + 1}/{chunks}", refresh=False)
         c = ids[k * CHUNK : (k + 1) * CHUNK + 1]  # (2049,): the chunk and the next token
         engine.reset()
         engine.prefill(c[:DENSE])  # dense positions 0..1023
+        bar.update(DENSE)
         for j, (table, sparse_of) in enumerate(settings):
             logits = []
             for s in range(DENSE, CHUNK, PREFILL_CHUNK):  # the engine's prefill pieces, made here
@@ -184,11 +182,21 @@ def chunked_nll_many(engine, ids, chunks: int, settings, progress: bool = False)
                     t = {key: torch.where(on, float(v), -1.0) for key, v in table.items()}
                 with masks(engine.model, t or {}):
                     logits.append(engine.prefill(piece, chunk=PREFILL_CHUNK, start=s, all_logits=True))
+                bar.update(len(piece))
             logits = torch.cat(logits)  # (1024, V)
             nll = F.cross_entropy(logits.double(), c[DENSE + 1 :].to(logits.device), reduction="sum")
             out[j].append(float(nll))
+    bar.close()
     engine.reset()
     return out
+
+
+def _token_bar(total: int, enabled: bool, desc: str):
+    """A bar counted in tokens (prefilled or decoded), so it moves within a window and its ETA
+    holds from the first one; a no-op bar when not `enabled`."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False, disable=not enabled)
 
 
 def pooled_ppl(nll_per_chunk: list[float], targets_per_chunk: int = CHUNK - DENSE) -> float:
@@ -265,16 +273,14 @@ def decode_nll(engine, ids, windows: int = 8, length: int | None = None, config=
     kv = config.kv
     n = length - scored  # dense prefill
     chunk = _prefill_chunk(n)
-    it = starts
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(starts, desc="windows", unit="window", leave=False)
+    bar = _token_bar(len(starts) * length, progress, "decode")
     out = []
-    for s in it:
+    for i, s in enumerate(starts):
+        bar.set_postfix_str(f"window {i + 1}/{len(starts)}", refresh=False)
         w = ids[s : s + length + 1].to(engine.device)  # (L+1,): the window and the next token
         engine.reset()
         engine.prefill(w[:n], chunk=chunk)  # from position 0: a previous selection is void
+        bar.update(n)
         if kv is not None:
             engine.select_kv(kv.method, kv.keep, max_new=scored, **kv.params)
         # not inference_mode: a selection's buffers must stay ordinary tensors (kv.apply)
@@ -283,7 +289,9 @@ def decode_nll(engine, ids, windows: int = 8, length: int | None = None, config=
             for t in range(n, length):
                 logits = engine.decode_step(w[t : t + 1])  # (V,): predicts w[t + 1]
                 total += F.cross_entropy(logits[None].double(), w[t + 1 : t + 2], reduction="sum")
+                bar.update(1)
         out.append(float(total))  # one host sync per window
+    bar.close()
     engine.reset()
     return WindowNLL("decode", out, [scored] * len(starts), starts)
 
