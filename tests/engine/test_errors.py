@@ -34,7 +34,7 @@ def test_prompt_longer_than_model_window():
     eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
     with pytest.raises(InputError, match=r"70 tokens exceeds the model window of 64"):
         eng.forward_logits(list(range(70)))
-    with pytest.raises(InputError, match=r"max_len 100 exceeds the model window of 64.*--max-len 64"):
+    with pytest.raises(InputError, match=r"max_len=100 exceeds the model window of 64.*max_len=64 or less"):
         sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=100)
 
 

@@ -72,8 +72,21 @@ def generate(
     config, th, table = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing)
     import time
 
+    from sparsedecode.engine.generation import encode
+    from sparsedecode.engine.loader import cache_length
+    from sparsedecode.models.args import ModelArgs
+    from sparsedecode.models.load import load_tokenizer, resolve
+
     t_load = time.perf_counter()
-    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
+    # The prompt is counted before the model loads, so the cache is sized to it (or a prompt that
+    # cannot fit is refused with the numbers); the checkpoint is resolved once, for both.
+    ckpt = resolve(model, quiet=as_json)
+    tokenizer = load_tokenizer(ckpt)
+    if tokenizer is None:
+        raise InputError(f"'{model}' has no tokenizer files; generate reads text: give a model with one")
+    ids = encode(tokenizer, prompt, chat, ckpt.name)
+    max_len = cache_length(ModelArgs.from_config(ckpt.config, name=ckpt.name), len(ids), max_new_tokens, max_len)
+    eng = sparsedecode.load(ckpt, device=device, dtype=dtype, max_len=max_len,
                             attention=attention, quiet=as_json)
     gate_obj = None  # a gate of another model is refused before anything is printed
     if gate is not None:
@@ -91,8 +104,8 @@ def generate(
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    out = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, chat=chat, on_text=None if as_json else show, gate=gate_obj)
+    out = eng.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       seed=seed, on_text=None if as_json else show, gate=gate_obj)
     speeds = {
         "prompt_tokens": len(out.prompt_ids),
         "new_tokens": len(out.ids),
@@ -108,7 +121,7 @@ def generate(
         typer.echo(json.dumps({
             "model": eng.name, "source": str(eng.source_path), "device": str(eng.device),
             "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
-            "load_s": round(load_s, 3),
+            "max_len": eng.max_len, "load_s": round(load_s, 3),
             "projection": None if eng.thresholds is None else {
                 "method": eng.thresholds.method, "keep": eng.thresholds.keep,
                 "path": "masked reference" if eng.device.type == "cpu" else (

@@ -29,7 +29,7 @@ from sparsedecode.engine.device import (
     dict_tag_guards_off,
     use_compile_cache,
 )
-from sparsedecode.engine.generation import Generation, HostToken
+from sparsedecode.engine.generation import Generation, HostToken, encode
 from sparsedecode.engine.sampling import check_sampling, sample
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.options import GemvOptions, KernelOptions
@@ -369,14 +369,7 @@ class Engine(Branches):
             raise InputError(
                 f"'{self.name}' was loaded without a tokenizer (init='{self.init}'); pass token ids"
             )
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InputError(f"'{self.name}' has no chat template; drop --chat")
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+        return encode(self.tokenizer, prompt, chat, self.name)
 
     def tokens(self, ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop_ids: Sequence[int] | None = None,
