@@ -18,13 +18,19 @@ class InputError(ValueError):
 _CLI: ContextVar[bool] = ContextVar("sparsedecode_cli", default=False)
 
 
-def option(name: str, value=None) -> str:
+def option(name: str, value=None, *, placeholder: bool = False, flag: str | None = None,
+           python: str | None = None) -> str:
     """How the caller names keyword `name` (e.g. 'max_len'): '--max-len' under the CLI, 'max_len='
-    from Python; with `value`, '--device cpu' or "device='cpu'"."""
+    from Python; with `value`, '--device cpu' or "device='cpu'" (a `placeholder` value such as
+    'PATH' is shown as written: '--config PATH', 'config=PATH'). `flag`: the command line's
+    spelling where it is not the keyword's (keyword `verdicts`, flag '--admit'); `python`: what to
+    say from Python where no keyword matches the flag ('text' for '--text-file')."""
     if _CLI.get():
-        flag = "--" + name.replace("_", "-")
-        return flag if value is None else f"{flag} {value}"
-    return f"{name}=" if value is None else f"{name}={value!r}"
+        flag = flag or "--" + name.replace("_", "-")
+        return flag if value is None or value is True else f"{flag} {value}"  # a switch has no value
+    if python is not None:
+        return python
+    return f"{name}=" if value is None else f"{name}={value if placeholder else repr(value)}"
 
 
 @contextlib.contextmanager

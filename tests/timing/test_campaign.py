@@ -22,7 +22,14 @@ from sparsedecode.cli import app
 from sparsedecode.errors import InputError
 from sparsedecode.records import write_record
 from sparsedecode.timing import campaign
-from sparsedecode.timing.campaign import CANCEL_WAIT_S, load_spec, parse_spec, plan, record_path, run_campaign
+from sparsedecode.timing.campaign import (
+    CANCEL_WAIT_S,
+    load_spec,
+    parse_spec,
+    plan,
+    record_path,
+    run_campaign,
+)
 
 TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, vocab_size=100, max_position_embeddings=512,

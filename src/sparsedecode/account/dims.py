@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sparsedecode.account.known import KNOWN_MODELS, known_model
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 # Families whose decoder carries extra per-layer parameters we must count.
 _QKV_BIAS = {"qwen2"}
@@ -215,7 +215,7 @@ def _hub_config(repo_id: str) -> dict:
     except Exception as e:  # offline, gated, or no such repo: all the same fix
         raise InputError(
             f"could not fetch config.json of '{repo_id}' from the hub ({type(e).__name__}); "
-            "pass --config PATH to a local config.json"
+            f"pass {option('config', 'PATH', placeholder=True)} to a local config.json"
         ) from None
     return json.loads(Path(path).read_text())
 
@@ -225,7 +225,8 @@ def resolve_dims(
 ) -> ModelDims:
     """Dims from exactly one of a known model name or a config reference."""
     if (model is None) == (config is None):
-        raise InputError("give exactly one of --model NAME or --config PATH")
+        raise InputError(f"give exactly one of {option('model', 'NAME', placeholder=True)} or "
+                         f"{option('config', 'PATH', placeholder=True)}")
     if model is not None:
         return ModelDims.known(model)
     cfg, name = load_config(config)

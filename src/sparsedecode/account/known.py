@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 _LLAMA3_ROPE_8B = {
     "rope_type": "llama3",
@@ -247,8 +247,9 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 
-def known_model(name: str) -> KnownModel:
-    """The table entry for `name` (case-insensitive), or an InputError with a close match."""
+def known_model(name: str, other: str | None = None) -> KnownModel:
+    """The table entry for `name` (case-insensitive), or an InputError with a close match and
+    `other`, what else the caller takes (default: a config.json by `config`)."""
     key = name.strip().lower()
     if key in KNOWN_MODELS:
         return KNOWN_MODELS[key]
@@ -259,5 +260,5 @@ def known_model(name: str) -> KnownModel:
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise InputError(
         f"unknown model '{name}': {hint}known models are {', '.join(KNOWN_MODELS)}; "
-        "or pass --config PATH to a config.json"
+        f"or {other or 'pass ' + option('config', 'PATH', placeholder=True) + ' to a config.json'}"
     )

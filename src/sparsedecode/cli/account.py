@@ -29,6 +29,7 @@ from sparsedecode.cli.common import (
     ProjKeepOpt,
     WeightBytesOpt,
     emit_json,
+    out_file,
     parse_float,
 )
 from sparsedecode.errors import InputError
@@ -370,7 +371,7 @@ def matched(
 
 @account_app.command("plot")
 def plot(
-    out: Annotated[str, typer.Option("--out", "-o", help="Output image (.png, .pdf, .svg).")],
+    out: Annotated[str, typer.Option("--out", "-o", callback=out_file((".png", ".pdf", ".svg")), help="Output image (.png, .pdf, .svg).")],
     model: ModelOpt = None,
     config: ConfigOpt = None,
     rp: ProjKeepOpt = "0.5",

@@ -32,6 +32,8 @@ from sparsedecode.cli.common import (
     TextFileOpt,
     check_out_file,
     emit_json,
+    out_dir,
+    out_file,
 )
 from sparsedecode.errors import InputError
 
@@ -65,7 +67,7 @@ def cell(
     kernels: Annotated[str, typer.Option("--kernels", help="Kernel options, e.g. gemv.pdl=false,attention.min_split_keys=256 (default: none changed).")] = "",
     profile: Annotated[int, typer.Option("--profile", help="After the timed steps, this many more under torch.profiler: the record's 'profile' says where the step's time goes (0 = none).")] = 0,
     shared_gpu: Annotated[str, typer.Option("--shared-gpu", help="When other processes hold the GPU: refuse (the default: they skew the step) or allow (time anyway; the record names them).")] = "refuse",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(new=True), help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
     campaign: Annotated[str, typer.Option("--campaign", hidden=True)] = "",
     block: Annotated[int, typer.Option("--block", hidden=True)] = 0,
     group: Annotated[str, typer.Option("--group", hidden=True)] = "",
@@ -119,7 +121,7 @@ def ceiling(
     calls: Annotated[int, typer.Option("--calls", help="GEMV calls per replay.")] = 10,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten), e.g. DIR/ceiling.json of a campaign folder, which `report` then reads.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(".json"), help="Record to write (never overwritten), e.g. DIR/ceiling.json of a campaign folder, which `report` then reads.")] = None,
     shared_gpu: Annotated[str, typer.Option("--shared-gpu", help="When other processes hold the GPU: refuse (the default) or allow (measure anyway; the record names them).")] = "refuse",
     json_out: JsonOpt = False,
 ) -> None:
@@ -171,8 +173,8 @@ def _cell_id(mode: str) -> str:
 @campaign_app.command("plan-crossing")
 def campaign_plan_crossing(
     folder: Annotated[str, typer.Argument(help="A finished sweep: campaign folder with dense, proj and sel cells.")],
-    prediction: Annotated[str, typer.Option("--prediction", help="Write the prediction record here (commit it before the campaign runs).")],
-    spec_out: Annotated[str, typer.Option("--spec", help="Write the crossing campaign (TOML) here.")],
+    prediction: Annotated[str, typer.Option("--prediction", callback=out_file(".json", new=True), help="Write the prediction record here (commit it before the campaign runs).")],
+    spec_out: Annotated[str, typer.Option("--spec", callback=out_file(".toml", new=True), help="Write the crossing campaign (TOML) here.")],
     group: Annotated[str, typer.Option("--group", help="The sweep's group holding the proj and sel cells.")] = "sweep",
     name: Annotated[str | None, typer.Option("--name", help="Campaign name (default: the spec file's stem).")] = None,
     spacing: Annotated[int, typer.Option("--spacing", **TOKENS, help="Tokens between contexts (App. E: at most 8K).")] = "8K",
@@ -196,10 +198,6 @@ def campaign_plan_crossing(
         predict_crossing,
     )
 
-    for path, flag, suffix in ((prediction, "--prediction", ".json"), (spec_out, "--spec", ".toml")):
-        check_out_file(path, flag, suffix)
-        if Path(path).exists():
-            raise InputError(f"{flag} {path} exists; predictions and specs are never overwritten (pick a new path)")
     step, half = parse_tokens(spacing, "--spacing"), parse_tokens(half_width, "--half-width")
     if step > 8192:
         raise InputError(f"--spacing {spacing}: a crossing campaign spaces its contexts at most 8K apart (App. E)")
@@ -223,8 +221,8 @@ def campaign_plan_crossing(
 @campaign_app.command("run")
 def campaign_run(
     specs: Annotated[list[str], typer.Argument(metavar="SPEC", help="Campaign spec (TOML); several run one after another (with --out-root).")],
-    out: Annotated[str | None, typer.Option("--out", "-o", metavar="DIR", help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
-    out_root: Annotated[str | None, typer.Option("--out-root", metavar="DIR", help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", metavar="DIR", callback=out_dir, help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
+    out_root: Annotated[str | None, typer.Option("--out-root", metavar="DIR", callback=out_dir, help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
     executor: Annotated[str, typer.Option("--executor", help="local (one process after another) or ray.")] = "local",
     max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop (over all the specs).")] = None,
     gpus: Annotated[str | None, typer.Option("--gpus", help="Local executor on several GPUs: ids like 0,1; block b runs whole on GPU b mod their count.")] = None,

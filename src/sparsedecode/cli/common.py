@@ -137,20 +137,55 @@ def _finite(x):
     return x
 
 
-def check_out_file(path: str, flag: str, suffix: str | None = None):
+def check_out_file(path: str, flag: str, suffix: str | tuple[str, ...] | None = None):
     """An output file path checked before any work: not a folder, a writable place, and with
-    `suffix` (e.g. '.png') when given. Returns it as a Path; InputError names the flag."""
+    `suffix` (e.g. '.png', or one of several) when given. Returns it as a Path; InputError names
+    the flag."""
     from pathlib import Path
 
     from sparsedecode.errors import InputError
 
     p = Path(path)
+    suffixes = (suffix,) if isinstance(suffix, str) else suffix
     if p.is_dir():
-        raise InputError(f"{flag} {path} is a folder; give a file path such as {p / ('out' + (suffix or '.json'))}")
-    if suffix is not None and p.suffix.lower() != suffix:
-        raise InputError(f"{flag} {path} must end in {suffix}")
+        example = p / ("out" + (suffixes[0] if suffixes else ".json"))
+        raise InputError(f"{flag} {path} is a folder; give a file path such as {example}")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise InputError(f"{flag} {path} must end in {' or '.join(suffixes)}")
     _check_writable(p.parent if str(p.parent) else Path("."), path, flag)
     return p
+
+
+def _flag(param) -> str:
+    return max(param.opts, key=len)  # '--out', not '-o'
+
+
+def out_file(suffix: str | tuple[str, ...] | None = None, new: bool = False):
+    """The typer callback of an option naming a file to write, checked while the command line is
+    read, before any work: `check_out_file`, or `check_new_file` for a result never overwritten
+    (`typer.Option("--out", callback=out_file(".json", new=True))`)."""
+    def check(param: typer.CallbackParam, value):
+        if value is not None:
+            (check_new_file if new else check_out_file)(value, _flag(param), suffix)
+        return value
+
+    return check
+
+
+def out_dir(param: typer.CallbackParam, value):
+    """The typer callback of an option naming a folder to write into (`check_out_dir`)."""
+    if value is not None:
+        check_out_dir(value, _flag(param))
+    return value
+
+
+def out_place(param: typer.CallbackParam, value):
+    """The typer callback of an option naming a file or a folder to write, by another option's
+    choice: its nearest existing part must be a writable folder (the command checks the rest)."""
+    if value is not None:
+        p = Path(value)
+        _check_writable(p.parent if p.is_file() else p, value, _flag(param))
+    return value
 
 
 def _check_writable(where, path: str, flag: str) -> None:
@@ -162,6 +197,8 @@ def _check_writable(where, path: str, flag: str) -> None:
     probe = where
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise InputError(f"{flag} {path}: {probe} is a file, not a folder; pick another path")
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         raise InputError(f"{flag} {path}: cannot write under {probe}; pick a writable place")
 
@@ -185,7 +222,7 @@ def check_new_file(path: str, flag: str, suffix: str | None = None):
 
     p = check_out_file(path, flag, suffix)
     if p.exists():
-        raise InputError(f"{flag} {path} exists; pick a new path (or delete the old file first)")
+        raise InputError(f"{flag} {path} exists; results are never overwritten: pick a new path (or delete the old file first)")
     return p
 
 

@@ -25,6 +25,7 @@ from sparsedecode.cli.common import (
     JsonOpt,
     check_out_file,
     emit_json,
+    out_file,
     parse_float,
     parse_requests,
 )
@@ -108,7 +109,7 @@ def price_cmd(
     admit: AdmitOpt = None,
     assume_admissible: AssumeOpt = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the speedup table as markdown (for docs).")] = False,
-    plot: Annotated[str | None, typer.Option("--plot", help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
+    plot: Annotated[str | None, typer.Option("--plot", callback=out_file(".png"), help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Speedup over always-dense of each policy on the App. I workloads, and its share of requests per configuration.
@@ -213,7 +214,7 @@ def _print(table, rows, chosen: str, ok, why, plot_path) -> None:
 @dispatch_app.command("table")
 def table_cmd(
     records: RecordsArg,
-    out: Annotated[str, typer.Option("--out", "-o", help="The gate table to write (JSON).")],
+    out: Annotated[str, typer.Option("--out", "-o", callback=out_file(".json"), help="The gate table to write (JSON).")],
     select_seconds: SelectOpt = None,
     select_record: SelectRecordOpt = None,
     admit: AdmitOpt = None,
@@ -259,7 +260,7 @@ def check_cmd(
     repeats: Annotated[int, typer.Option("--repeats", help="Decode each request this many times.")] = 1,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the requests' random token ids.")] = 0,
     tolerance: Annotated[str, typer.Option("--tolerance", help="Largest |measured / predicted - 1| that passes.")] = "0.1",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Write a 'gate_check' record (JSON) here.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(".json"), help="Write a 'gate_check' record (JSON) here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Decode requests under the gate and set each one's measured ms/token beside the table's prediction.

@@ -36,6 +36,7 @@ from sparsedecode.cli.common import (
     ThresholdsOpt,
     apply_threads,
     emit_json,
+    out_file,
 )
 from sparsedecode.errors import InputError
 
@@ -78,7 +79,7 @@ def ppl(
     level: LevelOpt = 0.95,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'ppl_eval'; never overwritten).")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(new=True), help="Record to write (kind 'ppl_eval'; never overwritten).")] = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:

@@ -37,6 +37,7 @@ from sparsedecode.cli.common import (
     ThresholdsOpt,
     apply_threads,
     emit_json,
+    out_file,
     parse_float,
 )
 from sparsedecode.cli.eval import (
@@ -53,7 +54,7 @@ DepthsOpt = Annotated[str, typer.Option("--depths", help="Relative depths of the
 TrialsOpt = Annotated[int, typer.Option("--trials", help="Placements per depth (ByteCross: 8).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the codes, archives and placements.")]
 NewOpt = Annotated[int, typer.Option("--new", **TOKENS, help="Tokens decoded greedily per answer.")]
-OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'retrieval_eval'; never overwritten).")]
+OutOpt = Annotated[str | None, typer.Option("--out", "-o", callback=out_file(new=True), help="Record to write (kind 'retrieval_eval'; never overwritten).")]
 VariantOpt = Annotated[str | None, typer.Option("--variant", help="kept (default): select once after the first question and append the rest; rescored: score the whole cache again after the second question. Needs --kv.")]
 
 MODEL = "smollm2-135m"

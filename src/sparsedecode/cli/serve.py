@@ -18,6 +18,7 @@ from sparsedecode.cli.common import (
     ProjKeepOpt,
     ThreadsOpt,
     ThresholdsOpt,
+    out_file,
 )
 
 
@@ -39,8 +40,9 @@ def serve(
     attention: str = typer.Option("split_k", "--attention", help="split_k or sdpa_masked (the step is captured)."),
     init: str = typer.Option("pretrained", "--init", help="pretrained, or random (a config's dims, token-id prompts)."),
     threads: ThreadsOpt = None,
-    ready_file: str = typer.Option(None, "--ready-file", help="Write a JSON of the start-up (address, seconds "
-                                   "per phase and configuration) here once the server accepts requests."),
+    ready_file: str = typer.Option(None, "--ready-file", callback=out_file(".json", new=True),
+                                   help="Write a JSON of the start-up (address, seconds per phase and "
+                                        "configuration) here once the server accepts requests."),
 ):
     """Serve /v1/completions and /v1/chat/completions (streamed or not), /v1/models, /health, /metrics."""
     from sparsedecode.cli.common import (
@@ -159,7 +161,7 @@ def serve_load(
     prompt: str = typer.Option("The capital of France is", "--prompt", help="The prompt of every request."),
     pid: int = typer.Option(None, "--pid", help="The server's PID, to record its resident memory before and after."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds the whole run may take."),
-    out: str = typer.Option(None, "--out", help="Write the record here (JSON)."),
+    out: str = typer.Option(None, "--out", callback=out_file(".json", new=True), help="Write the record here (JSON)."),
     as_json: JsonOpt = False,
 ):
     """A bounded load test of a running server: every request must end in 200 or 429."""
@@ -212,7 +214,7 @@ def serve_probe(
     tolerance: float = typer.Option(0.05, "--tolerance", help="Largest |server / cell - 1| that passes."),
     vocab: int = typer.Option(32000, "--vocab", help="Prompt token ids are drawn from [0, VOCAB)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompts' token ids."),
-    out: str = typer.Option(None, "--out", help="Write the record here (JSON)."),
+    out: str = typer.Option(None, "--out", callback=out_file(".json", new=True), help="Write the record here (JSON)."),
     as_json: JsonOpt = False,
 ):
     """Token-id requests under named configurations; with --cells, exit 1 when the server's

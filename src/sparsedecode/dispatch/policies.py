@@ -37,7 +37,7 @@ import numpy as np
 
 from sparsedecode.dispatch.mix import WORKLOADS, Mix, get_mix
 from sparsedecode.dispatch.prices import ConfigPrice, PriceTable
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 SEGMENT = 64  # tokens per pricing segment (App. I)
 BYTE_GATE, GATE, THRESHOLD_GATE = "byte gate", "gate", "threshold gate"
@@ -223,7 +223,7 @@ def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) ->
     for i, v in enumerate(verdicts):
         if not isinstance(v, dict) or v.get("kind") != "admissibility":
             got = v.get("kind") if isinstance(v, dict) else type(v).__name__
-            raise InputError(f"--admit record {i + 1} is a '{got}' record, expected 'admissibility' "
+            raise InputError(f"{option('verdicts', flag='--admit')} record {i + 1} is a '{got}' record, expected 'admissibility' "
                              "(sparsedecode eval admit --json > verdict.json)")
         cfg = v.get("config") or {}
         proj, kv = cfg.get("projection") or {}, cfg.get("kv") or {}
@@ -245,14 +245,15 @@ def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False) ->
                 why[spec] = f"failed its quality tests ({reasons})"
         elif assume:
             ok.append(spec)
-            why[spec] = "assumed admissible (--assume-admissible): no quality record was checked"
+            why[spec] = (f"assumed admissible ({option('assume', True, flag='--assume-admissible')}): "
+                         "no quality record was checked")
         elif assume_paper:
             ok.append(spec)
             why[spec] = ("admitted as in the paper, whose Table 5 lets the gate choose every configuration "
-                         "of its sweep; give --admit records to hold it to yours")
+                         f"of its sweep; give {option('verdicts', flag='--admit')} records to hold it to yours")
         else:
             why[spec] = ("no passing 'admissibility' record (sparsedecode eval admit --json); give one "
-                         "with --admit FILE or --assume-admissible")
+                         f"with {option('verdicts', flag='--admit')} or {option('assume', True, flag='--assume-admissible')}")
     return ok, why
 
 

@@ -31,7 +31,7 @@ from sparsedecode.engine.device import (
 )
 from sparsedecode.engine.generation import Generation, HostToken, encode
 from sparsedecode.engine.sampling import check_sampling, sample
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.kernels.options import GemvOptions, KernelOptions
 
 DEFAULT_MAX_LEN = 4096
@@ -112,7 +112,7 @@ class Engine(Branches):
         if n > self.max_len:
             raise InputError(
                 f"{what} of {n} tokens exceeds the allocated cache of {self.max_len} tokens "
-                f"(model window {window}); load with a larger --max-len (up to {window}) "
+                f"(model window {window}); load with a larger {option('max_len')} (up to {window}) "
                 "or shorten the prompt"
             )
 
@@ -159,7 +159,7 @@ class Engine(Branches):
         read it before the next step."""
         if self.pos >= self.max_len:
             raise InputError(
-                f"the cache of {self.max_len} tokens is full; load with a larger --max-len "
+                f"the cache of {self.max_len} tokens is full; load with a larger {option('max_len')} "
                 f"(model window {self.args.max_position})"
             )
         if isinstance(token, torch.Tensor):

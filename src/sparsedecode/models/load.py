@@ -82,7 +82,8 @@ def resolve(ref, init: str = "pretrained", quiet: bool = False) -> Checkpoint:
             config, _ = load_config(ref_s)
             return Checkpoint(ref_s, config, "random")
         return _hub_checkpoint(ref_s, ref_s)
-    known_model(ref_s)  # raises with the closest known name
+    known_model(ref_s, other=f"give a local {'config.json' if init == 'random' else 'HF folder, a .gguf file'} "
+                             "or a hub id (owner/name)")  # raises with the closest known name
     raise AssertionError("unreachable")
 
 

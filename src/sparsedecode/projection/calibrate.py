@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsedecode.account.units import check_keep
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.projection.thresholds import (
     ACT_SITE,
     INPUT_SITES,
@@ -418,7 +418,7 @@ def cached_teal(engine, keep: float, tokens: int = 8192, text_file=None, progres
     from sparsedecode.corpus import text_ids, wikitext_path
     from sparsedecode.models.embedded import cache_dir
 
-    keep = check_keep(keep, "--proj-keep")
+    keep = check_keep(keep, option("keep", flag="--proj-keep"))
     path = wikitext_path("valid", text_file)
     out = cache_dir() / "thresholds" / f"{engine.name}-teal-{keep:g}-{tokens}-{path.name}.safetensors"
     if out.is_file():
