@@ -77,14 +77,31 @@ def _check_utf8(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app, turning InputError into one line and exit code 2. Error hints
+    """Entry point: run the app, turning InputError, and click's own refusals of the command line
+    (an unknown option, a value that is not a number), into one line and exit code 2. Error hints
     inside name command-line flags (`errors.option`)."""
+    from typer._click import (
+        exceptions as click,  # typer's own copy of click (typer >= 0.2x vendors it)
+    )
+
     argv = list(sys.argv[1:] if argv is None else argv)
     command = typer.main.get_command(app)
     try:
         with cli_context():
             _check_utf8(argv)
-            command(args=_aliases(argv), prog_name="sparsedecode", standalone_mode=True)
+            code = command(args=_aliases(argv), prog_name="sparsedecode", standalone_mode=False)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except click.NoArgsIsHelpError as e:  # a bare group: its help, as click shows it
+        e.show()
+        raise SystemExit(e.exit_code) from None
+    except click.ClickException as e:
+        where = f" (see {e.ctx.command_path} -h)" if getattr(e, "ctx", None) is not None else ""
+        print(f"error: {e.format_message()}{where}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except typer.Abort:
+        print("Aborted!", file=sys.stderr)
+        raise SystemExit(1) from None
+    if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code), Ctrl-C (130)
+        raise SystemExit(code)

@@ -9,6 +9,7 @@ or a usage box.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +17,10 @@ from typing import Annotated
 import typer
 
 from sparsedecode.errors import InputError
+
+
+def _flag(param) -> str:
+    return max(param.opts, key=len)  # '--out', not '-o'
 
 
 def _as_given(value):
@@ -32,9 +37,37 @@ def _tokens(param: typer.CallbackParam, value):
     if value is None or isinstance(value, int):
         return value
     text = str(value).strip()
-    if text.lstrip("+-").isdigit():
-        return int(text)
-    return parse_tokens(text, param.opts[0])
+    n = int(text) if text.lstrip("+-").isdigit() else parse_tokens(text, param.opts[0])
+    if n > TOKENS_MAX:
+        raise InputError(f"{_flag(param)} {text}: more than {TOKENS_MAX:,} tokens, past any model's window")
+    return n
+
+
+COUNT_MAX = 10**9  # repeats, steps, chunks, cells: more is a typo, not a plan
+SEED_MAX = 2**63 - 1  # what every seed reaches (torch, random, numpy) takes
+SECONDS_MAX = 10**7  # about 4 months
+TOKENS_MAX = 2**31  # a token count past this is no model's window
+
+
+def bounded(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
+    """The typer callback of a numeric option: a finite number in [low, high] (an open end
+    excludes it), else an InputError naming the flag and the range (one line, exit 2), read with
+    the command line before any work."""
+    def check(param: typer.CallbackParam, value):
+        if value is None:
+            return value
+        ok = (math.isfinite(value) and (low < value if low_open else low <= value)
+              and (value < high if high_open else value <= high))
+        if not ok:
+            raise InputError(f"{_flag(param)} must be {'>' if low_open else '>='} {_num(low)} and "
+                             f"{'<' if high_open else '<='} {_num(high)}, got {value}")
+        return value
+
+    return check
+
+
+def _num(x) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
 
 
 # The keyword arguments of an option whose value is a token count: `typer.Option("--x", **TOKENS)`.
@@ -64,7 +97,7 @@ MethodOpt = Annotated[str, typer.Option(
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="float32, bfloat16, float16 or auto.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", metavar="N", help="CPU threads for torch (default: torch's own choice).")]
+    "--threads", metavar="N", callback=bounded(1, 4096), help="CPU threads for torch (default: torch's own choice).")]
 MaxLenOpt = Annotated[int | None, typer.Option(
     "--max-len", **TOKENS,
     help="Cache length in tokens (4096, 32K): the longest prompt plus answer (default: the "
@@ -154,10 +187,6 @@ def check_out_file(path: str, flag: str, suffix: str | tuple[str, ...] | None = 
         raise InputError(f"{flag} {path} must end in {' or '.join(suffixes)}")
     _check_writable(p.parent if str(p.parent) else Path("."), path, flag)
     return p
-
-
-def _flag(param) -> str:
-    return max(param.opts, key=len)  # '--out', not '-o'
 
 
 def out_file(suffix: str | tuple[str, ...] | None = None, new: bool = False):

@@ -20,9 +20,12 @@ import typer
 
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    COUNT_MAX,
+    SEED_MAX,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    bounded,
     check_out_file,
     emit_json,
     out_file,
@@ -103,7 +106,7 @@ def _admit(table, admit: list[str] | None, assume: bool):
 def price_cmd(
     records: RecordsArg,
     mix: Annotated[str, typer.Option("--mix", help="mixed, chat, long_doc, agent (App. I), or a trace: JSONL {prompt_tokens, answer_tokens} lines or a CSV with those columns.")] = "mixed",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the App. I workloads.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", callback=bounded(0, SEED_MAX), help="Seed of the App. I workloads.")] = 0,
     select_seconds: SelectOpt = None,
     select_record: SelectRecordOpt = None,
     admit: AdmitOpt = None,
@@ -257,8 +260,8 @@ def check_cmd(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     attention: Annotated[str, typer.Option("--attention", help="split_k, sdpa_masked or sdpa_fused.")] = "split_k",
-    repeats: Annotated[int, typer.Option("--repeats", help="Decode each request this many times.")] = 1,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the requests' random token ids.")] = 0,
+    repeats: Annotated[int, typer.Option("--repeats", callback=bounded(1, COUNT_MAX), help="Decode each request this many times.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", callback=bounded(0, SEED_MAX), help="Seed of the requests' random token ids.")] = 0,
     tolerance: Annotated[str, typer.Option("--tolerance", help="Largest |measured / predicted - 1| that passes.")] = "0.1",
     out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(".json"), help="Write a 'gate_check' record (JSON) here.")] = None,
     json_out: JsonOpt = False,
