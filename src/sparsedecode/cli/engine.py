@@ -54,7 +54,11 @@ def generate(
                              "--max-new-tokens."),
     as_json: JsonOpt = False,
 ):
-    """Generate text, streaming it to stdout; speeds go to stderr (or into --json)."""
+    """Generate text, streaming it to stdout; speeds go to stderr (or into --json).
+
+    The prompt is counted before the model loads: without --max-len the cache is the model
+    window (at most 4K) or, for a longer prompt, the prompt plus --max-new-tokens; a prompt that
+    fits neither --max-len nor the window is refused with the numbers."""
     import sparsedecode
     from sparsedecode.cli.common import apply_sparsity, check_engine_args, check_sparsity_args
     from sparsedecode.engine.sampling import check_sampling
