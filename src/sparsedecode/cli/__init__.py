@@ -103,5 +103,6 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         print("Aborted!", file=sys.stderr)
         raise SystemExit(1) from None
-    if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(code), Ctrl-C (130)
-        raise SystemExit(code)
+    # typer.Exit(code) and Ctrl-C (130) return their code; a command returns None. Exit as click's
+    # standalone mode does, so callers see SystemExit either way.
+    raise SystemExit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
