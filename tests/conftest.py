@@ -90,3 +90,48 @@ def fresh_dynamo():
 
     torch._dynamo.reset()
     yield
+
+
+def command_of(argv):
+    """(words, click command) that `sparsedecode ARGV` runs: the deepest group or command its
+    leading words name (a group, or the app itself, when they name no command)."""
+    import typer
+
+    from sparsedecode.cli import app
+
+    cmd, words = typer.main.get_command(app), []
+    for a in argv:
+        sub = getattr(cmd, "commands", {}).get(a)
+        if sub is None:
+            break
+        cmd, words = sub, [*words, a]
+    return tuple(words), cmd
+
+
+def flags_of(words, cmd) -> set[str]:
+    """Every `--flag` the command takes: its options' names, --help, and the old names that
+    `cli.ALIASES` still accepts for it."""
+    from sparsedecode.cli import ALIASES
+
+    flags = {"--help"}
+    for p in cmd.params:
+        flags.update(o for o in (*p.opts, *p.secondary_opts) if o.startswith("--"))
+    return flags | set(ALIASES.get(words[0], {}) if words else ())
+
+
+def foreign_flags(text: str, argv) -> list[str]:
+    """The `--flags` that `text` (an error a command printed) names and its command lacks. A flag
+    after 'sparsedecode WORDS' (a hint to run another command) is checked against that command,
+    up to the end of the hint (';', ')', a backtick or the end of the text)."""
+    import re
+
+    words, cmd = command_of(argv)
+    own, bad = flags_of(words, cmd), []
+    hints = [(m.start(), re.search(r"[;)`]|$", text[m.end():]).start() + m.end(), m.group(1).split())
+             for m in re.finditer(r"sparsedecode((?: [a-z][a-z-]*)+)", text)]
+    for m in re.finditer(r"(?<![\w-])--[a-z][a-z0-9-]*", text):
+        other = [w for s, e, w in hints if s <= m.start() < e]
+        flags = flags_of(*command_of(other[-1])) if other else own
+        if m.group() not in flags:
+            bad.append(m.group())
+    return bad

@@ -223,3 +223,52 @@ def test_the_suite_covers_every_command():
     assert commands >= {"account", "generate", "calibrate", "report", "campaign", "bench", "dispatch", "eval",
                         "route"}
     assert len(CASES) >= 60
+
+
+# Every numeric option has bounds (issue 48, item 7): negative, zero, NaN and huge values are refused
+# in one line, before any work. (command, flag, the values it refuses; 'big' is a 20-digit integer)
+# `bench cell` checks its own numbers (a campaign's cell writes a 'failed' record), naming the field.
+CELL = "bench cell --model smollm2-135m --mode dense --context 256 --device cpu"
+NUMERIC = [
+    ("bench ceiling", "--gib", "-1 0 nan inf 1e30"), ("bench ceiling", "--replays", "-1 0 nan big"),
+    ("bench ceiling", "--calls", "-1 0 nan big"),
+    (CELL, "--warmup", "-1 nan big"), (CELL, "--repeats", "-1 0 big"), (CELL, "--steps", "-1 0 big"),
+    (CELL, "--seed", "-1 big"), (CELL, "--profile", "-1 big"), ("bench cell", "--context", "big"),
+    ("campaign plan-crossing", "--blocks", "-1 0 2 big"), ("campaign run", "--max-cells", "-1 0 big"),
+    ("campaign run", "--stop-after", "-1 0 nan inf 1e30"),
+    ("dispatch price", "--seed", "-1 big"), ("dispatch check", "--seed", "-1 big"), ("dispatch check", "--repeats", "-1 0 big"),
+    ("eval ppl", "--chunks", "-1 0 big"), ("eval ppl", "--windows", "-1 0 big"), ("eval ppl", "--resamples", "-1 0 big"),
+    ("eval ppl", "--seed", "-1 big"), ("eval ppl", "--level", "-1 0 1 nan 2"), ("eval ppl", "--length", "big"),
+    ("eval grid", "--chunks", "-1 0"), ("eval grid", "--level", "0 nan"),
+    ("eval passkey", "--trials", "-1 0 big"), ("eval passkey", "--seed", "-1 big"), ("eval passkey", "--context", "big"),
+    ("eval multikey", "--trials", "0"), ("eval two-turn", "--trials", "0"),
+    ("account", "--batch", "-1 0 big"), ("account", "--context", "big"),
+    ("generate", "--threads", "-1 0 big"), ("generate", "--max-len", "big"), ("generate", "--max-new-tokens", "big"),
+    ("calibrate", "--threads", "0 big"), ("calibrate", "--tokens", "big"), ("eval ppl", "--threads", "0 big"),
+    ("route build", "--threads", "0 big"), ("route build", "--tokens", "big"), ("route calibrate", "--held-out-tokens", "big"),
+]
+
+
+@pytest.mark.parametrize("cmd, flag, value", [(c, f, v) for c, f, vs in NUMERIC for v in vs.split()],
+                         ids=[f"{c} {f} {v}" for c, f, vs in NUMERIC for v in vs.split()])
+def test_a_numeric_option_out_of_bounds_is_refused(cmd, flag, value, capsys, monkeypatch):
+    import sparsedecode
+
+    monkeypatch.setattr(sparsedecode, "load", lambda *a, **k: pytest.fail("a model loaded"))
+    value = "99999999999999999999" if value == "big" else value
+    with pytest.raises(SystemExit) as exc:
+        main([*cmd.split(), f"{flag}={value}"])  # '=': a negative value is not an option
+    err = capsys.readouterr().err
+    named = flag if not cmd.startswith("bench cell") else flag.removeprefix("--")  # the cell names its field
+    assert exc.value.code == 2 and "Traceback" not in err and named in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_non_utf8_argv_is_refused_in_one_line():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "sparsedecode", "generate", "--prompt", b"caf\xe9"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr == ("error: the value of --prompt is not UTF-8 text (byte 0xe9 at character "
+                                              "3); give UTF-8 text (or put the text in a UTF-8 file)\n")

@@ -34,7 +34,7 @@ def test_select_cost_per_token_and_measured():
     assert SelectCost("per_token", seconds_at_32k=0.24).at(65536) == pytest.approx(0.48)
     m = SelectCost("measured", contexts=(1000, 3000), seconds=(0.2, 0.4))
     assert m.at(2000) == pytest.approx(0.3) and m.at(10) == 0.2 and m.at(1e6) == 0.4
-    with pytest.raises(InputError, match="--select-seconds"):
+    with pytest.raises(InputError, match="select_seconds="):
         SelectCost("per_token", seconds_at_32k=-1.0)
 
 
@@ -74,13 +74,13 @@ def test_a_table_refuses_an_engine_of_other_dims_or_device():
 
 
 def test_the_papers_records_need_the_selection_time():
-    with pytest.raises(InputError, match="--select-seconds"):
+    with pytest.raises(InputError, match="select_seconds="):
         from_records([paper("sweep_a100")])
     t = from_records([paper("sweep_a100")], select_seconds=0.24)
     assert t.specs == ["dense", "proj0.5", "sel0.3", "both0.5/0.3"]
     assert t.gpu == "NVIDIA A100-SXM4-80GB" and t.dims is not None and t.source == "bytecross"
     assert t.configs["dense"].curve.cells == 24  # 8 contexts x 3 blocks, every cell a point
-    with pytest.raises(InputError, match="--select-seconds"):
+    with pytest.raises(InputError, match="select_seconds="):
         from_records([paper("sweep_a100")], select_seconds=-0.1)
 
 

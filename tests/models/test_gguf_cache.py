@@ -32,8 +32,9 @@ def test_second_load_reads_the_converted_copy_with_identical_tensors_and_tokeniz
 
     second = load_mod.resolve("smollm2-135m", quiet=True)
     assert len(calls) == 1  # read from the copy, not dequantized again
-    assert second.config == first.config and second.tensors.keys() == tensors.keys()
-    assert all(torch.equal(second.tensors[k], tensors[k]) for k in tensors)
+    assert second.config == first.config and second.tensors is None  # read when the model is built
+    copied = dict(load_mod._safetensors_items(second.converted))
+    assert copied.keys() == tensors.keys() and all(torch.equal(copied[k], tensors[k]) for k in tensors)
     cached = load_mod.load_tokenizer(second)
     text = "The capital of France is Paris; 12,345 ünïcödé tokens.\n = = Heading = =\n"
     chat = [{"role": "user", "content": "hi"}]

@@ -120,14 +120,14 @@ def test_point_estimate_or_upper_end():
 
 def test_records_of_another_model_or_configuration_are_refused():
     other = {**MODEL, "name": "qwen2.5-coder-0.5b"}
-    with pytest.raises(InputError, match=r"--multikey is a record of another model: model.name = 'qwen2.5-coder-0.5b'"):
+    with pytest.raises(InputError, match=r"multikey is a record of another model: model.name = 'qwen2.5-coder-0.5b'"):
         admit(ppl(0.1, 0.0, 0.2), retrieval("passkey"), retrieval("multikey", model=other), 0.2)
     wider = {**MODEL, "dims": {**MODEL["dims"], "d_ff": 2048}}
-    with pytest.raises(InputError, match=r"--passkey is a record of another model: model.dims.d_ff = 2048"):
+    with pytest.raises(InputError, match=r"passkey is a record of another model: model.dims.d_ff = 2048"):
         admit(ppl(0.1, 0.0, 0.2), retrieval("passkey", model=wider), retrieval("multikey"), 0.2)
     sel2 = {**CONFIG, "kv": {**CONFIG["kv"], "keep": 0.2}}
-    with pytest.raises(InputError, match=r"--passkey is a record of another configuration: config.kv.keep = 0.2, "
-                                         r"the --ppl record has 0.3"):
+    with pytest.raises(InputError, match=r"passkey is a record of another configuration: config.kv.keep = 0.2, "
+                                         r"the ppl record has 0.3"):
         admit(ppl(0.1, 0.0, 0.2), retrieval("passkey", config=sel2), retrieval("multikey"), 0.2)
     obs = {**CONFIG, "kv": {**CONFIG["kv"], "params": {"window": 32}}}
     with pytest.raises(InputError, match=r"config.kv.params.window = 32"):
@@ -141,9 +141,9 @@ def test_records_of_another_model_or_configuration_are_refused():
 
 
 def test_wrong_records_and_budget():
-    with pytest.raises(InputError, match="--passkey: expected the passkey test, this record holds the 'multikey' test"):
+    with pytest.raises(InputError, match="passkey: expected the passkey test, this record holds the 'multikey' test"):
         admit(ppl(0.1, 0.0, 0.2), retrieval("multikey"), retrieval("multikey"), 0.2)
-    with pytest.raises(InputError, match="--ppl: expected a 'ppl_eval' record, got 'retrieval_eval'"):
+    with pytest.raises(InputError, match="ppl: expected a 'ppl_eval' record, got 'retrieval_eval'"):
         admit(retrieval("passkey"), retrieval("passkey"), retrieval("multikey"), 0.2)
     with pytest.raises(InputError, match="finite number >= 0"):
         admit(ppl(0.1, 0.0, 0.2), retrieval("passkey"), retrieval("multikey"), float("nan"))

@@ -263,7 +263,7 @@ def test_bad_options_fail_before_loading(capsys, monkeypatch, tmp_path):
     assert code == 2 and "--length 256 must exceed --scored 512" in err
     (tmp_path / "file").write_text("1 2 3")
     code, _, err = _cli(capsys, "--out", str(tmp_path / "file"), "--text-file", str(tmp_path / "file"))
-    assert code == 2 and "is a file; a grid writes a folder of records" in err
+    assert code == 2 and "is a file; give a folder" in err
 
 
 def test_run_grid_refuses_a_setting_scored_on_other_windows(tmp_path):

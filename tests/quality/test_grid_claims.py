@@ -117,10 +117,10 @@ def test_a_claim_of_a_dead_process_on_this_host_is_taken_over(tmp_path, capsys):
 def test_a_claim_from_another_host_holds_until_reclaim(tmp_path, capsys):
     path = _claim(tmp_path, "proj0.5.json", "other-host", 1)
     scorer = Scorer(tmp_path)
-    with pytest.raises(TimeoutError, match=r"waited .* for proj0\.5, claimed in .*proj0\.5\.json\.claim.*--reclaim"):
+    with pytest.raises(TimeoutError, match=r"waited .* for proj0\.5, claimed in .*proj0\.5\.json\.claim.*reclaim=True"):
         _run(tmp_path, scorer, GRID, timeout=0.05)
     err = capsys.readouterr().err
-    assert f"waiting for proj0.5: {path} says pid 1 on other-host" in err and "--reclaim" in err
+    assert f"waiting for proj0.5: {path} says pid 1 on other-host" in err and "reclaim=True" in err
     assert scorer.calls == Counter({s.name: 1 for s in GRID if s.name != "proj0.5"})  # the rest is done
     assert path.exists()  # another process's claim stays
 

@@ -201,7 +201,7 @@ def test_prefill_never_ends_in_a_one_token_chunk():
 
 def test_decode_length_errors(tiny):
     eng, ids = tiny
-    with pytest.raises(InputError, match=r"exceed the model window of 1,024 tokens; use --length 1024"):
+    with pytest.raises(InputError, match=r"exceed the model window of 1,024 tokens; use length=1024"):
         decode_nll(eng, ids, length=2000, scored=32)
     with pytest.raises(InputError, match=r"need a cache of 800 tokens, the engine holds 704"):
         decode_nll(eng, ids, length=800, scored=32)

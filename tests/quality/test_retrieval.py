@@ -18,7 +18,7 @@ import typer
 from typer.testing import CliRunner
 
 import sparsedecode
-from sparsedecode.cli import eval_retrieval
+from sparsedecode.cli import eval_retrieval, use_help_classes
 from sparsedecode.cli.eval import eval_app
 from sparsedecode.config import KVConfig, ProjectionConfig, SparsityConfig
 from sparsedecode.corpus import text_ids, wikitext_path
@@ -387,11 +387,11 @@ def test_library_bad_input(tiny, text):
         _run(tiny, "passkey", context=CTX + 1)
     with pytest.raises(InputError, match=r"outside \[0, 1\]"):
         _run(tiny, "passkey", depths=(0.5, 1.5))
-    with pytest.raises(InputError, match="--trials must be at least 1"):
+    with pytest.raises(InputError, match="trials= must be at least 1"):
         _run(tiny, "passkey", trials=0)
     with pytest.raises(InputError, match="cannot hold the 4 sinks"):
         _run(tiny, "passkey", snap(0.05))
-    with pytest.raises(InputError, match="give --context"):
+    with pytest.raises(InputError, match="give context="):
         _run(tiny, "multikey", None, text, context=100)
     with pytest.raises(InputError, match="needs a text"):
         _run(tiny, "multikey")
@@ -408,6 +408,7 @@ cli = typer.Typer()
 for _name, _fn in (("passkey", eval_retrieval.passkey), ("multikey", eval_retrieval.multikey),
                    ("two-turn", eval_retrieval.two_turn)):
     cli.command(_name)(_fn)
+use_help_classes(cli)  # built as the CLI's own commands are: hints name flags
 
 
 def _cli(*args) -> tuple[int, str, str]:

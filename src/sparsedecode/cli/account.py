@@ -19,6 +19,7 @@ from sparsedecode import account as acc
 from sparsedecode.account.units import check_keep, fmt_bytes, fmt_k
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    COUNT_MAX,
     TOKENS,
     ConfigOpt,
     FfOnlyOpt,
@@ -28,7 +29,9 @@ from sparsedecode.cli.common import (
     ModelOpt,
     ProjKeepOpt,
     WeightBytesOpt,
+    bounded,
     emit_json,
+    out_file,
     parse_float,
 )
 from sparsedecode.errors import InputError
@@ -116,7 +119,7 @@ def account(
         int | None, typer.Option("--context", "-n", **TOKENS, help="Context length (32768, 32K, 32k).")
     ] = None,
     ff_only: FfOnlyOpt = False,
-    batch: Annotated[int | None, typer.Option("--batch", help="Batch size B.")] = None,
+    batch: Annotated[int | None, typer.Option("--batch", callback=bounded(1, COUNT_MAX), help="Batch size B.")] = None,
     union: Annotated[
         str | None, typer.Option("--union", help="Union keep u_B of a batch's channels.")
     ] = None,
@@ -370,7 +373,7 @@ def matched(
 
 @account_app.command("plot")
 def plot(
-    out: Annotated[str, typer.Option("--out", "-o", help="Output image (.png, .pdf, .svg).")],
+    out: Annotated[str, typer.Option("--out", "-o", callback=out_file((".png", ".pdf", ".svg")), help="Output image (.png, .pdf, .svg).")],
     model: ModelOpt = None,
     config: ConfigOpt = None,
     rp: ProjKeepOpt = "0.5",

@@ -24,14 +24,19 @@ import typer
 
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    COUNT_MAX,
+    SECONDS_MAX,
     TOKENS,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
     ObsOpt,
     TextFileOpt,
+    bounded,
     check_out_file,
     emit_json,
+    out_dir,
+    out_file,
 )
 from sparsedecode.errors import InputError
 
@@ -65,7 +70,7 @@ def cell(
     kernels: Annotated[str, typer.Option("--kernels", help="Kernel options, e.g. gemv.pdl=false,attention.min_split_keys=256 (default: none changed).")] = "",
     profile: Annotated[int, typer.Option("--profile", help="After the timed steps, this many more under torch.profiler: the record's 'profile' says where the step's time goes (0 = none).")] = 0,
     shared_gpu: Annotated[str, typer.Option("--shared-gpu", help="When other processes hold the GPU: refuse (the default: they skew the step) or allow (time anyway; the record names them).")] = "refuse",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(new=True), help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
     campaign: Annotated[str, typer.Option("--campaign", hidden=True)] = "",
     block: Annotated[int, typer.Option("--block", hidden=True)] = 0,
     group: Annotated[str, typer.Option("--group", hidden=True)] = "",
@@ -114,12 +119,12 @@ def cell(
 
 @bench_app.command("ceiling")
 def ceiling(
-    gib: Annotated[float, typer.Option("--gib", help="Weight size in GiB (far beyond the L2).")] = 1.0,
-    replays: Annotated[int, typer.Option("--replays", help="Timed replays (CUDA) or blocks (CPU).")] = 20,
-    calls: Annotated[int, typer.Option("--calls", help="GEMV calls per replay.")] = 10,
+    gib: Annotated[float, typer.Option("--gib", callback=bounded(0, 1024, low_open=True), help="Weight size in GiB (far beyond the L2).")] = 1.0,
+    replays: Annotated[int, typer.Option("--replays", callback=bounded(1, COUNT_MAX), help="Timed replays (CUDA) or blocks (CPU).")] = 20,
+    calls: Annotated[int, typer.Option("--calls", callback=bounded(1, COUNT_MAX), help="GEMV calls per replay.")] = 10,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (never overwritten), e.g. DIR/ceiling.json of a campaign folder, which `report` then reads.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(".json"), help="Record to write (never overwritten), e.g. DIR/ceiling.json of a campaign folder, which `report` then reads.")] = None,
     shared_gpu: Annotated[str, typer.Option("--shared-gpu", help="When other processes hold the GPU: refuse (the default) or allow (measure anyway; the record names them).")] = "refuse",
     json_out: JsonOpt = False,
 ) -> None:
@@ -171,13 +176,13 @@ def _cell_id(mode: str) -> str:
 @campaign_app.command("plan-crossing")
 def campaign_plan_crossing(
     folder: Annotated[str, typer.Argument(help="A finished sweep: campaign folder with dense, proj and sel cells.")],
-    prediction: Annotated[str, typer.Option("--prediction", help="Write the prediction record here (commit it before the campaign runs).")],
-    spec_out: Annotated[str, typer.Option("--spec", help="Write the crossing campaign (TOML) here.")],
+    prediction: Annotated[str, typer.Option("--prediction", callback=out_file(".json", new=True), help="Write the prediction record here (commit it before the campaign runs).")],
+    spec_out: Annotated[str, typer.Option("--spec", callback=out_file(".toml", new=True), help="Write the crossing campaign (TOML) here.")],
     group: Annotated[str, typer.Option("--group", help="The sweep's group holding the proj and sel cells.")] = "sweep",
     name: Annotated[str | None, typer.Option("--name", help="Campaign name (default: the spec file's stem).")] = None,
     spacing: Annotated[int, typer.Option("--spacing", **TOKENS, help="Tokens between contexts (App. E: at most 8K).")] = "8K",
     half_width: Annotated[int, typer.Option("--half-width", **TOKENS, help="Contexts cover the prediction plus and minus this.")] = "24K",
-    blocks: Annotated[int, typer.Option("--blocks", help="Blocks of the crossing campaign (at least 3).")] = 3,
+    blocks: Annotated[int, typer.Option("--blocks", callback=bounded(3, COUNT_MAX), help="Blocks of the crossing campaign (at least 3).")] = 3,
     proj: Annotated[str | None, typer.Option("--proj", help="The pair's projection mode, e.g. proj0.7 (default: the sweep's).")] = None,
     sel: Annotated[str | None, typer.Option("--sel", help="The pair's selection mode, e.g. sel0.5 (default: the sweep's).")] = None,
     keep_campaign: Annotated[str | None, typer.Option("--keep-campaign", help="Keep-ratio campaign folder: the cost of a keep the sweep lacks (App. D).")] = None,
@@ -196,10 +201,6 @@ def campaign_plan_crossing(
         predict_crossing,
     )
 
-    for path, flag, suffix in ((prediction, "--prediction", ".json"), (spec_out, "--spec", ".toml")):
-        check_out_file(path, flag, suffix)
-        if Path(path).exists():
-            raise InputError(f"{flag} {path} exists; predictions and specs are never overwritten (pick a new path)")
     step, half = parse_tokens(spacing, "--spacing"), parse_tokens(half_width, "--half-width")
     if step > 8192:
         raise InputError(f"--spacing {spacing}: a crossing campaign spaces its contexts at most 8K apart (App. E)")
@@ -223,12 +224,12 @@ def campaign_plan_crossing(
 @campaign_app.command("run")
 def campaign_run(
     specs: Annotated[list[str], typer.Argument(metavar="SPEC", help="Campaign spec (TOML); several run one after another (with --out-root).")],
-    out: Annotated[str | None, typer.Option("--out", "-o", metavar="DIR", help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
-    out_root: Annotated[str | None, typer.Option("--out-root", metavar="DIR", help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", metavar="DIR", callback=out_dir, help="Campaign folder: spec.toml, cells/, failed/, logs/.")] = None,
+    out_root: Annotated[str | None, typer.Option("--out-root", metavar="DIR", callback=out_dir, help="Folder holding one campaign folder per spec, named after the spec's `name` (DIR/NAME); for one spec or several.")] = None,
     executor: Annotated[str, typer.Option("--executor", help="local (one process after another) or ray.")] = "local",
-    max_cells: Annotated[int | None, typer.Option("--max-cells", help="Run at most this many pending cells, then stop (over all the specs).")] = None,
+    max_cells: Annotated[int | None, typer.Option("--max-cells", callback=bounded(1, COUNT_MAX), help="Run at most this many pending cells, then stop (over all the specs).")] = None,
     gpus: Annotated[str | None, typer.Option("--gpus", help="Local executor on several GPUs: ids like 0,1; block b runs whole on GPU b mod their count.")] = None,
-    stop_after: Annotated[float | None, typer.Option("--stop-after", help="Start no cell after this many seconds (over all the specs; the rest stays pending for a resume).")] = None,
+    stop_after: Annotated[float | None, typer.Option("--stop-after", callback=bounded(0, SECONDS_MAX, low_open=True), help="Start no cell after this many seconds (over all the specs; the rest stays pending for a resume).")] = None,
     shared_gpu: Annotated[str | None, typer.Option("--shared-gpu", help="This run's policy when other processes hold the GPU, in place of the specs' shared_gpu: refuse or allow (each record keeps its policy and names them).")] = None,
     json_out: JsonOpt = False,
 ) -> None:

@@ -32,13 +32,14 @@ from sparsedecode.cli.common import (
     check_new_file,
     check_text_file,
     emit_json,
+    out_file,
 )
 from sparsedecode.errors import InputError
 
 
 @app.command()
 def calibrate(
-    out: Annotated[str, typer.Option("--out", "-o", help="Thresholds file to write (.safetensors).")],
+    out: Annotated[str, typer.Option("--out", "-o", callback=out_file(".safetensors", new=True), help="Thresholds file to write (.safetensors).")],
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")] = "smollm2-135m",
     method: MethodOpt = "teal",
     keep: ProjKeepOpt = "0.5",

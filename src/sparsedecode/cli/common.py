@@ -9,6 +9,7 @@ or a usage box.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +17,10 @@ from typing import Annotated
 import typer
 
 from sparsedecode.errors import InputError
+
+
+def _flag(param) -> str:
+    return max(param.opts, key=len)  # '--out', not '-o'
 
 
 def _as_given(value):
@@ -32,9 +37,37 @@ def _tokens(param: typer.CallbackParam, value):
     if value is None or isinstance(value, int):
         return value
     text = str(value).strip()
-    if text.lstrip("+-").isdigit():
-        return int(text)
-    return parse_tokens(text, param.opts[0])
+    n = int(text) if text.lstrip("+-").isdigit() else parse_tokens(text, param.opts[0])
+    if n > TOKENS_MAX:
+        raise InputError(f"{_flag(param)} {text}: more than {TOKENS_MAX:,} tokens, past any model's window")
+    return n
+
+
+COUNT_MAX = 10**9  # repeats, steps, chunks, cells: more is a typo, not a plan
+SEED_MAX = 2**63 - 1  # what every seed reaches (torch, random, numpy) takes
+SECONDS_MAX = 10**7  # about 4 months
+TOKENS_MAX = 2**31  # a token count past this is no model's window
+
+
+def bounded(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
+    """The typer callback of a numeric option: a finite number in [low, high] (an open end
+    excludes it), else an InputError naming the flag and the range (one line, exit 2), read with
+    the command line before any work."""
+    def check(param: typer.CallbackParam, value):
+        if value is None:
+            return value
+        ok = (math.isfinite(value) and (low < value if low_open else low <= value)
+              and (value < high if high_open else value <= high))
+        if not ok:
+            raise InputError(f"{_flag(param)} must be {'>' if low_open else '>='} {_num(low)} and "
+                             f"{'<' if high_open else '<='} {_num(high)}, got {value}")
+        return value
+
+    return check
+
+
+def _num(x) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
 
 
 # The keyword arguments of an option whose value is a token count: `typer.Option("--x", **TOKENS)`.
@@ -64,7 +97,7 @@ MethodOpt = Annotated[str, typer.Option(
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="float32, bfloat16, float16 or auto.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", metavar="N", help="CPU threads for torch (default: torch's own choice).")]
+    "--threads", metavar="N", callback=bounded(1, 4096), help="CPU threads for torch (default: torch's own choice).")]
 MaxLenOpt = Annotated[int | None, typer.Option(
     "--max-len", **TOKENS,
     help="Cache length in tokens (4096, 32K): the longest prompt plus answer (default: the "
@@ -137,20 +170,51 @@ def _finite(x):
     return x
 
 
-def check_out_file(path: str, flag: str, suffix: str | None = None):
+def check_out_file(path: str, flag: str, suffix: str | tuple[str, ...] | None = None):
     """An output file path checked before any work: not a folder, a writable place, and with
-    `suffix` (e.g. '.png') when given. Returns it as a Path; InputError names the flag."""
+    `suffix` (e.g. '.png', or one of several) when given. Returns it as a Path; InputError names
+    the flag."""
     from pathlib import Path
 
     from sparsedecode.errors import InputError
 
     p = Path(path)
+    suffixes = (suffix,) if isinstance(suffix, str) else suffix
     if p.is_dir():
-        raise InputError(f"{flag} {path} is a folder; give a file path such as {p / ('out' + (suffix or '.json'))}")
-    if suffix is not None and p.suffix.lower() != suffix:
-        raise InputError(f"{flag} {path} must end in {suffix}")
+        example = p / ("out" + (suffixes[0] if suffixes else ".json"))
+        raise InputError(f"{flag} {path} is a folder; give a file path such as {example}")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise InputError(f"{flag} {path} must end in {' or '.join(suffixes)}")
     _check_writable(p.parent if str(p.parent) else Path("."), path, flag)
     return p
+
+
+def out_file(suffix: str | tuple[str, ...] | None = None, new: bool = False):
+    """The typer callback of an option naming a file to write, checked while the command line is
+    read, before any work: `check_out_file`, or `check_new_file` for a result never overwritten
+    (`typer.Option("--out", callback=out_file(".json", new=True))`)."""
+    def check(param: typer.CallbackParam, value):
+        if value is not None:
+            (check_new_file if new else check_out_file)(value, _flag(param), suffix)
+        return value
+
+    return check
+
+
+def out_dir(param: typer.CallbackParam, value):
+    """The typer callback of an option naming a folder to write into (`check_out_dir`)."""
+    if value is not None:
+        check_out_dir(value, _flag(param))
+    return value
+
+
+def out_place(param: typer.CallbackParam, value):
+    """The typer callback of an option naming a file or a folder to write, by another option's
+    choice: its nearest existing part must be a writable folder (the command checks the rest)."""
+    if value is not None:
+        p = Path(value)
+        _check_writable(p.parent if p.is_file() else p, value, _flag(param))
+    return value
 
 
 def _check_writable(where, path: str, flag: str) -> None:
@@ -162,6 +226,8 @@ def _check_writable(where, path: str, flag: str) -> None:
     probe = where
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise InputError(f"{flag} {path}: {probe} is a file, not a folder; pick another path")
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         raise InputError(f"{flag} {path}: cannot write under {probe}; pick a writable place")
 
@@ -185,7 +251,7 @@ def check_new_file(path: str, flag: str, suffix: str | None = None):
 
     p = check_out_file(path, flag, suffix)
     if p.exists():
-        raise InputError(f"{flag} {path} exists; pick a new path (or delete the old file first)")
+        raise InputError(f"{flag} {path} exists; results are never overwritten: pick a new path (or delete the old file first)")
     return p
 
 

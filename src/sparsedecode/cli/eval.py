@@ -23,6 +23,8 @@ import typer
 
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    COUNT_MAX,
+    SEED_MAX,
     TOKENS,
     DeviceOpt,
     DtypeOpt,
@@ -35,7 +37,9 @@ from sparsedecode.cli.common import (
     ThreadsOpt,
     ThresholdsOpt,
     apply_threads,
+    bounded,
     emit_json,
+    out_file,
 )
 from sparsedecode.errors import InputError
 
@@ -48,14 +52,14 @@ app.add_typer(eval_app, name="eval")
 # command sets its defaults (the same ones, checked by tests/quality/test_grid.py).
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")]
 ProtocolOpt = Annotated[str, typer.Option("--protocol", help="chunked (2,048-token chunks, last 1,024 scored) or decode (last --scored tokens of each window through the decode step).")]
-ChunksOpt = Annotated[int, typer.Option("--chunks", help="chunked: chunks of 2,048 tokens from token 0 (ByteCross: 128).")]
-WindowsOpt = Annotated[int, typer.Option("--windows", help="decode: evenly spaced windows (ByteCross: 8).")]
+ChunksOpt = Annotated[int, typer.Option("--chunks", callback=bounded(1, COUNT_MAX), help="chunked: chunks of 2,048 tokens from token 0 (ByteCross: 128).")]
+WindowsOpt = Annotated[int, typer.Option("--windows", callback=bounded(1, COUNT_MAX), help="decode: evenly spaced windows (ByteCross: 8).")]
 LengthOpt = Annotated[int, typer.Option("--length", **TOKENS, help="decode: window length in tokens (32768, 32K), at most the model window (ByteCross: 32K).")]
 ScoredOpt = Annotated[int, typer.Option("--scored", **TOKENS, help="decode: tokens per window scored one step at a time (ByteCross: 512).")]
-ResamplesOpt = Annotated[int, typer.Option("--resamples", help="Paired bootstrap resamples of the windows.")]
+ResamplesOpt = Annotated[int, typer.Option("--resamples", callback=bounded(1, COUNT_MAX), help="Paired bootstrap resamples of the windows.")]
 KvParamOpt = Annotated[list[str] | None, typer.Option("--kv-param", help="A KV selector field KEY=VALUE, repeatable (e.g. pool_kind=max, pool_width=5, sinks=8).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Bootstrap seed.")]
-LevelOpt = Annotated[float, typer.Option("--level", help="Interval level.")]
+SeedOpt = Annotated[int, typer.Option("--seed", callback=bounded(0, SEED_MAX), help="Bootstrap seed.")]
+LevelOpt = Annotated[float, typer.Option("--level", callback=bounded(0, 1, low_open=True, high_open=True), help="Interval level.")]
 
 
 @eval_app.command("ppl")
@@ -78,7 +82,7 @@ def ppl(
     level: LevelOpt = 0.95,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'ppl_eval'; never overwritten).")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(new=True), help="Record to write (kind 'ppl_eval'; never overwritten).")] = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
 ) -> None:

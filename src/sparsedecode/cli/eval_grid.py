@@ -32,6 +32,7 @@ from sparsedecode.cli.common import (
     ObsOpt,
     TextFileOpt,
     emit_json,
+    out_dir,
     parse_float,
 )
 from sparsedecode.cli.eval import eval_app
@@ -40,7 +41,7 @@ from sparsedecode.errors import InputError
 
 @eval_app.command("grid")
 def grid(
-    out: Annotated[str, typer.Option("--out", "-o", metavar="DIR", help="Folder of the grid's records (DIR/dense.json, one record per setting, grid.md); a rerun resumes it.")],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="DIR", callback=out_dir, help="Folder of the grid's records (DIR/dense.json, one record per setting, grid.md); a rerun resumes it.")],
     proj_keeps: Annotated[str, typer.Option("--proj-keeps", help="Projection keeps, comma-separated (uniform TEAL, calibrated once and cached); 1 is the branch off.")] = "0.7,0.6,0.5",
     kv_keeps: Annotated[str, typer.Option("--kv-keeps", help="KV keeps, comma-separated; 1 is the branch off, '' a projection-only grid.")] = "0.5,0.3,0.2",
     kv: KvOpt = "snapkv",

@@ -24,6 +24,8 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli.common import (
+    COUNT_MAX,
+    SEED_MAX,
     TOKENS,
     DeviceOpt,
     DtypeOpt,
@@ -36,7 +38,9 @@ from sparsedecode.cli.common import (
     ThreadsOpt,
     ThresholdsOpt,
     apply_threads,
+    bounded,
     emit_json,
+    out_file,
     parse_float,
 )
 from sparsedecode.cli.eval import (
@@ -50,10 +54,10 @@ from sparsedecode.errors import InputError
 
 ContextOpt = Annotated[int, typer.Option("--context", **TOKENS, help="Prompt length in tokens (4096, 4K), template and question included.")]
 DepthsOpt = Annotated[str, typer.Option("--depths", help="Relative depths of the queried needle, comma-separated, in [0, 1].")]
-TrialsOpt = Annotated[int, typer.Option("--trials", help="Placements per depth (ByteCross: 8).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the codes, archives and placements.")]
+TrialsOpt = Annotated[int, typer.Option("--trials", callback=bounded(1, COUNT_MAX), help="Placements per depth (ByteCross: 8).")]
+SeedOpt = Annotated[int, typer.Option("--seed", callback=bounded(0, SEED_MAX), help="Seed of the codes, archives and placements.")]
 NewOpt = Annotated[int, typer.Option("--new", **TOKENS, help="Tokens decoded greedily per answer.")]
-OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Record to write (kind 'retrieval_eval'; never overwritten).")]
+OutOpt = Annotated[str | None, typer.Option("--out", "-o", callback=out_file(new=True), help="Record to write (kind 'retrieval_eval'; never overwritten).")]
 VariantOpt = Annotated[str | None, typer.Option("--variant", help="kept (default): select once after the first question and append the rest; rescored: score the whole cache again after the second question. Needs --kv.")]
 
 MODEL = "smollm2-135m"

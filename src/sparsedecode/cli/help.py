@@ -6,11 +6,15 @@ the first period ("bench: Timing: one cell of the App."). Every group and comman
 `sparsedecode` is built with the classes here (`cli.use_help_classes`), so every way
 of building the app, the console script and typer's CliRunner alike, reads the same.
 A summary is its help's first paragraph, whole: write that paragraph as one sentence.
+The classes also run every command in `errors.cli_context`, so an error's hint names flags
+however the app is invoked (`errors.option`).
 """
 
 from __future__ import annotations
 
 from typer.core import TyperCommand, TyperGroup
+
+from sparsedecode.errors import cli_context
 
 # The value names of options whose declaration gives none (the shared options of
 # `cli/common.py` and token counts declare theirs).
@@ -58,7 +62,15 @@ def _argument_name(p) -> str:
     return (p.metavar or p.name.upper()) + ("..." if p.nargs != 1 else "")
 
 
-class Command(TyperCommand):
+class _InCli:
+    """Run under `errors.cli_context`: hints name `--flags`, not keywords."""
+
+    def main(self, *args, **kwargs):
+        with cli_context():
+            return super().main(*args, **kwargs)
+
+
+class Command(_InCli, TyperCommand):
     """A command whose summary is its first paragraph and whose values have names."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -82,7 +94,7 @@ class Command(TyperCommand):
                     formatter.write_dl(rows)
 
 
-class Group(TyperGroup):
+class Group(_InCli, TyperGroup):
     """A group whose summary is its first paragraph and whose own options' values have names."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -18,7 +18,14 @@ from typing import Annotated
 import typer
 
 from sparsedecode.cli.app import app
-from sparsedecode.cli.common import JsonOpt, check_out_dir, check_out_file, emit_json, parse_float
+from sparsedecode.cli.common import (
+    JsonOpt,
+    check_out_dir,
+    check_out_file,
+    emit_json,
+    out_place,
+    parse_float,
+)
 from sparsedecode.errors import InputError
 
 
@@ -46,7 +53,7 @@ def _refuse_tracked(folder: str) -> None:
 def report(
     folder: Annotated[str, typer.Argument(help="Campaign folder of timing records.")],
     out: Annotated[
-        str | None, typer.Option("--out", "-o", metavar="DIR", help="Folder for report.md and figures (default DIR/report).")
+        str | None, typer.Option("--out", "-o", metavar="DIR", callback=out_place, help="Folder for report.md and figures (default DIR/report).")
     ] = None,
     peak_gbps: Annotated[
         str | None,

@@ -30,6 +30,7 @@ from sparsedecode.cli.common import (
     ThresholdsOpt,
     apply_threads,
     emit_json,
+    out_file,
     parse_float,
 )
 from sparsedecode.errors import InputError
@@ -46,7 +47,7 @@ ModelArg = Annotated[str, typer.Option("--model", "-m", help="Known name, HF fol
 @route_app.command("build")
 def build(
     thresholds: ThresholdsOpt,
-    out: Annotated[str, typer.Option("--out", "-o", help="Routing table to write (.safetensors).")],
+    out: Annotated[str, typer.Option("--out", "-o", callback=out_file(), help="Routing table to write (.safetensors).")],
     model: ModelArg = "smollm2-135m",
     text_file: TextFileOpt = None,
     tokens: Annotated[int, typer.Option("--tokens", **TOKENS, help="Routing tokens (e.g. 16K).")] = "16K",

@@ -19,6 +19,7 @@ from sparsedecode.cli.common import (
     TextFileOpt,
     ThreadsOpt,
     ThresholdsOpt,
+    out_file,
 )
 
 
@@ -43,8 +44,9 @@ def serve(
     init: str = typer.Option("pretrained", "--init", help="pretrained, or random (a config's dims, token-id prompts)."),
     text_file: TextFileOpt = None,
     threads: ThreadsOpt = None,
-    ready_file: str = typer.Option(None, "--ready-file", help="Write a JSON of the start-up (address, seconds "
-                                   "per phase and configuration) here once the server accepts requests."),
+    ready_file: str = typer.Option(None, "--ready-file", callback=out_file(".json", new=True),
+                                   help="Write a JSON of the start-up (address, seconds per phase and "
+                                        "configuration) here once the server accepts requests."),
 ):
     """Serve /v1/completions and /v1/chat/completions (streamed or not), /v1/models, /health, /metrics."""
     from sparsedecode.cli.common import (
@@ -166,7 +168,7 @@ def serve_load(
     prompt: str = typer.Option("The capital of France is", "--prompt", help="The prompt of every request."),
     pid: int = typer.Option(None, "--pid", help="The server's PID, to record its resident memory before and after."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds the whole run may take."),
-    out: str = typer.Option(None, "--out", help="Write the record here (JSON)."),
+    out: str = typer.Option(None, "--out", callback=out_file(".json", new=True), help="Write the record here (JSON)."),
     as_json: JsonOpt = False,
 ):
     """A bounded load test of a running server: every request must end in 200 or 429."""
@@ -219,7 +221,7 @@ def serve_probe(
     tolerance: float = typer.Option(0.05, "--tolerance", help="Largest |server / cell - 1| that passes."),
     vocab: int = typer.Option(32000, "--vocab", help="Prompt token ids are drawn from [0, VOCAB)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompts' token ids."),
-    out: str = typer.Option(None, "--out", help="Write the record here (JSON)."),
+    out: str = typer.Option(None, "--out", callback=out_file(".json", new=True), help="Write the record here (JSON)."),
     as_json: JsonOpt = False,
 ):
     """Token-id requests under named configurations; with --cells, exit 1 when the server's

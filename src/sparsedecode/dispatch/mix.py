@@ -33,7 +33,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.validate import require_number
 
 CHAT_MEDIAN, CHAT_SIGMA, CHAT_RANGE, CHAT_ANSWER = 1024, 1.1, (64, 32768), 256
@@ -101,7 +101,7 @@ def _uniform(seed: int, k: int, lo_hi: tuple[int, int], n: int) -> np.ndarray:
 def workload(name: str, seed: int = 0) -> Mix:
     """One of App. I's workloads (`WORKLOADS`), drawn with `seed`."""
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise InputError(f"--seed must be a whole number >= 0, got {seed!r}")
+        raise InputError(f"{option('seed')} must be a whole number >= 0, got {seed!r}")
     parts = {
         "chat": lambda n: (_chat(seed, n), CHAT_ANSWER),
         "long_doc": lambda n: (_uniform(seed, 1, LONG_DOC_RANGE, n), LONG_DOC_ANSWER),

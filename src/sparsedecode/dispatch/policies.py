@@ -37,7 +37,7 @@ import numpy as np
 
 from sparsedecode.dispatch.mix import WORKLOADS, Mix, check_request, get_mix
 from sparsedecode.dispatch.prices import ConfigPrice, PriceTable
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.validate import (
     require_bool,
     require_dict,
@@ -313,14 +313,15 @@ def admissible(table: PriceTable, verdicts: list[dict], assume: bool = False,
                 why[spec] = f"failed its quality tests ({reasons})"
         elif assume:
             ok.append(spec)
-            why[spec] = "assumed admissible (--assume-admissible): no quality record was checked"
+            why[spec] = (f"assumed admissible ({option('assume', True, flag='--assume-admissible')}): "
+                         "no quality record was checked")
         elif assume_paper:
             ok.append(spec)
             why[spec] = ("admitted as in the paper, whose Table 5 lets the gate choose every configuration "
-                         "of its sweep; give --admit records to hold it to yours")
+                         f"of its sweep; give {option('verdicts', flag='--admit')} records to hold it to yours")
         else:
             why[spec] = ("no passing 'admissibility' record (sparsedecode eval admit --json); give one "
-                         "with --admit FILE or --assume-admissible")
+                         f"with {option('verdicts', flag='--admit')} or {option('assume', True, flag='--assume-admissible')}")
     return ok, why
 
 

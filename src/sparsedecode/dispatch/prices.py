@@ -37,7 +37,7 @@ import numpy as np
 from sparsedecode.account import ModelDims
 from sparsedecode.account.dims import dims_from_dict
 from sparsedecode.config import SparsityConfig
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.validate import (
     require_bool,
     require_dict,
@@ -392,7 +392,7 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
         raise InputError("give at least one folder of timing records")
     if select_seconds is not None:
         if isinstance(select_seconds, bool) or not math.isfinite(select_seconds) or select_seconds < 0:
-            raise InputError(f"--select-seconds must be a finite number of seconds >= 0, got {select_seconds}")
+            raise InputError(f"{option('select_seconds')} must be a finite number of seconds >= 0, got {select_seconds}")
     loaded = [load_cells(f) for f in folders]
     first = loaded[0]
     for c in loaded[1:]:
@@ -443,7 +443,7 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
                        if first.source == "bytecross" else "no one_time.select_s")
                 raise InputError(
                     f"the records of {spec} carry no selection time ({why}): "
-                    "give --select-seconds S, the selection's time on a 32K prompt (the paper: 0.24 on "
+                    f"give {option('select_seconds', 'S', placeholder=True)}, the selection's time on a 32K prompt (the paper: 0.24 on "
                     "A100-SXM4, 0.32 on RTX A6000)")
         configs[spec] = ConfigPrice(spec, Curve.from_points(points[spec]), sel, window=window)
     if first.cpu:

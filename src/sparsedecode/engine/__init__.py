@@ -5,6 +5,6 @@ backends live in models/attention.py.
 """
 
 from sparsedecode.engine.engine import DEFAULT_MAX_LEN, Engine, Generation
-from sparsedecode.engine.loader import load
+from sparsedecode.engine.loader import cache_length, load
 
-__all__ = ["DEFAULT_MAX_LEN", "Engine", "Generation", "load"]
+__all__ = ["DEFAULT_MAX_LEN", "Engine", "Generation", "cache_length", "load"]

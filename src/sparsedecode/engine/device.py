@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -24,7 +24,7 @@ def resolve_device(device=None) -> torch.device:
         raise InputError(f"unknown device '{device}': use cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise InputError(f"device '{device}' is not available: this torch sees no CUDA GPU; use --device cpu")
+            raise InputError(f"device '{device}' is not available: this torch sees no CUDA GPU; use {option('device', 'cpu')}")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise InputError(
                 f"device '{device}' does not exist: {torch.cuda.device_count()} CUDA device(s) visible"
@@ -52,7 +52,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
     """Raise an InputError if a matmul and SDPA in `dtype` fail on `device`."""
     name = str(dtype).removeprefix("torch.")
-    fix = "use --dtype float32" if device.type == "cpu" else "use --dtype float16"
+    fix = f"use {option('dtype', 'float32' if device.type == 'cpu' else 'float16')}"
     if not dtype.is_floating_point:
         raise InputError(f"dtype {name} is not a floating-point type; use float32, bfloat16 or float16")
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(False):

@@ -29,9 +29,9 @@ from sparsedecode.engine.device import (
     dict_tag_guards_off,
     use_compile_cache,
 )
-from sparsedecode.engine.generation import Generation, HostToken
+from sparsedecode.engine.generation import Generation, HostToken, encode
 from sparsedecode.engine.sampling import check_sampling, sample
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.kernels.options import GemvOptions, KernelOptions
 
 DEFAULT_MAX_LEN = 4096
@@ -112,7 +112,7 @@ class Engine(Branches):
         if n > self.max_len:
             raise InputError(
                 f"{what} of {n} tokens exceeds the allocated cache of {self.max_len} tokens "
-                f"(model window {window}); load with a larger --max-len (up to {window}) "
+                f"(model window {window}); load with a larger {option('max_len')} (up to {window}) "
                 "or shorten the prompt"
             )
 
@@ -159,7 +159,7 @@ class Engine(Branches):
         read it before the next step."""
         if self.pos >= self.max_len:
             raise InputError(
-                f"the cache of {self.max_len} tokens is full; load with a larger --max-len "
+                f"the cache of {self.max_len} tokens is full; load with a larger {option('max_len')} "
                 f"(model window {self.args.max_position})"
             )
         if isinstance(token, torch.Tensor):
@@ -369,14 +369,7 @@ class Engine(Branches):
             raise InputError(
                 f"'{self.name}' was loaded without a tokenizer (init='{self.init}'); pass token ids"
             )
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InputError(f"'{self.name}' has no chat template; drop --chat")
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+        return encode(self.tokenizer, prompt, chat, self.name)
 
     def tokens(self, ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop_ids: Sequence[int] | None = None,

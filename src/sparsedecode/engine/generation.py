@@ -1,5 +1,6 @@
 """What a generation returns (`Generation`), and how each sampled token reaches the host
-(`HostToken`) while the next decode step is already queued (`Engine.tokens`' lookahead)."""
+(`HostToken`) while the next decode step is already queued (`Engine.tokens`' lookahead), and a
+prompt's token ids (`encode`)."""
 
 from __future__ import annotations
 
@@ -63,4 +64,19 @@ class Generation:
         return steps / self.decode_s if self.decode_s > 0 and steps else float("nan")
 
 
-__all__ = ["Generation", "HostToken"]
+def encode(tokenizer, prompt: str, chat: bool = False, name: str = "the model") -> list[int]:
+    """Token ids of a prompt with `tokenizer`; with chat=True, wrapped in its chat template. Apart
+    from `Engine` so that a prompt is counted before its model loads (`generate` sizes its cache)."""
+    from sparsedecode.errors import InputError, option
+
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError(f"'{name}' has no chat template; drop {option('chat')}")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+__all__ = ["Generation", "HostToken", "encode"]

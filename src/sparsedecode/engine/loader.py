@@ -9,15 +9,17 @@ import torch
 
 from sparsedecode.engine.device import check_dtype, resolve_device, resolve_dtype
 from sparsedecode.engine.engine import DEFAULT_MAX_LEN, Engine
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
+from sparsedecode.models.args import ModelArgs
 from sparsedecode.models.attention import get_backend
+from sparsedecode.models.load import Checkpoint
 
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
          attention: str = "split_k", compile: bool | str | None = None, seed: int | None = 0,
          quiet: bool = False, config=None, kernels=None) -> Engine:
-    """Load `ref` (known name, HF folder, hub id, .gguf file, or a config dict with
-    init='random') into an Engine whose static cache holds `max_len` tokens
+    """Load `ref` (known name, HF folder, hub id, .gguf file, a config dict with
+    init='random', or a `models.load.Checkpoint` already resolved) into an Engine whose static cache holds `max_len` tokens
     (default min(model window, 4096)). `compile` defaults to True on CUDA; a string
     is taken as the torch.compile mode. `config` (a `SparsityConfig` or its text, e.g.
     'proj[t.safetensors]' or 'both0.5/0.3') is installed by `Engine.configure`; a gate that
@@ -40,12 +42,12 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     dt = resolve_dtype(dtype, dev)
     check_dtype(dev, dt)
     if max_len is not None and max_len < 1:
-        raise InputError(f"max_len must be >= 1, got {max_len}")
-    ckpt = resolve(ref, init=init, quiet=quiet)
+        raise InputError(f"{option('max_len')} must be >= 1 token, got {max_len}")
+    ckpt = ref if isinstance(ref, Checkpoint) else resolve(ref, init=init, quiet=quiet)
     mark("resolve_s")
     model, args = build_model(ckpt, dev, dt, seed=seed)
     mark("build_s")
-    max_len = max_len or min(args.max_position, DEFAULT_MAX_LEN)
+    max_len = max_len or min(args.window, DEFAULT_MAX_LEN)
     args.check_length(max_len)
     if dev.type == "cpu":
         model.column_major_()  # faster one-token GEMV on CPU; same values and shapes
@@ -69,4 +71,26 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     return eng
 
 
-__all__ = ["load"]
+def cache_length(args: ModelArgs, prompt_tokens: int, max_new_tokens: int, max_len: int | None = None) -> int:
+    """The cache a generation of `max_new_tokens` after a prompt of `prompt_tokens` needs, known
+    before the model loads: `max_len` when given and large enough, else the default
+    (min(window, 4096)) grown to the prompt plus its answer. A request past the model's window, or
+    past a `max_len` given, is refused with the numbers and what to change."""
+    window, need = args.window, prompt_tokens + max_new_tokens
+    asked = (f"the prompt ({prompt_tokens} tokens) plus {option('max_new_tokens', max_new_tokens)} needs a "
+             f"cache of {need} tokens")
+    if need > window:
+        fix = (f"give {option('max_new_tokens', window - prompt_tokens)} or less, or shorten the prompt"
+               if prompt_tokens < window else f"shorten the prompt below {window} tokens")
+        raise InputError(f"{asked}, more than the model window of {window} tokens ({args.name}); {fix}")
+    if max_len is None:
+        return max(min(window, DEFAULT_MAX_LEN), need)
+    args.check_length(max_len)
+    if need > max_len:
+        raise InputError(f"{asked}, more than {option('max_len', max_len)}; give {option('max_len', need)} or "
+                         f"more (the model window is {window}), leave {option('max_len')} out to size the "
+                         "cache to the prompt, or shorten the prompt or the answer")
+    return max_len
+
+
+__all__ = ["cache_length", "load"]

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -14,12 +14,12 @@ SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes
 def check_sampling(temperature: float, top_p: float, seed: int | None = None) -> None:
     """Refuse sampling settings that would fail or silently misbehave (NaN compares false)."""
     if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature >= 0):
-        raise InputError(f"--temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+        raise InputError(f"{option('temperature')} must be a finite number >= 0 (0 is greedy), got {temperature}")
     if not (isinstance(top_p, int | float) and 0 < top_p <= 1):
-        raise InputError(f"--top-p must be in (0, 1], got {top_p}")
+        raise InputError(f"{option('top_p')} must be in (0, 1], got {top_p}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                              or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-        raise InputError(f"--seed must be a whole number in [0, 2^64 - 1], got {seed}")
+        raise InputError(f"{option('seed')} must be a whole number in [0, 2^64 - 1], got {seed}")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator=None):

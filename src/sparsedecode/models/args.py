@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparsedecode.account.dims import ModelDims, config_number
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -112,17 +112,23 @@ class ModelArgs:
             model_type=self.model_type,
         )
 
+    @property
+    def window(self) -> int:
+        """The longest cache the engine attends correctly: max_position_embeddings, or the
+        sliding window where it is shorter (sliding-window attention is not implemented)."""
+        return min(self.max_position, self.sliding_window or self.max_position)
+
     def check_length(self, max_len: int) -> None:
         """Refuse a cache the model cannot attend correctly."""
         if max_len > self.max_position:
             raise InputError(
-                f"max_len {max_len} exceeds the model window of {self.max_position} tokens "
-                f"(max_position_embeddings); pass --max-len {self.max_position} or less"
+                f"{option('max_len', max_len)} exceeds the model window of {self.max_position} tokens "
+                f"(max_position_embeddings); pass {option('max_len', self.max_position)} or less"
             )
         if self.sliding_window is not None and max_len > self.sliding_window:
             raise InputError(
                 f"this model uses sliding-window attention of {self.sliding_window} tokens, which "
-                f"the engine does not implement; pass --max-len {self.sliding_window} or less"
+                f"the engine does not implement; pass {option('max_len', self.sliding_window)} or less"
             )
 
 

@@ -43,10 +43,12 @@ class Checkpoint:
     source: Path | None = None  # the .gguf file or the HF folder
     tensors: dict | None = field(default=None, repr=False)  # pre-read state dict (GGUF)
     converted: Path | None = None  # GGUF: the cached dequantized copy (weights + tokenizer)
+    tokenizer: object | None = field(default=None, repr=False)  # read once (`load_tokenizer`)
 
 
 def resolve(ref, init: str = "pretrained", quiet: bool = False) -> Checkpoint:
-    """A `Checkpoint` for `ref`; reads GGUF tensors eagerly, HF safetensors later."""
+    """A `Checkpoint` for `ref`; reads a GGUF's tensors eagerly when it has no dequantized copy
+    cached yet, safetensors (an HF folder, the cached copy) only when the model is built."""
     if init not in ("pretrained", "random"):
         raise InputError(f"init must be 'pretrained' or 'random', got '{init}'")
     if isinstance(ref, dict):
@@ -80,7 +82,8 @@ def resolve(ref, init: str = "pretrained", quiet: bool = False) -> Checkpoint:
             config, _ = load_config(ref_s)
             return Checkpoint(ref_s, config, "random")
         return _hub_checkpoint(ref_s, ref_s)
-    known_model(ref_s)  # raises with the closest known name
+    known_model(ref_s, other=f"give a local {'config.json' if init == 'random' else 'HF folder, a .gguf file'} "
+                             "or a hub id (owner/name)")  # raises with the closest known name
     raise AssertionError("unreachable")
 
 
@@ -124,11 +127,9 @@ def _gguf_checkpoint_of(path: Path, name: str, init: str) -> Checkpoint:
             f"model at {path}); pass a known name or a config.json instead"
         )
     folder = converted_folder(path)
-    if (folder / WEIGHTS).is_file():
-        from safetensors.torch import load_file
-
+    if (folder / WEIGHTS).is_file():  # read by build_model: a caller may only want the tokenizer
         config = json.loads((folder / "config.json").read_text())
-        return Checkpoint(name, config, "gguf", path, load_file(folder / WEIGHTS), folder)
+        return Checkpoint(name, config, "gguf", path, None, folder)
     config, tensors = load_gguf(path)
     _save_converted(folder, config, tensors)
     return Checkpoint(name, config, "gguf", path, tensors, folder)
@@ -198,6 +199,8 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, seed
     model.tie_weights()
     if ckpt.kind == "random":
         init_random_(model, seed=seed)
+    elif ckpt.kind == "gguf" and ckpt.tensors is None:  # the cached dequantized copy
+        _copy_state(model, _safetensors_items(ckpt.converted), str(ckpt.source))
     elif ckpt.kind == "gguf":
         _copy_state(model, ckpt.tensors.items(), str(ckpt.source))
         ckpt.tensors = None  # the CPU copy is no longer needed
@@ -256,7 +259,14 @@ def _copy_state(model: Transformer, items, source: str) -> None:
 
 
 def load_tokenizer(ckpt: Checkpoint):
-    """The checkpoint's tokenizer (with chat template), or None when it has none."""
+    """The checkpoint's tokenizer (with chat template), or None when it has none; read once per
+    checkpoint (a command that counts the prompt's tokens before the model loads reuses it)."""
+    if ckpt.tokenizer is None:
+        ckpt.tokenizer = _read_tokenizer(ckpt)
+    return ckpt.tokenizer
+
+
+def _read_tokenizer(ckpt: Checkpoint):
     from transformers import AutoTokenizer
 
     if ckpt.kind == "gguf":

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsedecode.account.units import check_keep
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.projection.thresholds import (
     ACT_SITE,
     INPUT_SITES,
@@ -420,7 +420,7 @@ def cached_teal(engine, keep: float, tokens: int = 8192, text_file=None, progres
     from sparsedecode.cache import cache_dir, sha256_of
     from sparsedecode.corpus import text_ids, wikitext_path
 
-    keep = check_keep(keep, "--proj-keep")
+    keep = check_keep(keep, option("keep", flag="--proj-keep"))
     path = wikitext_path("valid", text_file)
     text = sha256_of(path)[:16]  # the content names the file: the same text anywhere, other text anew
     out = cache_dir() / "thresholds" / f"{engine.name}-teal-{keep:g}-{tokens}-text{text}.safetensors"

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsedecode.cache import sha256_of as file_sha256  # a routing text: known by its content
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.projection.calibrate import MIN_TOKENS, WINDOW, _bar, masks, run_layers, windows
 from sparsedecode.projection.thresholds import ACT_SITE, Thresholds
 from sparsedecode.stfile import load_with_header, save_with_header
@@ -80,7 +80,7 @@ def routing_for(table, engine) -> RoutingTable:
     table.check(engine)
     if engine.thresholds is None:
         raise InputError("token routing chooses between the dense MLP and the CATS path: install CATS "
-                         "thresholds first (--thresholds FILE, Engine.sparsify)")
+                         f"thresholds first ({option('thresholds', 'FILE', placeholder=True)})")
     check_cats(engine.thresholds)
     mine, theirs = engine.thresholds, table.thresholds
     if (mine.method, mine.keep) != (theirs.get("method"), theirs.get("keep")):
@@ -233,8 +233,8 @@ def held_out_start(table: RoutingTable, path: str | os.PathLike, explicit: bool)
             return 0, "other text than the routing text (its sha256 differs)"
         raise InputError(
             f"the table's routing text (sha256 {sha[:12]}, recorded at {rec.get('path')}) is not at {path}: "
-            "pass --text-file with that text (calibration then starts after its routing tokens) or with "
-            "other held-out text")
+            f"give that text ({option('text_file', python='its ids')}; calibration then starts after its "
+            "routing tokens) or other held-out text")
     same_path = rec.get("path") and Path(rec["path"]).resolve() == Path(path).resolve()
     if same_path:
         return start + n, f"the routing text after its {n:,} routing tokens (same path; the table has no hash)"
@@ -321,7 +321,7 @@ def build_routing_table(engine, thresholds, ids, *, window: int = WINDOW, unseen
     if ids.numel() < MIN_TOKENS:
         raise InputError(
             f"routing text has {ids.numel()} tokens, fewer than the {MIN_TOKENS} needed; "
-            "give a longer --text-file or a larger --tokens"
+            f"give a longer {option('text_file', python='text')} or a larger {option('tokens', python='count')}"
         )
     tokens, l_dense, l_sparse = position_losses(engine, thresholds, ids, window=window,
                                                 progress=progress)

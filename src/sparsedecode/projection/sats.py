@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.projection.calibrate import Activations, Calibrator, run_layers, windows
 from sparsedecode.projection.thresholds import ACT_SITE, Thresholds, site_key
 
@@ -212,7 +212,8 @@ class Sats(Calibrator):
         if acts.tokens < self.error_tokens:
             raise InputError(
                 f"calibration text has {acts.tokens} tokens, fewer than sats error_tokens "
-                f"{self.error_tokens}; give a longer --text-file or larger --tokens, or lower error_tokens"
+                f"{self.error_tokens}; give a longer {option('text_file', python='text')} or a larger "
+                f"{option('tokens', python='count')}, or lower error_tokens"
             )
         key = ("sats-curves", self.levels, self.error_tokens, float(self.eps))
         if key not in acts.cache:

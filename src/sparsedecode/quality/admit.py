@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 MODEL_FIELDS = ("name", "init", "dims")
 VERDICTS = ("correct", "distractor", "miss")
@@ -98,7 +98,7 @@ class Budget:
     def text(self) -> str:
         what = "point estimate" if self.estimate == "point" else f"upper end of the {self.level:.0%} interval"
         rel = "<=" if self.passed else ">"
-        note = ("the paper selects on point estimates; --use-upper holds the interval's upper end"
+        note = (f"the paper selects on point estimates; {option('use_upper', True)} holds the interval's upper end"
                 if self.estimate == "point" else "stricter than the paper, which selects on point estimates")
         return (f"{'ΔPPL':<9} {'pass' if self.passed else 'FAIL'}: {what} {self.value:+.4f} {rel} budget "
                 f"{self.budget:g} (ΔPPL {self.delta:+.4f}, {self.level:.0%} [{self.low:+.4f}, "
@@ -191,19 +191,19 @@ def _check_kind(rec: dict, kind: str, what: str, test: str | None = None) -> Non
 
 def check_same(ppl: dict, passkey: dict, multikey: dict) -> None:
     """Refuse records of different models (name, init, dims) or configurations."""
-    recs = {"--ppl": ppl, "--passkey": passkey, "--multikey": multikey}
+    recs = {option(k, python=k): r for k, r in (("ppl", ppl), ("passkey", passkey), ("multikey", multikey))}
     base = {f: ppl.get("model", {}).get(f) for f in MODEL_FIELDS}
     for what, rec in list(recs.items())[1:]:
         other = {f: rec.get("model", {}).get(f) for f in MODEL_FIELDS}
         d = _first_difference(base, other, "model")
         if d is not None:
-            raise InputError(f"{what} is a record of another model: {d[0]} = {d[2]!r}, the --ppl record "
+            raise InputError(f"{what} is a record of another model: {d[0]} = {d[2]!r}, the {option('ppl', python='ppl')} record "
                              f"has {d[1]!r}; give the three records of one model")
     for what, rec in list(recs.items())[1:]:
         d = _first_difference(*_config_keys(ppl.get("config") or {}, rec.get("config") or {}), "config")
         if d is not None:
             raise InputError(f"{what} is a record of another configuration: {d[0]} = {d[2]!r}, the "
-                             f"--ppl record has {d[1]!r}; give the three records of one configuration")
+                             f"{option('ppl', python='ppl')} record has {d[1]!r}; give the three records of one configuration")
 
 
 # -- the verdict ------------------------------------------------------------------------
@@ -238,9 +238,9 @@ def admit(ppl: dict, passkey: dict, multikey: dict, budget: float, *, use_upper:
     'ppl_eval' record and the passkey and multi-key 'retrieval_eval' records; `budget` is the
     largest admissible ΔPPL, held against the point estimate (the paper's choice) or, with
     `use_upper`, against the upper end of the interval."""
-    _check_kind(ppl, "ppl_eval", "--ppl")
-    _check_kind(passkey, "retrieval_eval", "--passkey", "passkey")
-    _check_kind(multikey, "retrieval_eval", "--multikey", "multikey")
+    _check_kind(ppl, "ppl_eval", option("ppl", python="ppl"))
+    _check_kind(passkey, "retrieval_eval", option("passkey", python="passkey"), "passkey")
+    _check_kind(multikey, "retrieval_eval", option("multikey", python="multikey"), "multikey")
     if not (isinstance(budget, int | float) and math.isfinite(budget) and budget >= 0):
         raise InputError(f"the ΔPPL budget must be a finite number >= 0, got {budget!r}")
     check_same(ppl, passkey, multikey)
@@ -250,7 +250,7 @@ def admit(ppl: dict, passkey: dict, multikey: dict, budget: float, *, use_upper:
         b = Budget(float(d["point"]), float(d["low"]), float(d["high"]), float(ppl["bootstrap"]["level"]),
                    float(budget), "upper" if use_upper else "point")
     except (KeyError, TypeError):
-        raise InputError("the --ppl record has no bootstrap.delta {point, low, high}: "
+        raise InputError(f"the {option('ppl', python='ppl')} record has no bootstrap.delta {{point, low, high}}: "
                          "make it with sparsedecode eval ppl or eval grid") from None
     reasons = []
     for t in tests:

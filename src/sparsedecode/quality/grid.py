@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sparsedecode.account.units import check_keep
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 DENSE_FILE = "dense.json"
 # What every record of one grid shares; record fields in dotted form (protocol_params.* is
@@ -140,7 +140,7 @@ def check_identity(rec: dict, want: dict, where: str) -> None:
             raise InputError(
                 f"{where} was made with {f} = {have.get(f)!r}, this grid runs {f} = {v!r}; a grid's "
                 "records share model, protocol, windows, text, dtype, device and bootstrap: rerun "
-                "with the options the folder was made with, or give another --out"
+                f"with the options the folder was made with, or give another {option('folder', flag='--out')}"
             )
 
 
@@ -162,7 +162,8 @@ def check_config(rec: dict, s: Setting, obs: int, where: str) -> None:
         if got != v:
             raise InputError(
                 f"{where} holds {f} = {got!r}, but grid setting '{s.name}' has {f} = {v!r}; "
-                "rerun with the options the folder was made with (--obs, --kv), or give another --out"
+                f"rerun with the options the folder was made with ({option('obs')}, "
+                f"{option('kv_method', flag='--kv')}), or give another {option('folder', flag='--out')}"
             )
 
 
@@ -175,7 +176,7 @@ def check_folder(folder: str | os.PathLike, want: dict) -> None:
     if not folder.exists():
         return
     if not folder.is_dir():
-        raise InputError(f"--out {folder} is a file; a grid writes a folder of records")
+        raise InputError(f"{option('folder', str(folder), flag='--out')} is a file; a grid writes a folder of records")
     for p in sorted(folder.glob("*.json")):
         rec = read_record(p)
         if rec.get("kind") == "ppl_eval":
@@ -259,7 +260,7 @@ class Claims:
                 if h is None:  # released meanwhile
                     continue
                 why = ("that process is no longer running" if not _alive(h) else
-                       "--reclaim" if self.reclaim and self.found.get(path.name) == h else None)
+                       option("reclaim", True) if self.reclaim and self.found.get(path.name) == h else None)
                 if why is None:
                     return False
                 if self._remove(path, h):
@@ -401,11 +402,11 @@ def run_grid(folder: str | os.PathLike, grid: list[Setting], want: dict,
                 if h and (name, str(h)) not in noted:
                     noted.add((name, str(h)))
                     say(f"waiting for {name}: {path} says {_who(h)} is scoring it (if that process "
-                        "is gone, stop this one and rerun with --reclaim)")
+                        f"is gone, stop this one and rerun with {option('reclaim', True)})")
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(f"waited {waited:.0f} s for {', '.join(held)}, claimed in "
                                    f"{', '.join(str(p) for p, _ in held.values())}; if those processes "
-                                   "are gone, rerun with --reclaim")
+                                   f"are gone, rerun with {option('reclaim', True)}")
             if bar is not None:
                 bar.set_postfix_str(f"waiting for {todo[0].name}")
             time.sleep(poll)

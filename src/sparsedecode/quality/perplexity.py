@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 CHUNK = 2048
 DENSE = 1024
@@ -72,7 +72,7 @@ def check_config(protocol: str, config=None) -> None:
         raise InputError(
             f"the chunked protocol scores a prefill, which reads the whole cache, so the KV "
             f"configuration ({config.kv.method} keep {config.kv.keep:g}) has no meaning there; "
-            "score KV selections with the decode protocol (--protocol decode)"
+            f"score KV selections with the decode protocol ({option('protocol', 'decode')})"
         )
 
 
@@ -214,7 +214,7 @@ def decode_starts(n_tokens: int, windows: int, length: int) -> list[int]:
     if span < 0:
         raise InputError(
             f"decode-position windows of {length:,} tokens need {length + 1:,} tokens of text (the "
-            f"window and the token after it), the text has {n_tokens:,}; use a shorter --length "
+            f"window and the token after it), the text has {n_tokens:,}; use a shorter {option('length')} "
             "or a longer text"
         )
     if windows == 1:
@@ -228,19 +228,19 @@ def check_decode_length(engine, length: int, scored: int = SCORED) -> None:
         raise InputError(
             f"decode-position windows of {length:,} tokens cannot score their last {scored:,}: "
             f"the length must exceed the scored tokens (at least one token is prefilled); "
-            f"use --length > {scored}"
+            f"use {option('length')} > {scored}"
         )
     window = engine.args.max_position
     if length > window:
         raise InputError(
             f"decode-position windows of {length:,} tokens exceed the model window of {window:,} "
-            f"tokens; use --length {window} or less"
+            f"tokens; use {option('length', window)} or less"
         )
     if length > engine.max_len:
         raise InputError(
             f"decode-position windows of {length:,} tokens need a cache of {length:,} tokens, the "
             f"engine holds {engine.max_len:,}; load with max_len >= {length} (`eval ppl` sizes it "
-            f"from --length) or use --length {engine.max_len} or less"
+            f"from {option('length')}) or use {option('length', engine.max_len)} or less"
         )
 
 

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.records import json_line
 
 TESTS = ("passkey", "multikey", "two_turn")
@@ -121,7 +121,7 @@ def check_depths(depths) -> tuple[float, ...]:
     """Relative depths, each in [0, 1], at least one."""
     out = tuple(float(d) for d in depths)
     if not out:
-        raise InputError("give at least one depth, e.g. --depths 0.05,0.25,0.5,0.75,0.95")
+        raise InputError(f"give at least one depth, e.g. {option('depths', '0.05,0.25,0.5,0.75,0.95', placeholder=True)}")
     bad = [d for d in out if not 0.0 <= d <= 1.0]
     if bad:
         raise InputError(f"depths {', '.join(f'{d:g}' for d in bad)} lie outside [0, 1]: a depth is "
@@ -130,7 +130,7 @@ def check_depths(depths) -> tuple[float, ...]:
 
 
 def check_counts(context: int, trials: int, new: int) -> None:
-    for value, what, low in ((context, "--context", 1), (trials, "--trials", 1), (new, "--new", 1)):
+    for value, what, low in ((context, option("context"), 1), (trials, option("trials"), 1), (new, option("new"), 1)):
         if value < low:
             raise InputError(f"{what} must be at least {low}, got {value}")
 
@@ -233,8 +233,8 @@ def build_placement(tokenizer, test: str, context: int, depth: float, trial: int
     frame = sum(map(len, parts)) + sum(map(len, needles))
     n_hay = context - frame
     if n_hay < MIN_HAYSTACK:
-        raise InputError(f"--context {context} leaves {n_hay} tokens of text besides the {frame} of the "
-                         f"template, questions and needles; give --context {frame + MIN_HAYSTACK} or more")
+        raise InputError(f"{option('context', context)} leaves {n_hay} tokens of text besides the {frame} of the "
+                         f"template, questions and needles; give {option('context', frame + MIN_HAYSTACK)} or more")
     hay = _haystack(tokenizer, test, n_hay, codes, rng, stream)
     body, spans = insert_needles(hay, needles, 0, depth, rng)
     head = len(parts[0])
@@ -255,14 +255,15 @@ def _haystack(tokenizer, test, n: int, codes: list[str], rng: random.Random, str
         return (filler * (n // len(filler) + 1))[:n]
     if len(stream) < n:
         raise InputError(f"the text has {len(stream):,} tokens, fewer than the {n:,} a prompt needs: "
-                         "give a longer --text-file or a shorter --context")
+                         f"give a longer {option('text_file', python='text')} or a shorter {option('context')}")
     for _ in range(100):  # a slice that already holds a code would make the verdict ambiguous
         at = rng.randint(0, len(stream) - n)
         hay = stream[at : at + n]
         text = tokenizer.decode(hay)
         if not any(c in text for c in codes):
             return hay
-    raise InputError("every slice of the text tried holds one of the codes: give another --text-file")
+    raise InputError("every slice of the text tried holds one of the codes: give another "
+                     f"{option('text_file', python='text')}")
 
 
 def build_placements(tokenizer, test: str, context: int, depths=DEPTHS, trials: int = TRIALS,
@@ -444,7 +445,7 @@ def evaluate_retrieval_many(engine, test: str, configs, *, thresholds=None, cont
     if not configs:
         raise InputError("no configuration to evaluate: give at least one (None is dense)")
     if context + new > engine.max_len:
-        raise InputError(f"--context {context} plus --new {new} exceed the engine's cache of "
+        raise InputError(f"{option('context', context)} plus {option('new', new)} exceed the engine's cache of "
                          f"{engine.max_len} tokens; load it with max_len >= {context + new}")
     if test != "passkey" and text_path is None:
         raise InputError(f"the {test} test needs a text to hide its codes in (WikiText-2 test)")
@@ -465,7 +466,7 @@ def evaluate_retrieval_many(engine, test: str, configs, *, thresholds=None, cont
                         raise
                     raise InputError(f"two-turn kept: the selection after the first question ({at} "
                                      f"tokens) leaves room for the {context - at}-token second turn "
-                                     f"and {new} new tokens; {e}; or use --variant rescored") from None
+                                     f"and {new} new tokens; {e}; or use {option('variant', 'rescored')}") from None
         plans.append((resolve_projection(engine, config.projection, given), kv, selector, var))
 
     it = placements

@@ -78,6 +78,7 @@ from sparsedecode.timing.spec import (  # noqa: F401 (re-exported: the spec is p
 )
 
 EXECUTORS = ("local", "ray")
+CANCEL_WAIT_S = 300  # how long an interrupted Ray campaign waits for its cancelled cells to stop
 
 
 # -- the plan ----------------------------------------------------------------------
@@ -499,9 +500,11 @@ def _ray_cells(ray, spec, folder: Path, todo: list[CellSpec], summary: Summary, 
         # Not force=True: that ends a worker at once and orphans the cell process it launched,
         # which would run on (on the GPU) after the campaign says it stopped. Without force a
         # running task gets KeyboardInterrupt, and `launch` stops its cell before it returns.
+        # Wait for them (bounded): on a loaded host stopping a cell can take well over 30 s, and a
+        # campaign that exits first leaves its cells running behind its summary.
         for ref in refs:
             ray.cancel(ref)
-        ray.wait(list(refs), num_returns=len(refs), timeout=30)
+        ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_S)
         summary.interrupted = True
         summary.pending += len(refs)
     finally:

@@ -125,9 +125,9 @@ class CellSpec:
         for name, low in (("context", 1), ("warmup", 0), ("repeats", 1), ("steps", 1),
                           ("calib_tokens", 1), ("obs", 1), ("seed", 0), ("block", 0), ("order", 0),
                           ("profile", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise InputError(f"{name} must be an integer >= {low}, got {v!r}")
+            v, high = getattr(self, name), 2**63 - 1 if name == "seed" else 10**9  # a typo, not a plan
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise InputError(f"{name} must be an integer in [{low}, {high:,}], got {v!r}")
         check_alone([], self.shared_gpu)  # the policy's own check
         if mode.proj_method and self.calib_tokens < MIN_TOKENS:  # before a load it would waste
             raise InputError(f"calib_tokens {self.calib_tokens}: {mode} calibrates its thresholds on at "
