@@ -65,7 +65,7 @@ def generate(
     prompt = _prompt(prompt, prompt_file)
     from sparsedecode.cli.common import apply_threads
 
-    apply_threads(threads)
+    n_threads = apply_threads(threads)
     check_sampling(temperature, top_p, seed)
     if max_new_tokens < 0:
         raise InputError(f"--max-new-tokens must be >= 0 new tokens, got {max_new_tokens}")
@@ -116,7 +116,7 @@ def generate(
                   else round(out.ms_per_token, 4), "kv_select_s": round(out.kv_select_s, 4)}
     if as_json:
         typer.echo(json.dumps({
-            "model": eng.name, "source": str(eng.source_path), "device": str(eng.device),
+            "model": eng.name, "source": str(eng.source_path), "device": str(eng.device), "threads": n_threads,
             "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
             "load_s": round(load_s, 3),
             "projection": None if eng.thresholds is None else {
