@@ -64,23 +64,11 @@ class Branches:
         dense_projections_(self.model, self.kernels.gemv)
 
     def projection_runtime(self) -> str | None:
-        """What runs the projection branch's one-token calls, for users and records: on CUDA the
-        Triton kernels; on CPU the C kernels that read only kept rows (`kernels.cpu_gemv`), or the
-        masked reference (every weight read) where they could not be built, with the reason.
-        None without the projection branch."""
-        from sparsedecode.kernels.cpu_gemv import cpu_kernel
-        from sparsedecode.projection.thresholds import ACT_SITE
+        """What runs the projection branch's one-token calls (`projection.sparse_linear.runtime`),
+        for users and records; None without the projection branch."""
+        from sparsedecode.projection.sparse_linear import runtime
 
-        th = self.thresholds
-        if th is None:
-            return None
-        cats = ACT_SITE in th.sites
-        if self.device.type != "cpu":
-            return "row-gather up + sparse down GEMV" if cats else "sparse GEMV"
-        k = cpu_kernel()
-        if k.supports(self.dtype):
-            return "CPU row-gather up + sparse down (kept rows only)" if cats else "CPU sparse GEMV (kept rows only)"
-        return f"masked reference (reads every weight: {k.reason or f'no {self.dtype} kernel'})"
+        return None if self.thresholds is None else runtime(self.thresholds, self.device, self.dtype)
 
     def route(self, table) -> None:
         """Token routing (SATS paper §3.2): each decode step runs the dense MLP or the CATS

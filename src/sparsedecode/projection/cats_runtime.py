@@ -74,6 +74,7 @@ class CatsMLP(FixedDtypeBuffers):
         self.site = site
         self.track = track
         dev = up.weight.device
+        self.up_column_major = not up.weight.is_contiguous()  # its layout before: `uncats_` restores it
         if (dev.type == "cuda" or _interpreting() or _cpu_up(up.weight)) and not up.weight.is_contiguous():
             up.weight = nn.Parameter(up.weight.detach().contiguous(), requires_grad=False)  # (N, K)
         self.register_buffer("threshold", torch.tensor(float(threshold), device=dev), persistent=False)
@@ -170,8 +171,8 @@ class Router:
 
 
 def uncats_(model) -> int:
-    """Put the original dense MLP back in every layer that runs a `CatsMLP` (same weights,
-    down in its original layout); returns how many were replaced."""
+    """Put the original dense MLP back in every layer that runs a `CatsMLP` (same weights, up and
+    down in their original layouts); returns how many were replaced."""
     n = 0
     for layer in model.layers:
         mlp = layer.mlp
@@ -179,6 +180,9 @@ def uncats_(model) -> int:
             shell = mlp._shell[0]
             down = mlp.down_proj
             shell.gate_proj, shell.up_proj = mlp.gate_proj, mlp.up_proj
+            w = shell.up_proj.weight
+            if mlp.up_column_major and w.is_contiguous():  # made row-major for the row-gather
+                shell.up_proj.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
             shell.down_proj = down.to_linear() if isinstance(down, SparseLinear) else down
             layer.mlp = shell
             n += 1

@@ -58,6 +58,22 @@ def cpu_rows(w_t: Tensor) -> bool:
     return w_t.device.type == "cpu" and has_entry("sd_gemv_rows", w_t.dtype)
 
 
+def runtime(thresholds, device: torch.device, dtype: torch.dtype) -> str:
+    """What runs one-token calls of `thresholds` (a `Thresholds`) on `device`, for users and records:
+    on CUDA the Triton kernels; on CPU the C kernels that read only kept rows (`kernels.cpu_gemv`),
+    or the masked reference (every weight read) where they could not be built, with the reason."""
+    from sparsedecode.kernels.cpu_gemv import cpu_kernel
+    from sparsedecode.projection.thresholds import ACT_SITE
+
+    cats = ACT_SITE in thresholds.sites
+    if torch.device(device).type != "cpu":
+        return "row-gather up + sparse down GEMV" if cats else "sparse GEMV"
+    k = cpu_kernel()
+    if k.supports(dtype):
+        return "CPU row-gather up + sparse down (kept rows only)" if cats else "CPU sparse GEMV (kept rows only)"
+    return f"masked reference (reads every weight: {k.reason or f'no {dtype} kernel'})"
+
+
 def _check_options(options) -> GemvOptions:
     if options is None:
         return GemvOptions()
