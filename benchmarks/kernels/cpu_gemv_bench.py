@@ -16,7 +16,8 @@ all rows). GB/s is those bytes over the median time.
 
     PYTHONPATH=src python3 benchmarks/kernels/cpu_gemv_bench.py --out DIR [--threads 2]
 
-Writes DIR/cpu_gemv_bench.json (one record, a row per cell) and prints a table.
+Writes DIR/cpu_gemv_bench.json (one record, a row per cell); `--table DIR/cpu_gemv_bench.json`
+prints its markdown table (docs/kernels/cpu_gemv.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from sparsedecode.kernels.cpu_gemv import cpu_kernel, sparse_gemv_cpu
 from sparsedecode.kernels.sparse_gemv import sparse_gemv_ref
-from sparsedecode.records import stamp, write_record
+from sparsedecode.records import read_record, stamp, write_record
 
 # (model, site): (K in, N out) of the (in, out) weight the sparse path keeps
 SHAPES = {
@@ -88,15 +89,38 @@ def bench_cell(K, N, dtype, keep, args) -> list[dict]:
     return rows
 
 
+def table(rec: dict) -> str:
+    """The record as markdown: a row per (model, site, dtype, keep), the median µs per call of each
+    implementation and the kernel's time over dense F.linear's."""
+    impls = ["dense", "masked", "index_select", "rows"]
+    cells: dict[tuple, dict] = {}
+    for r in rec["rows"]:
+        cells.setdefault((r["model"], r["site"], r["K"], r["N"], r["dtype"], r["keep"]), {})[r["impl"]] = r
+    out = [f"CPU, {rec['threads']} threads, median µs per call (GB/s of the rows each must read):", "",
+           "| model | site | K x N | dtype | keep | " + " | ".join(impls) + " | rows / dense |",
+           "|---|---|---|---|---|" + "---|" * (len(impls) + 1)]
+    for (model, site, K, N, dtype, keep), c in cells.items():
+        vals = [f"{c[i]['us']:.1f} ({c[i]['gb_s']:.1f})" for i in impls]
+        out.append(f"| {model} | {site} | {K} x {N} | {dtype} | {keep:g} | " + " | ".join(vals)
+                   + f" | {c['rows']['us'] / c['dense']['us']:.2f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder for the record")
+    ap.add_argument("--table", type=Path, help="print the markdown table of this record and exit")
+    ap.add_argument("--out", type=Path, help="folder for the record")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--span-mb", type=int, default=256,
                     help="the weight copies of a cell span this many MiB (beyond the last-level cache)")
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
+    if args.table is not None:
+        print(table(read_record(args.table)))
+        return
+    if args.out is None:
+        raise SystemExit("give --out DIR (or --table RECORD)")
     if cpu_kernel().lib is None:
         raise SystemExit(f"the CPU kernel is not built: {cpu_kernel().reason}")
     if (args.out / "cpu_gemv_bench.json").exists():
