@@ -9,8 +9,7 @@
  * The kept rows are listed once; each thread takes a contiguous run of them and streams each
  * whole row (long sequential reads the prefetchers follow), four rows per pass over its float32
  * accumulator of N, which stays in L1/L2; thread 0 accumulates into y, the others into their own
- * partial sums, added into y at the end. Tiling the columns instead (each thread a slice of every
- * row) ran 3-6x slower: short strided reads (docs/kernels/cpu_gemv.md). Built at first use by
+ * partial sums, added into y at the end (why not column tiles: docs/kernels/cpu_gemv.md). Built at first use by
  * kernels/cpu_gemv.py with the host compiler (-O3 -march=native -fopenmp), against the libgomp
  * torch has already loaded.
  */
