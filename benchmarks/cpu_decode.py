@@ -20,6 +20,7 @@ torch.compile on CPU is not what a user picks by default) is timed too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -64,11 +65,14 @@ def hf_decode(model, ids, new: int, **gen_kwargs) -> tuple[float, float]:
     return len(ids) / (first - t0), (new - 1) / (last - first)
 
 
-def load_ours(a, compile: bool):
-    """(engine, prompt ids) of our engine, eager or with a compiled decode step, warmed up."""
+def load_ours(a, compile: bool, config: str = "dense"):
+    """(engine, prompt ids) of our engine, eager or with a compiled decode step, running `config`
+    (a SparsityConfig text: dense, proj0.5, snapkv0.3, ...), warmed up."""
     import sparsedecode
 
     eng = sparsedecode.load(a.model, device="cpu", dtype="float32", compile=compile or None, quiet=True)
+    if config != "dense":
+        eng.configure(config)
     ids = eng.tokenizer(wikitext_path("test").read_text(encoding="utf-8")[: 40 * a.context])["input_ids"][: a.context]
     assert len(ids) == a.context, "WikiText-2 test split too short for --context"
     ours_decode(eng, ids[:64], 8)  # warm-up (and compilation)
@@ -91,6 +95,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/records/cpu/decode"))
     ap.add_argument("--no-static", action="store_true", help="skip the static-cache peer")
     ap.add_argument("--compile", action="store_true", help="also time ours with a torch.compile'd step")
+    ap.add_argument("--configs", default="proj0.5",
+                    help="sparse configurations of ours timed beside our dense step, comma-separated ('' for none)")
     a = ap.parse_args()
 
     from sparsedecode.records import stamp, write_record
@@ -100,6 +106,7 @@ def main() -> None:
 
     eng, ids = load_ours(a, compile=False)
     eng_c = load_ours(a, compile=True)[0] if a.compile else None
+    sparse = {c: load_ours(a, compile=False, config=c)[0] for c in filter(None, a.configs.split(","))}
     src = eng.source_path
     hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32).eval()
     static_kw = dict(cache_implementation="static")
@@ -108,9 +115,14 @@ def main() -> None:
         hf_decode(hf, ids[:64], 8, **static_kw)
     # Interleaved repeats (ours, the peers, ours, ...): a shared machine's drift hits every
     # contender alike instead of whichever ran last.
-    runs = {"ours": [], "ours_c": [], "hf": [], "static": []}
+    runs = {"ours": [], "ours_c": [], "hf": [], "static": [], **{c: [] for c in sparse}}
+    realized = {c: [] for c in sparse}
     for r in range(a.repeats):
         runs["ours"].append(ours_decode(eng, ids, a.new))
+        for c, e in sparse.items():
+            with e.tracking_keep() if e.thresholds is not None else contextlib.nullcontext() as keep_of:
+                runs[c].append(ours_decode(e, ids, a.new))
+                realized[c].append(None if keep_of is None else keep_of())
         if eng_c is not None:
             runs["ours_c"].append(ours_decode(eng_c, ids, a.new))
         runs["hf"].append(hf_decode(hf, ids, a.new))
@@ -128,6 +140,24 @@ def main() -> None:
     print(f"ours (eager): prefill {ours['prefill_tok_s']:.1f} tok/s, decode {ours['decode_tok_s']:.2f} tok/s")
     print(f"transformers (dynamic cache): prefill {peer['prefill_tok_s']:.1f} tok/s, decode {h_dec:.2f} tok/s")
 
+    configs = {}
+    for c, e in sparse.items():
+        ratios = [x[1] / d[1] for x, d in zip(runs[c], runs["ours"], strict=True)]
+        keep = statistics.median(realized[c]) if None not in realized[c] else None
+        bound = None
+        if keep is not None:
+            from sparsedecode.account.crossover import bounds
+
+            bound = bounds(e.dims, a.context, keep, 1.0, weight_bytes=4, kv_bytes=4).projection
+        configs[c] = {**summary(runs[c], projection_runtime=e.projection_runtime()),
+                      "realized_keep": keep, "realized_keeps": realized[c],
+                      "speedup_vs_ours_dense": statistics.median(ratios), "paired_speedups": ratios,
+                      "byte_bound": bound,
+                      "byte_bound_of": "account.bounds at the context, realized keep, float32 weights and "
+                                       "cache; the LM head, embedding row and norms stay dense"}
+        print(f"ours {c}: decode {configs[c]['decode_tok_s']:.2f} tok/s, "
+              f"{configs[c]['speedup_vs_ours_dense']:.2f}x our dense (byte bound "
+              f"{'n/a' if bound is None else f'{bound:.2f}x'}, realized keep {keep}) [{e.projection_runtime()}]")
     best = max([ours] + ([ours_c] if ours_c else []), key=lambda r: r["decode_tok_s"])
     speedup = best["decode_tok_s"] / h_dec
     print(f"decode speedup over transformers generate (dynamic cache): {speedup:.2f}x "
@@ -145,12 +175,14 @@ def main() -> None:
         "decoding": "greedy, EOS ignored; decode tok/s = (new-1) / time after the first new token",
         "ours": ours,
         "ours_compiled": ours_c,
+        "ours_configs": configs,
         "transformers": peer,
         "transformers_static": static,
         "speedup_vs_transformers": speedup,
         "speedup_vs_transformers_eager": ours["decode_tok_s"] / h_dec,
         "paired_speedups_eager": paired,
-        "order": "interleaved repeats: ours, ours compiled, transformers, transformers static",
+        "order": "interleaved repeats: ours, ours in each of --configs, ours compiled, transformers, "
+                 "transformers static",
         "speedup_of": "compiled" if best is ours_c else "eager",
         "target_speedup": TARGET,
         "target_met": speedup >= TARGET,

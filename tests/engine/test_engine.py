@@ -179,6 +179,10 @@ def test_cli_generate_answers_paris():
     assert res.exit_code == 0, res.output
     assert "Paris" in res.stdout
     assert "tok/s" in res.stderr
+    res = CliRunner().invoke(app, ["generate", "--model", "smollm2-135m", "--prompt", "Hi", "--max-new-tokens", "2",
+                                   "--device", "cpu", "--threads", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["threads"] == 1
 
 
 def test_compile_caches_persist_under_the_sparsedecode_cache(tmp_path, monkeypatch):

@@ -153,3 +153,24 @@ def test_a_file_with_the_installed_sites_updates_thresholds_in_place():
     eng.sparsify(cats(0.03))
     assert [layer.mlp for layer in eng.model.layers] == mlps and all(isinstance(m, CatsMLP) for m in mlps)
     torch.testing.assert_close(_decode(eng, ids), fresh(cats(0.03)), rtol=0, atol=0)
+
+
+def test_cpu_runtime_reads_kept_rows_and_counts_them():
+    """On CPU the projection branch runs the C kernels (kernels.cpu_gemv), says so, and counts the
+    realized keep as it runs; CATS thresholds run the row-gather up on CPU too."""
+    from sparsedecode.kernels.cpu_gemv import cpu_kernel
+
+    if cpu_kernel().lib is None:
+        pytest.skip(f"CPU kernel not built: {cpu_kernel().reason}")
+    ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(1))
+    eng = _engine()
+    assert eng.projection_runtime() is None
+    eng.sparsify(_thresholds(eng, 0.02))
+    assert eng.projection_runtime() == "CPU sparse GEMV (kept rows only)"
+    with eng.tracking_keep() as keep_of:
+        _decode(eng, ids)
+        keep = keep_of()
+    assert 0.0 < keep < 1.0
+    eng.sparsify(Thresholds(values={f"layers.{i}.act": 0.01 for i in range(2)}, method="cats", keep=0.5,
+                            model=eng.name, dims=eng.dims.to_dict()))
+    assert eng.projection_runtime() == "CPU row-gather up + sparse down (kept rows only)"

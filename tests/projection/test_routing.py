@@ -16,6 +16,7 @@ import sparsedecode
 from sparsedecode.cli import main
 from sparsedecode.config import ProjectionConfig, SparsityConfig
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.cpu_gemv import cpu_kernel
 from sparsedecode.projection.routing import (
     RoutingTable,
     build_routing_table,
@@ -66,6 +67,7 @@ def _cats(eng, t: float = 0.02) -> Thresholds:
                       model=eng.name, dims=eng.dims.to_dict(), keep_metric="act_keep")
 
 
+CPU_UP_ROWS = cpu_kernel().entry("sd_gather_rows", torch.float32) is not None
 IDS = torch.randint(0, 80, (300,), generator=torch.Generator().manual_seed(0))  # ids 80-99 unseen
 
 
@@ -145,7 +147,8 @@ def test_steps_routed_dense_are_the_dense_model_and_routed_sparse_the_cats_model
 
 def test_mixed_routing_picks_each_steps_mlp_by_its_token(table):
     """At tau for 50%, each decode step's MLP outputs equal, bitwise, the dense MLP's or the
-    unrouted CATS MLP's on the same input, as the table says for the step's token."""
+    unrouted CATS MLP's on the same input, as the table says for the step's token (the dense
+    ones to float32 rounding where the CPU kernel holds up row-major: `kernels.cpu_gemv`)."""
     dense_eng, cats_eng, eng = _tiny(), _tiny(), _tiny()
     cats_eng.sparsify(_cats(cats_eng))
     eng.sparsify(_cats(eng))
@@ -174,7 +177,10 @@ def test_mixed_routing_picks_each_steps_mlp_by_its_token(table):
         for k, (i, x, y) in enumerate(seen):
             want = (cats_eng if flags[k // 2] else dense_eng).model.layers[i].mlp(x)
             other = (dense_eng if flags[k // 2] else cats_eng).model.layers[i].mlp(x)
-            assert torch.equal(y, want), (k, i)
+            if flags[k // 2] or not CPU_UP_ROWS:
+                assert torch.equal(y, want), (k, i)
+            else:  # the CPU kernel keeps up row-major: the dense MLP's ops on another layout
+                torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6, msg=f"step {k // 2} layer {i}")
             differ += not torch.equal(y, other)
     assert len(seen) == 2 * flags.numel() and differ > 0.9 * len(seen)  # the paths differ
 

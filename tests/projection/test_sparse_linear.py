@@ -1,8 +1,8 @@
 """SparseLinear at the seven projection sites of a tiny random engine (ByteCross §3.2, §4.1).
 
-On CPU the sparse path is the masked reference, so these tests pin the math and
-the bookkeeping: threshold 0 decodes as dense, positive thresholds change decode
-but never prefill, densify_ restores the dense model exactly, and the realized
+On CPU the sparse path is the C kernel (kernels.cpu_gemv: it computes the masked product), so
+these tests pin the math and the bookkeeping: threshold 0 decodes as dense, positive thresholds
+change decode but never prefill, densify_ restores the dense model exactly, and the realized
 keep equals the parameter-weighted fraction of |x| above threshold computed from
 the sites' inputs independently.
 """

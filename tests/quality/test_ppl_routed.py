@@ -109,7 +109,10 @@ def test_decode_protocol_runs_the_routing(setup, tmp_path):
             th, table = _cats(eng), _table(eng, tau)
             routed = _named(tmp_path, th, table, f"tau{tau}")
             got = decode_nll(eng, ids, config=routed, thresholds=th, routing=table, **args).nll
-            assert got == want and eng.config.mode == "proj+route"
+            # all dense-routed: the original MLP's ops, on the row-major up the CPU kernel keeps
+            # (kernels.cpu_gemv), so equal to the dense run to float32 rounding, not bitwise
+            assert got == (want if tau == math.inf else pytest.approx(want, rel=1e-6))
+            assert eng.config.mode == "proj+route"
         assert cats != dense
     finally:
         eng.configure(SparsityConfig())

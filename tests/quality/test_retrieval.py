@@ -298,7 +298,7 @@ def test_projection_runs_in_the_configured_decode_only(tiny):
     th = Thresholds(values=values, method="teal", keep=0.5, model=tiny.name, dims=tiny.dims.to_dict())
     dense = _run(tiny, "passkey")
     rec = _run(tiny, "passkey", SparsityConfig(ProjectionConfig(keep=th.keep)), thresholds=th)
-    assert rec["config"]["mode"] == "proj" and rec["config"]["projection"]["runtime"] == "masked reference"
+    assert rec["config"]["mode"] == "proj" and rec["config"]["projection"]["runtime"] == "CPU sparse GEMV (kept rows only)"
     assert [p["dense"] for p in rec["placements"]] == [p["dense"] for p in dense["placements"]]
     assert [p["configured"]["output"] for p in rec["placements"]] != [p["dense"]["output"] for p in dense["placements"]]
     assert tiny.thresholds is None  # left dense

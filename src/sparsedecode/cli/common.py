@@ -292,17 +292,23 @@ def check_calibration_text(text_file: str | None, *, calibrates: bool, init: str
     check_text_file(wikitext_path("valid", text_file))
 
 
-def apply_threads(threads: int | None) -> None:
-    """--threads: torch's intra-op CPU threads, checked first."""
-    if threads is None:
-        return
+def apply_threads(threads: int | None) -> int:
+    """--threads: torch's intra-op CPU threads, checked first; returns the count set. Without it,
+    $OMP_NUM_THREADS when set (torch reads it), else the cores this process may run on (its
+    affinity, which containers and `taskset` narrow; torch's own default counts the host's)."""
+    import os
+
     from sparsedecode.errors import InputError
 
-    if threads < 1:
+    if threads is not None and threads < 1:
         raise InputError(f"--threads must be >= 1, got {threads}")
     import torch
 
-    torch.set_num_threads(threads)
+    if threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 

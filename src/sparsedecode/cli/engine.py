@@ -6,6 +6,7 @@ CLI (e.g. `sparsedecode account`) starts instantly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -77,7 +78,7 @@ def generate(
     prompt = _prompt(prompt, prompt_file)
     from sparsedecode.cli.common import apply_threads
 
-    apply_threads(threads)
+    n_threads = apply_threads(threads)
     check_sampling(temperature, top_p, seed)
     if max_new_tokens < 0:
         raise InputError(f"--max-new-tokens must be >= 0 new tokens, got {max_new_tokens}")
@@ -118,8 +119,17 @@ def generate(
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    out = eng.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, on_text=None if as_json else show, gate=gate_obj)
+    # on CPU the realized keep of the projections is counted as they run (the kernel returns it)
+    from sparsedecode.projection.thresholds import ACT_SITE
+
+    track = (eng.device.type == "cpu" and eng.thresholds is not None and gate_obj is None
+             and ACT_SITE not in eng.thresholds.sites)
+    with eng.tracking_keep() if track else contextlib.nullcontext(None) as keep_of:
+        out = eng.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           seed=seed, on_text=None if as_json else show, gate=gate_obj)
+        realized = None
+        if keep_of is not None and len(out.ids) > 1:  # the first new token comes from the prefill
+            realized = round(keep_of(), 4)
     speeds = {
         "prompt_tokens": len(out.prompt_ids),
         "new_tokens": len(out.ids),
@@ -133,14 +143,12 @@ def generate(
                   else round(out.ms_per_token, 4), "kv_select_s": round(out.kv_select_s, 4)}
     if as_json:
         typer.echo(json.dumps({
-            "model": eng.name, "source": str(eng.source_path), "device": str(eng.device),
+            "model": eng.name, "source": str(eng.source_path), "device": str(eng.device), "threads": n_threads,
             "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
             "max_len": eng.max_len, "load_s": round(load_s, 3),
             "projection": None if eng.thresholds is None else {
                 "method": eng.thresholds.method, "keep": eng.thresholds.keep,
-                "path": "masked reference" if eng.device.type == "cpu" else (
-                    "row-gather up + sparse down GEMV" if eng.thresholds.method == "cats"
-                    else "sparse GEMV")},
+                "path": eng.projection_runtime(), "realized_keep": realized},
             "kv": None if eng.kv is None else {
                 "method": eng.kv.method, "keep": eng.kv.keep, "mode": eng.kv.mode, "prompt_tokens": eng.kv.n,
                 "budget": eng.kv.budget, "select_s": round(eng.kv.select_s, 4)},
@@ -155,10 +163,9 @@ def generate(
         f"{speeds['prompt_tok_s']} tok/s, decode {speeds['new_tokens']} tokens at "
         f"{speeds['decode_tok_s']} tok/s" + (f" (after compiling and capturing the step in {out.compile_s:.1f} s)"
                                                if out.compile_s > 0 else "") + ("" if eng.thresholds is None else (
-            f"; projection {eng.thresholds.method} keep {eng.thresholds.keep:g}, "
-            + ("masked reference (reads every weight)" if eng.device.type == "cpu"
-               else "row-gather up + sparse down GEMV" if eng.thresholds.method == "cats"
-               else "sparse GEMV"))) + ("" if eng.kv is None else (
+            f"; projection {eng.thresholds.method} keep {eng.thresholds.keep:g}"
+            + ("" if realized is None else f" (realized {realized:.3f})") + f", {eng.projection_runtime()}"))
+        + ("" if eng.kv is None else (
             f"; kv {eng.kv.method} keep {eng.kv.keep:g}: {eng.kv.budget} of {eng.kv.n} prompt entries "
             f"per KV head, selected in {eng.kv.select_s:.3f} s")) + ("" if eng.routing is None else (
             f"; routing tau {eng.routing.tau:.4g} (target {eng.routing.target:g}): "

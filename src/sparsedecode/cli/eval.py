@@ -257,9 +257,11 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
     configured = dense if same else evaluate(eng, ids, protocol, config, thresholds=th, progress=progress, **args)
     bs = paired_bootstrap(dense.nll, configured.nll, dense.targets, resamples, seed, level)
 
-    cpu = eng.device.type == "cpu"
+    from sparsedecode.projection.sparse_linear import runtime
+
     proj = None if th is None else {**th.header(), "source": str(thresholds) if thresholds else "cached_teal",
-                                    "runtime": "masked reference" if cpu or protocol == "chunked" else "sparse GEMV"}
+                                    "runtime": "masked reference" if protocol == "chunked"
+                                    else runtime(th, eng.device, eng.dtype)}
     kvd = None if kv_config is None else {"method": kv_config.method, "keep": kv_config.keep,
                                           "params": dict(kv_config.params)}
     shape = ({"chunks": chunks, "chunk": CHUNK, "dense_prefix": DENSE, "scored": CHUNK - DENSE}

@@ -63,6 +63,13 @@ class Branches:
         uncats_(self.model)
         dense_projections_(self.model, self.kernels.gemv)
 
+    def projection_runtime(self) -> str | None:
+        """What runs the projection branch's one-token calls (`projection.sparse_linear.runtime`),
+        for users and records; None without the projection branch."""
+        from sparsedecode.projection.sparse_linear import runtime
+
+        return None if self.thresholds is None else runtime(self.thresholds, self.device, self.dtype)
+
     def route(self, table) -> None:
         """Token routing (SATS paper §3.2): each decode step runs the dense MLP or the CATS
         path by a lookup of its token id in `table` (a calibrated `RoutingTable` or its file;

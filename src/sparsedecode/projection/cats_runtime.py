@@ -8,8 +8,9 @@ to `kernels.gather_gemv.cats_up`, which reads only the up rows of kept channels
 and returns the gated product h with exact zeros for dropped ones; down takes h
 as a `SparseLinear` at threshold 0, whose input-sparse GEMV skips down's rows
 for every dropped channel. Both halves move real bytes: about keep x (up + down).
-On CPU the same outputs come from the masked reference (up read whole and
-masked: 'masked', it saves no bytes). The realized keep it reports is over the
+On CPU `kernels.cpu_gemv` does the same (a C kernel built at first use: `cats_up_cpu` reads
+the up rows of kept channels, down's input-sparse GEMV the down rows); where it could not be
+built, the masked reference (up read whole and masked: 'masked', it saves no bytes). The realized keep it reports is over the
 SiLU(gate) channels, as the calibrator targets; the mask is compared in float32
 on every path, so CPU and CUDA keep the same channels. Prefill (several tokens)
 runs the dense MLP, as in both papers.
@@ -22,10 +23,10 @@ the decode step before the layers, looks the token up into a shared 0-d flag
 steps. Each routed `CatsMLP` reads the flag: on CUDA its effective threshold
 is where(flag, t, -1), so a dense-routed step keeps every channel and reads
 every row of up and down (the base path's bytes; equal to the dense MLP up to
-the kernels' fp32 summation order). On CPU the masked reference computes both
-products and selects one with torch.where: a dense-routed step is bitwise the
-original MLP (its down weight restored in the original layout), a sparse-routed
-one bitwise the unrouted CATS step.
+the kernels' fp32 summation order). On CPU the flag is read on the host: a dense-routed
+step runs the original MLP's ops (bitwise; its down weight restored in the original layout), a
+sparse-routed one the unrouted CATS step (the masked reference, without the CPU kernel,
+computes both products and selects one with torch.where).
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ from torch import Tensor
 
 from sparsedecode.kernels.common import interpreting as _interpreting
 from sparsedecode.kernels.common import keep_mask, workspace
+from sparsedecode.kernels.cpu_gemv import cats_up_cpu, has_entry
 from sparsedecode.kernels.gather_gemv import cats_up
 from sparsedecode.projection.sparse_linear import FixedDtypeBuffers, SparseLinear
+
+
+def _cpu_up(w: Tensor) -> bool:
+    """Whether CATS's up runs `kernels.cpu_gemv.cats_up_cpu` on this CPU weight (built kernel, dtype)."""
+    return w.device.type == "cpu" and not _interpreting() and has_entry("sd_gather_rows", w.dtype)
+
 
 KEEP_ALL = -1.0  # an effective threshold below every |SiLU(gate)|: the dense path
 
@@ -66,7 +74,8 @@ class CatsMLP(FixedDtypeBuffers):
         self.site = site
         self.track = track
         dev = up.weight.device
-        if (dev.type == "cuda" or _interpreting()) and not up.weight.is_contiguous():
+        self.up_column_major = not up.weight.is_contiguous()  # its layout before: `uncats_` restores it
+        if (dev.type == "cuda" or _interpreting() or _cpu_up(up.weight)) and not up.weight.is_contiguous():
             up.weight = nn.Parameter(up.weight.detach().contiguous(), requires_grad=False)  # (N, K)
         self.register_buffer("threshold", torch.tensor(float(threshold), device=dev), persistent=False)
         # int64 counts: model.to(dtype) casts floating buffers only
@@ -107,6 +116,12 @@ class CatsMLP(FixedDtypeBuffers):
             h = cats_up(x, self.up_proj.weight, act, thr, self.up_proj.bias,
                         ws=(self.ws_acc, self.ws_count))  # (..., d_ff)
             return self.down_proj(h)  # zeros: down skips those rows
+        if _cpu_up(self.up_proj.weight):  # the CPU kernels read only kept rows of up and down
+            if flag is not None and not torch.compiler.is_compiling() and not bool(flag):
+                return self.down_dense(act * self.up_proj(x))  # dense-routed: the original MLP's ops
+            # (traced: a dense-routed step keeps every channel through the kernels, `thr`)
+            h = cats_up_cpu(x, self.up_proj.weight, act, thr, self.up_proj.bias)
+            return self.down_proj(h)  # zeros: down skips those rows (kernels.cpu_gemv)
         up = self.up_proj(x)  # (..., d_ff)
         h = (act * keep_mask(act, self.threshold)) * up  # masked: up read whole
         sparse = self.down_proj(h)  # (..., d)
@@ -156,8 +171,8 @@ class Router:
 
 
 def uncats_(model) -> int:
-    """Put the original dense MLP back in every layer that runs a `CatsMLP` (same weights,
-    down in its original layout); returns how many were replaced."""
+    """Put the original dense MLP back in every layer that runs a `CatsMLP` (same weights, up and
+    down in their original layouts); returns how many were replaced."""
     n = 0
     for layer in model.layers:
         mlp = layer.mlp
@@ -165,6 +180,9 @@ def uncats_(model) -> int:
             shell = mlp._shell[0]
             down = mlp.down_proj
             shell.gate_proj, shell.up_proj = mlp.gate_proj, mlp.up_proj
+            w = shell.up_proj.weight
+            if mlp.up_column_major and w.is_contiguous():  # made row-major for the row-gather
+                shell.up_proj.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=False)
             shell.down_proj = down.to_linear() if isinstance(down, SparseLinear) else down
             layer.mlp = shell
             n += 1

@@ -8,8 +8,9 @@ the weights of kept channels are read. Prefill stays dense, as in both papers.
 `SparseLinear` stores the weight once, transposed to (in, out) so that each
 input channel's outputs are contiguous and a dropped channel is a skipped row
 (`kernels.sparse_gemv`). On CUDA one token runs the Triton kernel; on CPU it runs
-`sparse_gemv_ref`, the masked reference, which computes the same outputs but
-reads every weight ('masked': it saves no bytes and no time).
+`kernels.cpu_gemv`, a C kernel built at first use that reads only the kept rows, or, where no
+C compiler could build it, `sparse_gemv_ref`, the masked reference, which computes the same
+outputs but reads every weight ('masked': it saves no bytes and no time; `cpu_rows` says which).
 
 Each sparse module holds the `GemvOptions` it launches with (`options`; `sparsify_(...,
 gemv=)`, `set_gemv_options_`), passed to the kernel as plain values: a decode step captured
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.common import interpreting, keep_mask, workspace
+from sparsedecode.kernels.cpu_gemv import has_entry, sparse_gemv_cpu
 from sparsedecode.kernels.options import GemvOptions
 from sparsedecode.kernels.sparse_gemv import sparse_gemv, sparse_gemv_ref
 from sparsedecode.projection.thresholds import MODULE_OF
@@ -48,6 +50,28 @@ def kernel_runs(t: Tensor) -> bool:
     where it does, SwiGLU's product and the layers' norms and residual adds run inside the launches
     (docs/kernels/sparse_gemv.md#fuse-swiglu, #fuse-norms); elsewhere (CPU eager) they run apart."""
     return t.is_cuda or interpreting()
+
+
+def cpu_rows(w_t: Tensor) -> bool:
+    """Whether one-token calls on CPU run `kernels.cpu_gemv` (reads only kept rows) rather than the
+    masked reference: the kernel was built (a C compiler) and has w_t's dtype."""
+    return w_t.device.type == "cpu" and has_entry("sd_gemv_rows", w_t.dtype)
+
+
+def runtime(thresholds, device: torch.device, dtype: torch.dtype) -> str:
+    """What runs one-token calls of `thresholds` (a `Thresholds`) on `device`, for users and records:
+    on CUDA the Triton kernels; on CPU the C kernels that read only kept rows (`kernels.cpu_gemv`),
+    or the masked reference (every weight read) where they could not be built, with the reason."""
+    from sparsedecode.kernels.cpu_gemv import cpu_kernel
+    from sparsedecode.projection.thresholds import ACT_SITE
+
+    cats = ACT_SITE in thresholds.sites
+    if torch.device(device).type != "cpu":
+        return "row-gather up + sparse down GEMV" if cats else "sparse GEMV"
+    k = cpu_kernel()
+    if k.supports(dtype):
+        return "CPU row-gather up + sparse down (kept rows only)" if cats else "CPU sparse GEMV (kept rows only)"
+    return f"masked reference (reads every weight: {k.reason or f'no {dtype} kernel'})"
 
 
 def _check_options(options) -> GemvOptions:
@@ -160,6 +184,8 @@ class SparseLinear(FixedDtypeBuffers):
         (residual + out, per-tile sums of squares of that sum) from one launch."""
         if residual is None and x.shape[:-1].numel() != 1:
             return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
+        if residual is None and not x.is_cuda and cpu_rows(self.w_t):
+            return sparse_gemv_cpu(x, self.w_t, self.threshold, self.bias, kept=self.kept if self.track else None)
         if self.track:
             self.count_kept(x)
         if residual is None and not x.is_cuda:

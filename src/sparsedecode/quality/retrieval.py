@@ -577,11 +577,11 @@ def _placement_id(p) -> dict:
 def _record(engine, test, context, depths, trials, seed, new, placements, text_path, stream,
             th, kv, variant, rows) -> dict:
     from sparsedecode.config import ProjectionConfig, SparsityConfig
+    from sparsedecode.projection.sparse_linear import runtime
 
     dense = [r["dense"]["verdict"] for r in rows]
     conf = [r["configured"]["verdict"] for r in rows]
-    cpu = engine.device.type == "cpu"
-    proj = None if th is None else {**th.header(), "runtime": "masked reference" if cpu else "sparse GEMV"}
+    proj = None if th is None else {**th.header(), "runtime": runtime(th, engine.device, engine.dtype)}
     kvd = _kv_of(kv)
     mode = SparsityConfig(None if th is None else ProjectionConfig(keep=th.keep), kv).mode
     return {

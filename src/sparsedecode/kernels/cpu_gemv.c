@@ -1,0 +1,115 @@
+/* Input-sparse GEMV on CPU: y = sum over kept i of x[i] * W[i, :] (+ bias), reading only the
+ * rows of kept input channels (ByteCross §3.2; TEAL's one-token decode kernel, on CPU).
+ *
+ * W is (K, N) row-major with leading dimension ldw (the (in, out) layout SparseLinear keeps, so a
+ * kept channel is one contiguous row and a dropped one is a row never touched). Channel i is kept
+ * iff |x[i]| > t in float32 (a NaN channel is dropped, as the Triton kernel and keep_mask do).
+ * x, bias and y are float32; W is float32, bfloat16 or float16 (widened in registers).
+ *
+ * The kept rows are listed once; each thread takes a contiguous run of them and streams each
+ * whole row (long sequential reads the prefetchers follow), four rows per pass over its float32
+ * accumulator of N, which stays in L1/L2; thread 0 accumulates into y, the others into their own
+ * partial sums, added into y at the end (why not column tiles: docs/kernels/cpu_gemv.md). Built at first use by
+ * kernels/cpu_gemv.py with the host compiler (-O3 -march=native -fopenmp), against the libgomp
+ * torch has already loaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+#define AS_IS(v) (v)
+
+/* acc[0..N) += sum over r in [r0, r1) of x[idx[r]] * widen(W[idx[r], 0..N)) */
+#define ROWS_FN(NAME, ELEM_T, WIDEN)                                                           \
+  static void NAME(float *restrict acc, const ELEM_T *restrict w, long ldw,                   \
+                   const int32_t *idx, const float *x, long r0, long r1, long N) {           \
+    long r = r0;                                                                               \
+    for (; r + 4 <= r1; r += 4) {                                                              \
+      const ELEM_T *restrict w0 = w + (long)idx[r] * ldw, *restrict w1 = w + (long)idx[r + 1] * ldw; \
+      const ELEM_T *restrict w2 = w + (long)idx[r + 2] * ldw, *restrict w3 = w + (long)idx[r + 3] * ldw; \
+      float x0 = x[idx[r]], x1 = x[idx[r + 1]], x2 = x[idx[r + 2]], x3 = x[idx[r + 3]];        \
+      _Pragma("omp simd") for (long j = 0; j < N; j++)                                         \
+        acc[j] += x0 * WIDEN(w0[j]) + x1 * WIDEN(w1[j]) + x2 * WIDEN(w2[j]) + x3 * WIDEN(w3[j]); \
+    }                                                                                          \
+    for (; r < r1; r++) {                                                                      \
+      const ELEM_T *restrict w0 = w + (long)idx[r] * ldw;                                      \
+      float x0 = x[idx[r]];                                                                    \
+      _Pragma("omp simd") for (long j = 0; j < N; j++) acc[j] += x0 * WIDEN(w0[j]);           \
+    }                                                                                          \
+  }
+
+/* The entry: returns the number of kept rows; -1 when the partial sums could not be allocated. */
+#define GEMV_FN(NAME, ROWS, ELEM_T)                                                            \
+  long NAME(const float *x, const ELEM_T *w, const float *bias, float *y, long K, long N,     \
+            long ldw, float t, int nthreads) {                                                 \
+    int32_t *idx = malloc((K > 0 ? K : 1) * sizeof(int32_t));                                  \
+    if (!idx) return -1;                                                                       \
+    long n = 0;                                                                                \
+    for (long i = 0; i < K; i++)                                                               \
+      if (fabsf(x[i]) > t) idx[n++] = (int32_t)i;                                              \
+    long nth = nthreads > 0 ? nthreads : 1;                                                    \
+    if (nth > n / 8) nth = n / 8 > 0 ? n / 8 : 1; /* a thread streams at least 8 rows */       \
+    float *part = nth > 1 ? malloc((nth - 1) * N * sizeof(float)) : NULL;                      \
+    if (nth > 1 && !part) { free(idx); return -1; }                                            \
+    _Pragma("omp parallel for num_threads(nth) schedule(static)")                              \
+    for (long tid = 0; tid < nth; tid++) {                                                     \
+      float *acc = tid == 0 ? y : part + (tid - 1) * N;                                        \
+      for (long j = 0; j < N; j++) acc[j] = (tid == 0 && bias) ? bias[j] : 0.0f;              \
+      ROWS(acc, w, ldw, idx, x, n * tid / nth, n * (tid + 1) / nth, N);                        \
+    }                                                                                          \
+    for (long p = 0; p + 1 < nth; p++) {                                                       \
+      const float *restrict s = part + p * N;                                                  \
+      _Pragma("omp simd") for (long j = 0; j < N; j++) y[j] += s[j];                           \
+    }                                                                                          \
+    free(part);                                                                                \
+    free(idx);                                                                                 \
+    return n;                                                                                  \
+  }
+
+ROWS_FN(rows_f32, float, AS_IS)
+GEMV_FN(sd_gemv_rows_f32, rows_f32, float)
+ROWS_FN(rows_bf16, uint16_t, bf16_f32)
+GEMV_FN(sd_gemv_rows_bf16, rows_bf16, uint16_t)
+#ifdef __FLT16_MAX__
+#define F16_F32(v) ((float)(v))
+ROWS_FN(rows_f16, _Float16, F16_F32)
+GEMV_FN(sd_gemv_rows_f16, rows_f16, _Float16)
+#endif
+
+/* CATS's up projection on CPU (SATS paper §2): h[j] = act[j] * (W[j, :] . x + bias[j]) for the
+ * kept channels |act[j]| > t, and exactly 0 for the others, whose rows of the row-major (N, K) up
+ * weight are never read. Returns the number of kept channels. */
+#define GATHER_FN(NAME, ELEM_T, WIDEN)                                                         \
+  long NAME(const float *x, const ELEM_T *w, const float *act, const float *bias, float *h,   \
+            long K, long N, long ldw, float t, int nthreads) {                                 \
+    long n = 0;                                                                                \
+    long nth = nthreads > 0 ? nthreads : 1;                                                    \
+    if (nth > N / 64) nth = N / 64 > 0 ? N / 64 : 1;                                           \
+    _Pragma("omp parallel for num_threads(nth) schedule(static) reduction(+ : n)")             \
+    for (long j = 0; j < N; j++) {                                                             \
+      if (!(fabsf(act[j]) > t)) {                                                              \
+        h[j] = 0.0f;                                                                           \
+        continue;                                                                              \
+      }                                                                                        \
+      const ELEM_T *restrict wj = w + j * ldw;                                                  \
+      float s = 0.0f;                                                                          \
+      _Pragma("omp simd reduction(+ : s)") for (long k = 0; k < K; k++) s += WIDEN(wj[k]) * x[k]; \
+      h[j] = act[j] * (s + (bias ? bias[j] : 0.0f));                                           \
+      n++;                                                                                     \
+    }                                                                                          \
+    return n;                                                                                  \
+  }
+
+GATHER_FN(sd_gather_rows_f32, float, AS_IS)
+GATHER_FN(sd_gather_rows_bf16, uint16_t, bf16_f32)
+#ifdef __FLT16_MAX__
+GATHER_FN(sd_gather_rows_f16, _Float16, F16_F32)
+#endif

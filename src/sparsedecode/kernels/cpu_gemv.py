@@ -1,0 +1,211 @@
+"""Input-sparse GEMV on CPU that skips the bytes of dropped channels (ByteCross §3.2, §4.1; TEAL's
+decode kernel; issue 46 item 1).
+
+`sparse_gemv_cpu(x, w_t, threshold, bias)` (TEAL's input sites, and CATS's down) computes what `kernels.sparse_gemv.sparse_gemv_ref`
+computes, sum over kept i of x_i * w_t[i, :] (+ bias) with |x_i| > threshold in float32, but reads
+only the rows of kept channels of the (in, out) weight: at keep 0.5 the projection reads half its
+bytes. `cats_up_cpu` is CATS's up on CPU: only the rows of the up weight whose SiLU(gate) channel
+is kept (`kernels.gather_gemv.cats_up` on CUDA). The kernel is `cpu_gemv.c`, built at first use with the host's C compiler (`$CC`, else `cc`
+or `gcc`; `-O3 -march=native -fopenmp`) into the sparsedecode cache, keyed by the source, the flags,
+the compiler and the machine, and loaded with ctypes beside the OpenMP runtime torch has loaded
+(one thread pool; it runs `torch.get_num_threads()` threads). Weights: float32, bfloat16, float16.
+
+Without a compiler the kernel cannot be built: `cpu_kernel()` says why, and the projection branch
+falls back to the masked reference, which the engine reports (`cpu_projection`) and says once on
+stderr. Decision log: docs/kernels/cpu_gemv.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from sparsedecode.cache import cache_dir
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.common import keep_mask
+
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_P, _L = ctypes.c_void_p, ctypes.c_long
+SIGNATURES = {"sd_gemv_rows": (_P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int),
+              "sd_gather_rows": (_P, _P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int)}
+
+
+@dataclass(frozen=True)
+class CpuKernel:
+    """The built library (`lib`, None when it could not be built) and, then, why (`reason`)."""
+
+    lib: ctypes.CDLL | None
+    path: Path | None
+    reason: str = ""
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return self.entry("sd_gemv_rows", dtype) is not None
+
+    def entry(self, name: str, dtype: torch.dtype):
+        """The C function `name` for weights of `dtype`, or None."""
+        if self.lib is None or dtype not in SUFFIX:
+            return None
+        return getattr(self.lib, f"{name}_{SUFFIX[dtype]}", None)
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or (cc if Path(cc).is_file() else None)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(),
+                                    platform.node() if "-march=native" in FLAGS else ""]).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"cpu_gemv-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        os.replace(part, out)
+    return out
+
+
+@functools.cache
+def cpu_kernel() -> CpuKernel:
+    """The CPU kernel, built and loaded once per process (or why not)."""
+    cc = _compiler()
+    if cc is None:
+        return CpuKernel(None, None, "no C compiler found ($CC, cc or gcc)")
+    try:
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        return CpuKernel(None, None, f"building {SOURCE.name} failed: {e}")
+    for name, args in SIGNATURES.items():
+        for suffix in SUFFIX.values():
+            if hasattr(lib, f"{name}_{suffix}"):
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = args, ctypes.c_long
+    return CpuKernel(lib, path)
+
+
+@torch.compiler.assume_constant_result  # traced code reads it as a constant (it builds nothing then)
+def has_entry(name: str, dtype: torch.dtype) -> bool:
+    """Whether the built kernel has C function `name` ('sd_gemv_rows', 'sd_gather_rows') for `dtype`."""
+    return cpu_kernel().entry(name, dtype) is not None
+
+
+def _entry(what: str, name: str, x: Tensor, w: Tensor, width: int, bias: Tensor | None, n_bias: int):
+    """Check one call's operands (w: a CPU 2-D weight with unit stride along its rows; x: one
+    token of `width`; bias: (n_bias,)) and return the C entry for w's dtype."""
+    if w.dim() != 2 or w.stride(1) != 1 or w.device.type != "cpu":
+        raise InputError(f"{what} wants a CPU 2-D weight with unit stride along its rows; got "
+                         f"{tuple(w.shape)} strides {w.stride()} on {w.device}")
+    if x.shape[-1] != width or x.shape[:-1].numel() != 1:
+        raise InputError(f"{what} takes one token of width {width}; got x of shape {tuple(x.shape)}")
+    if bias is not None and bias.shape != (n_bias,):
+        raise InputError(f"bias must have shape ({n_bias},); got {tuple(bias.shape)}")
+    fn = cpu_kernel().entry(name, w.dtype)
+    if fn is None:
+        raise InputError(f"the CPU kernel has no {w.dtype} entry ({cpu_kernel().reason or 'not built for it'})")
+    return fn
+
+
+def _ptr(t: Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _f32(t: Tensor | None, n: int) -> Tensor | None:
+    return None if t is None else t.reshape(n).float().contiguous()
+
+
+def sparse_gemv_cpu(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None,
+                    kept: Tensor | None = None) -> Tensor:
+    """x (..., K) holding one token, w_t (K, N) on CPU -> (..., N) in x's dtype, reading only the
+    rows of kept channels (|x_i| > threshold in float32), accumulated in float32. `kept`: a
+    float64 buffer of 2 to which [kept channels, K] is added (the realized keep). Under
+    torch.compile it is the custom op `sparsedecode::cpu_sparse_gemv` (traced whole)."""
+    if torch.compiler.is_compiling():
+        thr = torch.as_tensor(threshold, dtype=torch.float32)
+        if kept is not None:
+            kept[0] += keep_mask(x, thr).sum()
+            kept[1] += w_t.shape[0]
+        return _sparse_gemv_op(x, w_t, thr, bias)
+    return _gemv_rows(x, w_t, threshold, bias, kept)
+
+
+def _gemv_rows(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None, kept: Tensor | None) -> Tensor:
+    K, N = w_t.shape
+    fn = _entry("sparse_gemv_cpu", "sd_gemv_rows", x, w_t, K, bias, N)
+    y = torch.empty(N, dtype=torch.float32)
+    xf, b = _f32(x, K), _f32(bias, N)  # held here: the C call reads their memory
+    n = fn(xf.data_ptr(), w_t.data_ptr(), _ptr(b), y.data_ptr(), K, N, w_t.stride(0), float(threshold),
+           torch.get_num_threads())
+    if n < 0:
+        raise MemoryError("sparse_gemv_cpu could not allocate its partial sums")
+    if kept is not None:
+        kept[0] += n
+        kept[1] += K
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def cats_up_cpu(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None = None) -> Tensor:
+    """CATS's up projection on CPU, reading only the rows of kept channels (SATS paper §2): x (..., K)
+    one token, w_up (N, K) row-major, gate_act (..., N) = SiLU(gate(x)) -> (..., N) in x's dtype,
+    gate_act_j * (w_up[j] . x + bias_j) where |gate_act_j| > threshold (float32), exactly 0 elsewhere;
+    what `kernels.gather_gemv.cats_up_ref` computes. Under torch.compile: `sparsedecode::cpu_cats_up`."""
+    if torch.compiler.is_compiling():
+        return _cats_up_op(x, w_up, gate_act, torch.as_tensor(threshold, dtype=torch.float32), bias)
+    return _gather_rows(x, w_up, gate_act, threshold, bias)
+
+
+def _gather_rows(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None) -> Tensor:
+    N, K = w_up.shape
+    fn = _entry("cats_up_cpu", "sd_gather_rows", x, w_up, K, bias, N)
+    if gate_act.shape[-1] != N or gate_act.shape[:-1].numel() != 1:
+        raise InputError(f"cats_up_cpu wants gate_act of width {N}; got shape {tuple(gate_act.shape)}")
+    h = torch.empty(N, dtype=torch.float32)
+    xf, act, b = _f32(x, K), _f32(gate_act, N), _f32(bias, N)  # held here: the C call reads them
+    fn(xf.data_ptr(), w_up.data_ptr(), act.data_ptr(), _ptr(b), h.data_ptr(), K, N, w_up.stride(0),
+       float(threshold), torch.get_num_threads())
+    return h.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+# The custom ops torch.compile traces (fullgraph) in place of the ctypes calls it cannot trace.
+@torch.library.custom_op("sparsedecode::cpu_sparse_gemv", mutates_args=())
+def _sparse_gemv_op(x: Tensor, w_t: Tensor, threshold: Tensor, bias: Tensor | None) -> Tensor:
+    return _gemv_rows(x, w_t, threshold, bias, None)
+
+
+@_sparse_gemv_op.register_fake
+def _(x, w_t, threshold, bias):
+    return x.new_empty(*x.shape[:-1], w_t.shape[1])
+
+
+@torch.library.custom_op("sparsedecode::cpu_cats_up", mutates_args=())
+def _cats_up_op(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold: Tensor, bias: Tensor | None) -> Tensor:
+    return _gather_rows(x, w_up, gate_act, threshold, bias)
+
+
+@_cats_up_op.register_fake
+def _(x, w_up, gate_act, threshold, bias):
+    return x.new_empty(*x.shape[:-1], w_up.shape[0])
+
+
+__all__ = ["CpuKernel", "cats_up_cpu", "cpu_kernel", "has_entry", "sparse_gemv_cpu"]
