@@ -5,7 +5,7 @@ without special tokens (ByteCross App. A 'Quality protocols'; issue 7 item 1),
 so window i of a protocol is the same text for every configuration. The files
 come from `--text-file` (a folder holding `wiki.test.raw` / `wiki.valid.raw`,
 or any text file), and by default from the copy shipped in the package
-(`data/wikitext-2-raw/*.xz`, CC BY-SA 3.0, its SOURCE.md), unpacked into the
+(`src/sparsedecode/data/wikitext-2-raw/*.xz`, CC BY-SA 3.0, its SOURCE.md), unpacked into the
 cache on first use and checked against the pinned sha256 (`SHIPPED`). Tokenized
 streams are kept in memory per (file, tokenizer).
 
