@@ -98,7 +98,8 @@ def _put(d: dict, path: str, value) -> dict:
     return d
 
 
-@pytest.mark.parametrize("path, value, words", BAD_TABLES, ids=[f"{p}={v!r}"[:40] for p, v, _ in BAD_TABLES])
+@pytest.mark.parametrize("path, value, words", BAD_TABLES, ids=[f"{p}={'<deleted>' if v is DELETE else repr(v)}"[:40]
+                                                                 for p, v, _ in BAD_TABLES])
 def test_a_bad_gate_table_field_is_refused_in_one_line(tmp_path, path, value, words):
     good = _table().to_dict()
     PriceTable.from_dict(good, "gate.json")  # the good table loads
