@@ -438,7 +438,7 @@ def test_cli_refuses_bad_input_before_loading(no_load, tmp_path):
         (("passkey", "--context", "9000"), "more than the 8,192 that 'smollm2-135m' attends"),
         (("passkey", "--depths", "0.5,1.5"), "outside [0, 1]"),
         (("passkey", "--depths", "0.5,deep"), "depth 'deep' is not a number"),
-        (("multikey", "--trials", "0"), "--trials must be at least 1"),
+        (("multikey", "--trials", "0"), "--trials must be >= 1"),
         (("passkey", "--context", "512", "--kv", "snapkv", "--kv-keep", "0.1"), "raise keep to at least"),
         (("passkey", "--kv", "snapkv"), "needs both --kv METHOD and --kv-keep K"),
         (("passkey", "--kv", "snap", "--kv-keep", "0.3"), "did you mean 'snapkv'"),

@@ -132,7 +132,14 @@ class ModelDims:
         return self.vocab * self.d + self.d + self.n_layers * per_layer + self.d
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready: `windows` as a list, and left out when no layer slides (as in records written
+        before windows existed), so a dict read back from JSON equals the one written."""
+        d = asdict(self)
+        if d["windows"]:
+            d["windows"] = list(d["windows"])
+        else:
+            del d["windows"]
+        return d
 
     # -- construction ----------------------------------------------------
     @classmethod

@@ -137,10 +137,10 @@ class SelectCost:
     contexts: tuple[int, ...] = ()
     seconds: tuple[float, ...] = ()
 
-    where: str = field(default="the selection cost (--select-seconds)", compare=False, repr=False)
+    where: str = field(default="", compare=False, repr=False)  # '' : the selection cost (its option)
 
     def __post_init__(self):
-        where = self.where
+        where = self.where or f"the selection cost ({option('select_seconds')})"
         require_str(self.kind, "select.kind", choices=("per_token", "measured"), where=where)
         if self.kind == "per_token":
             require_number(self.seconds_at_32k, "select.seconds_at_32k", lo=0, hi=SECONDS_LIMIT, where=where)
