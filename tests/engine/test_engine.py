@@ -183,6 +183,10 @@ def test_cli_generate_answers_paris():
                                    "--device", "cpu", "--threads", "1", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["threads"] == 1
+    res = CliRunner().invoke(app, ["generate", "--model", "smollm2-135m", "--prompt", "Hi", "--max-new-tokens", "1",
+                                   "--device", "cpu", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    assert "1 new token (no decode step to time)" in res.stderr and "None" not in res.stderr
 
 
 def test_compile_caches_persist_under_the_sparsedecode_cache(tmp_path, monkeypatch):

@@ -160,8 +160,11 @@ def generate(
     show("\n")
     typer.echo(
         f"[{eng.name} on {eng.device}] prompt {speeds['prompt_tokens']} tokens at "
-        f"{speeds['prompt_tok_s']} tok/s, decode {speeds['new_tokens']} tokens at "
-        f"{speeds['decode_tok_s']} tok/s" + (f" (after compiling and capturing the step in {out.compile_s:.1f} s)"
+        f"{speeds['prompt_tok_s']} tok/s, "
+        + (f"decode {speeds['new_tokens']} tokens at {speeds['decode_tok_s']} tok/s"
+           if speeds["decode_tok_s"] is not None else
+           f"{speeds['new_tokens']} new token{'s' * (speeds['new_tokens'] != 1)} (no decode step to time)")
+        + (f" (after compiling and capturing the step in {out.compile_s:.1f} s)"
                                                if out.compile_s > 0 else "") + ("" if eng.thresholds is None else (
             f"; projection {eng.thresholds.method} keep {eng.thresholds.keep:g}"
             + ("" if realized is None else f" (realized {realized:.3f})") + f", {eng.projection_runtime()}"))
