@@ -687,7 +687,12 @@ def test_sigterm_stops_a_background_campaign_and_its_cell(tmp_path, executor):
         if done and running:
             break
         time.sleep(0.05)
+    if not (done and running):
+        proc.kill()  # not left running (with its local Ray) after the test
+        proc.communicate(timeout=60)
     assert done and running, f"no cell was running after the first record ({len(done)} records, exit {proc.poll()})"
+    assert all(os.getpriority(os.PRIO_PROCESS, p) == os.getpriority(os.PRIO_PROCESS, 0) for p in running), \
+        "a cell runs at another niceness than its campaign (Ray's workers run niced)"
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=CANCEL_WAIT_S + 60)  # Ray waits that long for its cells
     assert proc.returncode == 130, stderr

@@ -430,8 +430,8 @@ def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, py
     summary.pending += len(todo) - finished[0]
 
 
-def _ray_cell(argv: list[str], log: str) -> int:
-    return launch(argv, Path(log))
+def _ray_cell(argv: list[str], log: str, nice: int) -> int:
+    return launch(argv, Path(log), nice=nice)  # at the campaign's niceness, not the Ray worker's
 
 
 def _run_ray(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, python, progress, echo):
@@ -470,6 +470,7 @@ def _ray_cells(ray, spec, folder: Path, todo: list[CellSpec], summary: Summary, 
     # Ray's queue, so a refused GPU (another process on it) can hold them back.
     slots = max(1, int(resources.get("GPU", 0)) if gpus else len(alive))
     task = ray.remote(num_gpus=gpus, num_cpus=cpus)(_ray_cell)
+    nice = os.getpriority(os.PRIO_PROCESS, 0)  # Ray's workers run niced; the cells run as the campaign does
     bar = tqdm(total=len(todo), unit="cell", desc=spec.name, disable=not progress)
     echo = echo or bar.write
     queue, starts, refs, halted = list(todo), {}, {}, False
@@ -479,7 +480,7 @@ def _ray_cells(ray, spec, folder: Path, todo: list[CellSpec], summary: Summary, 
             cell = queue.pop(0)
             log = _log_path(folder, cell)
             starts[cell.order] = log.stat().st_size if log.exists() else 0
-            refs[task.remote(cell_argv(cell, record_path(folder, cell), python), str(log))] = cell
+            refs[task.remote(cell_argv(cell, record_path(folder, cell), python), str(log), nice)] = cell
 
     try:
         submit()

@@ -5,21 +5,26 @@ background)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import threading
 from pathlib import Path
 
 
-def launch(argv: list[str], log: Path, env: dict | None = None, running: set | None = None) -> int:
+def launch(argv: list[str], log: Path, env: dict | None = None, running: set | None = None,
+           nice: int | None = None) -> int:
     """Run one cell process, its output appended to `log`; its exit code. On Ctrl-C the
     child (which got the signal too) is given a moment to stop, then killed. `running`
-    holds the live processes of every lane, so that the main thread can stop them."""
+    holds the live processes of every lane, so that the main thread can stop them. `nice`: the
+    niceness the cell runs at where this process may set it (a Ray worker runs niced, and a niced
+    timing cell beside a busy neighbour gets a sliver of a core: it times the neighbour)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(argv)}\n".encode())
         f.flush()
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=None if nice is None else lambda: _renice(nice))
         if running is not None:
             running.add(proc)
         try:
@@ -34,6 +39,15 @@ def launch(argv: list[str], log: Path, env: dict | None = None, running: set | N
         finally:
             if running is not None:
                 running.discard(proc)
+
+
+def _renice(nice: int) -> None:
+    """In the child before exec: run at `nice`, where permitted (lowering niceness needs privilege:
+    without it the child keeps its parent's)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError:
+        pass
 
 
 def stop(proc: subprocess.Popen) -> None:
