@@ -167,7 +167,7 @@ class FakeCells:
         self.fail, self.crash, self.interrupt_at, self.calls = set(fail), set(crash), interrupt_at, []
         self.gpu = {}  # record name -> CUDA_VISIBLE_DEVICES it ran under
 
-    def __call__(self, argv, log, env=None, running=None):
+    def __call__(self, argv, log, env=None, running=None, nice=None):
         out = Path(argv[argv.index("--out") + 1])
         self.calls.append(out.name)
         self.gpu[out.name] = (env or {}).get("CUDA_VISIBLE_DEVICES")
@@ -313,7 +313,7 @@ class Shared(FakeCells):
         super().__init__(**kw)
         self.shared = name
 
-    def __call__(self, argv, log, env=None, running=None):
+    def __call__(self, argv, log, env=None, running=None, nice=None):
         path = Path(argv[argv.index("--out") + 1])
         if path.name != self.shared:
             return super().__call__(argv, log, env, running)
@@ -337,7 +337,7 @@ def test_a_failure_that_only_mentions_a_shared_gpu_is_not_a_refusal(tiny, tmp_pa
     names = [record_path(out, c).name for c in plan(load_spec(spec_path))]
 
     class Mentions(FakeCells):
-        def __call__(self, argv, log, env=None, running=None):
+        def __call__(self, argv, log, env=None, running=None, nice=None):
             path = Path(argv[argv.index("--out") + 1])
             if path.name == names[1]:
                 self.calls.append(path.name)

@@ -113,7 +113,7 @@ def test_an_ok_record_without_timings_is_rerun_on_resume(tiny_spec, tmp_path, mo
 
 def test_a_cell_process_that_writes_an_incomplete_ok_record_counts_as_failed(tiny_spec, tmp_path, monkeypatch):
     class Bare(FakeCells):
-        def __call__(self, argv, log, env=None, running=None):
+        def __call__(self, argv, log, env=None, running=None, nice=None):
             out = Path(argv[argv.index("--out") + 1])
             self.calls.append(out.name)
             out.parent.mkdir(parents=True, exist_ok=True)
