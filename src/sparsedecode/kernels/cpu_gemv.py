@@ -25,7 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,15 +50,15 @@ class CpuKernel:
     lib: ctypes.CDLL | None
     path: Path | None
     reason: str = ""
+    # (name, dtype) -> the C function, typed once at load: one dict lookup per decode call
+    fns: dict = field(default_factory=dict, repr=False, compare=False)
 
     def supports(self, dtype: torch.dtype) -> bool:
         return self.entry("sd_gemv_rows", dtype) is not None
 
     def entry(self, name: str, dtype: torch.dtype):
         """The C function `name` for weights of `dtype`, or None."""
-        if self.lib is None or dtype not in SUFFIX:
-            return None
-        return getattr(self.lib, f"{name}_{SUFFIX[dtype]}", None)
+        return self.fns.get((name, dtype))
 
 
 def _compiler() -> str | None:
@@ -97,12 +97,14 @@ def cpu_kernel() -> CpuKernel:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         return CpuKernel(None, None, f"building {SOURCE.name} failed: {e}")
+    fns = {}
     for name, args in SIGNATURES.items():
-        for suffix in SUFFIX.values():
-            if hasattr(lib, f"{name}_{suffix}"):
-                fn = getattr(lib, f"{name}_{suffix}")
+        for dtype, suffix in SUFFIX.items():
+            fn = getattr(lib, f"{name}_{suffix}", None)
+            if fn is not None:
                 fn.argtypes, fn.restype = args, ctypes.c_long
-    return CpuKernel(lib, path)
+                fns[name, dtype] = fn
+    return CpuKernel(lib, path, fns=fns)
 
 
 @torch.compiler.assume_constant_result  # traced code reads it as a constant (it builds nothing then)
