@@ -142,30 +142,27 @@ def test_sigterm_refuses_what_waits_and_stops_an_answer_longer_than_the_grace_pe
     assert status == 503 and shutting_down(body) and "drain time (3 s" in body["error"]["message"]
 
 
-def test_sigterm_lets_a_short_answer_finish_and_ends_a_long_stream_with_an_error_event(tmp_path):
-    fake = Fake(tmp_path, drain_s=3.0)
+def _answer_through_sigterm(tmp_path, drain_s: float, body: dict):
+    """(status, body or stream lines, ...) of one request to a fake server sent SIGTERM while the
+    request runs; the server must exit as drained."""
+    fake, out = Fake(tmp_path, drain_s=drain_s), {}
     try:
-        out = {}
-        t = post(fake.url, {"prompt": "short", "max_tokens": 15}, out, "short")  # 1.5 s: inside the drain
+        t = post(fake.url, body, out, "answer")
         fake.wait_for(running=1, queue=0)
         fake.proc.send_signal(signal.SIGTERM)
         t.join(30)
         assert fake.proc.wait(30) in DRAINED
     finally:
         fake.stop()
-    status, body, _ = out["short"]
+    return out["answer"]
+
+
+def test_sigterm_lets_a_short_answer_finish_and_ends_a_long_stream_with_an_error_event(tmp_path):
+    status, body, _ = _answer_through_sigterm(tmp_path, 3.0, {"prompt": "short", "max_tokens": 15})  # 1.5 s
     assert status == 200 and body["usage"]["completion_tokens"] == 15 and body["choices"][0]["text"]
 
-    fake = Fake(tmp_path, drain_s=1.0)
-    try:
-        t = post(fake.url, {"prompt": "stream", "max_tokens": 150, "stream": True}, out, "stream")
-        fake.wait_for(running=1, queue=0)
-        fake.proc.send_signal(signal.SIGTERM)
-        t.join(30)
-        assert fake.proc.wait(30) in DRAINED
-    finally:
-        fake.stop()
-    status, lines, _ = out["stream"]
+    status, lines, _ = _answer_through_sigterm(tmp_path, 1.0, {"prompt": "stream", "max_tokens": 150,
+                                                               "stream": True})
     chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines]
     assert status == 200 and len(chunks) > 3 and chunks[0]["choices"][0]["text"]
     assert shutting_down(chunks[-1]) and "data: [DONE]" not in lines
