@@ -163,8 +163,9 @@ def test_plan_is_deterministic_and_varies_the_mode_order(tiny):
 class FakeCells:
     """Stands in for `launch`: writes the record a cell process would, or fails, or stops."""
 
-    def __init__(self, fail=(), crash=(), interrupt_at=None):
+    def __init__(self, fail=(), crash=(), interrupt_at=None, interrupt_after=None):
         self.fail, self.crash, self.interrupt_at, self.calls = set(fail), set(crash), interrupt_at, []
+        self.interrupt_after = interrupt_after  # this call writes its whole record, then the signal comes
         self.gpu = {}  # record name -> CUDA_VISIBLE_DEVICES it ran under
 
     def __call__(self, argv, log, env=None, running=None, nice=None):
@@ -193,6 +194,8 @@ class FakeCells:
                            "projection_keep": mode.proj_keep, "kv_keep": mode.kv_keep, "ms_per_token": 1.0,
                            "tokens_per_sec": 1e3, "tokens_per_sec_runs": [1e3, 1e3], "byte_bound": 1.0,
                            "model_name": Path(val("--model")).stem, "gpu": "CPU", "device": val("--device")})
+        if self.interrupt_after == len(self.calls):
+            raise KeyboardInterrupt
         return 0
 
 
@@ -221,6 +224,22 @@ def test_interrupted_campaign_resumes_without_redoing_finished_cells(tiny, tmp_p
     after = snapshot(out)
     assert {k: after[k] for k in done} == done  # finished records untouched (mtime and bytes)
     assert len(after) == 8
+
+
+def test_a_cell_that_finishes_as_the_signal_arrives_counts_as_done(tiny, tmp_path, monkeypatch):
+    """The race a loaded host showed: the running cell wrote its whole record just before SIGTERM
+    stopped it. The summary agrees with the records on disk (the resume skips that cell), instead
+    of calling it pending."""
+    spec_path = write_spec(tmp_path, toml(tiny))
+    out = tmp_path / "run"
+    said = []
+    monkeypatch.setattr(campaign, "launch", FakeCells(interrupt_after=3))
+    s = run_campaign(spec_path, out, progress=False, echo=said.append)
+    assert s.interrupted and (s.ok, s.failed, s.pending) == (3, 0, 5)
+    assert len(snapshot(out)) == 3 and any("finished as the campaign was stopped" in line for line in said)
+    monkeypatch.setattr(campaign, "launch", FakeCells())
+    s = run_campaign(spec_path, out, progress=False, echo=lambda line: None)
+    assert (s.ok, s.skipped, s.interrupted) == (5, 3, False)
 
 
 def _six_gpus(monkeypatch):

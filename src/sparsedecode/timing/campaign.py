@@ -362,6 +362,22 @@ def _tally(summary: Summary, cell: CellSpec, rec: dict, echo) -> None:
         echo(f"{where}: FAILED: {error}")
 
 
+def _recount(folder: Path, todo: list[CellSpec], summary: Summary, echo) -> int:
+    """After an interruption the records on disk are the truth: a cell that wrote its whole 'ok'
+    record as the signal arrived is done (a resume skips it), though its process was stopped
+    before it was tallied. Sets `summary.ok` from disk; returns how many that adds."""
+    ok = 0
+    for cell in todo:
+        path = record_path(folder, cell)
+        rec, why = finished(path) if path.exists() else (None, None)
+        ok += rec is not None and why is None and rec.get("status") == "ok"
+    gained = max(0, ok - summary.ok)
+    if gained:
+        echo(f"{gained} cell(s) finished as the campaign was stopped: their records are kept")
+    summary.ok += gained
+    return gained
+
+
 def refused(rec: dict) -> bool:
     """A cell that refused a shared GPU (timing.neighbors.SharedGpu): its GPU would refuse the next too."""
     return rec.get("status") != "ok" and rec.get("refused") == "shared_gpu"
@@ -425,6 +441,7 @@ def _run_local(spec, folder: Path, todo: list[CellSpec], summary: Summary, *, py
         for t in threads:
             if t.is_alive():
                 t.join()
+        finished[0] += _recount(folder, todo, summary, echo)
     finally:
         bar.close()
     summary.pending += len(todo) - finished[0]
@@ -507,7 +524,7 @@ def _ray_cells(ray, spec, folder: Path, todo: list[CellSpec], summary: Summary, 
             ray.cancel(ref)
         ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_S)
         summary.interrupted = True
-        summary.pending += len(refs)
+        summary.pending += len(refs) - _recount(folder, todo, summary, echo)
     finally:
         bar.close()
     summary.pending += len(queue)
