@@ -345,13 +345,31 @@ def test_sigterm_drains_the_request_in_flight(tmp_path):
 
 def test_bad_options_fail_before_loading(capsys):
     r = run_cli(capsys, "serve", "--port", "70000")
-    assert r.returncode == 2 and "--port must be in 0..65535" in r.stderr
+    assert r.returncode == 2 and "--port must be >= 0 and <= 65,535, got 70000" in r.stderr
     r = run_cli(capsys, "serve", "--gate", "missing.json")
     assert r.returncode == 2 and "file not found" in r.stderr
     r = run_cli(capsys, "serve", "--attention", "sdpa_fused")
     assert r.returncode == 2 and "sdpa_fused" in r.stderr
     r = run_cli(capsys, "serve", "--drain-timeout", "-1")
-    assert r.returncode == 2 and "--drain-timeout must be in 0..3600" in r.stderr
+    assert r.returncode == 2 and "--drain-timeout must be >= 0 and <= 3,600" in r.stderr
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["serve", "--max-queue", "10000000000"], "--max-queue must be >= 1 and <= 1,000,000"),
+    (["serve", "--drain-timeout", "nan"], "--drain-timeout must be >= 0"),
+    (["serve-load", "--clients", "100000"], "--clients must be >= 1 and <= 4,096"),
+    (["serve-load", "--requests", "0"], "--requests must be >= 1"),
+    (["serve-load", "--timeout", "inf"], "--timeout must be > 0"),
+    (["serve-load", "--pid", "0"], "--pid must be >= 1"),
+    (["serve-probe", "--request", "512:2", "--mode", "dense", "--seed", "-1"], "--seed must be >= 0"),
+    (["serve-probe", "--request", "512:2", "--mode", "dense", "--vocab", "0"], "--vocab must be >= 1"),
+    (["serve-probe", "--request", "2000000000:2000000000", "--mode", "dense"], "past any model's window"),
+])
+def test_numeric_options_out_of_range_exit_2_naming_the_flag(capsys, args, pattern):
+    """Hardening (issue 48): a count, a time or a seed out of range is refused while the command
+    line is read, never taken into a thread pool, a sleep or a generator."""
+    r = run_cli(capsys, *args)
+    assert r.returncode == 2 and pattern in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_random_init_model_answers_token_ids_under_its_one_configuration(tmp_path):

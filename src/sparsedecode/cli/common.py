@@ -137,7 +137,11 @@ def parse_requests(values: list[str], flag: str = "--request") -> list[tuple[int
     for r in values:
         if r.count(":") != 1:
             raise InputError(f"{flag} {r!r}: write PROMPT:ANSWER tokens, e.g. 2K:256")
-        out.append(tuple(parse_tokens(x.strip(), f"{flag} {r}") for x in r.split(":")))
+        prompt, answer = (parse_tokens(x.strip(), f"{flag} {r}") for x in r.split(":"))
+        if prompt + answer > TOKENS_MAX:
+            raise InputError(f"{flag} {r}: {prompt + answer:,} tokens in all, past any model's window "
+                             f"(at most {TOKENS_MAX:,})")
+        out.append((prompt, answer))
     return out
 
 

@@ -8,7 +8,11 @@ import typer
 
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
+    COUNT_MAX,
+    SECONDS_MAX,
+    SEED_MAX,
     TOKENS,
+    TOKENS_MAX,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -19,6 +23,7 @@ from sparsedecode.cli.common import (
     TextFileOpt,
     ThreadsOpt,
     ThresholdsOpt,
+    bounded,
     out_file,
 )
 
@@ -33,9 +38,9 @@ def serve(
     kv: KvOpt = None,
     kv_keep: KvKeepOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get 429."),
-    drain_timeout: float = typer.Option(25.0, "--drain-timeout", metavar="SECONDS", help="Seconds SIGTERM/SIGINT let the running "
+    port: int = typer.Option(8000, "--port", callback=bounded(0, 65535), help="TCP port (0: any free port, printed at start)."),
+    max_queue: int = typer.Option(64, "--max-queue", callback=bounded(1, 10**6), help="Requests that may wait for the engine; more get 429."),
+    drain_timeout: float = typer.Option(25.0, "--drain-timeout", callback=bounded(0, 3600), metavar="SECONDS", help="Seconds SIGTERM/SIGINT let the running "
                                         "answer finish before it is stopped with a 503; queued requests get 503 at once."),
     max_len: MaxLenOpt = None,
     device: DeviceOpt = "auto",
@@ -70,12 +75,6 @@ def serve(
     if attention == "sdpa_fused":
         raise InputError("--attention sdpa_fused slices the cache on the host, so no decode step can be captured "
                          "ahead of requests; serve with split_k or sdpa_masked")
-    if not 0 <= port <= 65535:
-        raise InputError(f"--port must be in 0..65535, got {port}")
-    if max_queue < 1:
-        raise InputError(f"--max-queue must be >= 1, got {max_queue}")
-    if not 0 <= drain_timeout <= 3600:
-        raise InputError(f"--drain-timeout must be in 0..3600 seconds, got {drain_timeout}")
     if ready_file is not None:
         check_new_file(ready_file, "--ready-file", ".json")
     config, th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)
@@ -162,25 +161,19 @@ def _health(url: str) -> dict:
 @app.command("serve-load")
 def serve_load(
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The server's base URL."),
-    clients: int = typer.Option(32, "--clients", help="Concurrent clients."),
-    requests: int = typer.Option(4, "--requests", help="Requests per client, one after another."),
+    clients: int = typer.Option(32, "--clients", callback=bounded(1, 4096), help="Concurrent clients."),
+    requests: int = typer.Option(4, "--requests", callback=bounded(1, COUNT_MAX), help="Requests per client, one after another."),
     max_tokens: int = typer.Option(8, "--max-tokens", **TOKENS, help="max_tokens of each request."),
     prompt: str = typer.Option("The capital of France is", "--prompt", help="The prompt of every request."),
-    pid: int = typer.Option(None, "--pid", help="The server's PID, to record its resident memory before and after."),
-    timeout: float = typer.Option(600.0, "--timeout", help="Seconds the whole run may take."),
+    pid: int = typer.Option(None, "--pid", callback=bounded(1, 2**31 - 1), help="The server's PID, to record its resident memory before and after."),
+    timeout: float = typer.Option(600.0, "--timeout", callback=bounded(0, SECONDS_MAX, low_open=True), help="Seconds the whole run may take."),
     out: str = typer.Option(None, "--out", callback=out_file(".json", new=True), help="Write the record here (JSON)."),
     as_json: JsonOpt = False,
 ):
     """A bounded load test of a running server: every request must end in 200 or 429."""
     from sparsedecode.cli.common import check_new_file, emit_json
-    from sparsedecode.errors import InputError
     from sparsedecode.serve.load import run_load
 
-    for name, v in (("--clients", clients), ("--requests", requests), ("--max-tokens", max_tokens)):
-        if v < 1:
-            raise InputError(f"{name} must be >= 1, got {v}")
-    if not timeout > 0:
-        raise InputError(f"--timeout must be > 0 seconds, got {timeout}")
     if out is not None:
         check_new_file(out, "--out", ".json")
     _health(url)
@@ -218,9 +211,9 @@ def serve_probe(
                                    "both0.5/0.3, ...) or auto; repeatable: every request runs under each."),
     cells: str = typer.Option(None, "--cells", help="Timing-cell folder (campaign run / bench cell records) of "
                               "the same machine: set each request's ms/token beside its cell's."),
-    tolerance: float = typer.Option(0.05, "--tolerance", help="Largest |server / cell - 1| that passes."),
-    vocab: int = typer.Option(32000, "--vocab", help="Prompt token ids are drawn from [0, VOCAB)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the prompts' token ids."),
+    tolerance: float = typer.Option(0.05, "--tolerance", callback=bounded(0, 1, low_open=True, high_open=True), help="Largest |server / cell - 1| that passes."),
+    vocab: int = typer.Option(32000, "--vocab", callback=bounded(1, TOKENS_MAX), help="Prompt token ids are drawn from [0, VOCAB)."),
+    seed: int = typer.Option(0, "--seed", callback=bounded(0, SEED_MAX), help="Seed of the prompts' token ids."),
     out: str = typer.Option(None, "--out", callback=out_file(".json", new=True), help="Write the record here (JSON)."),
     as_json: JsonOpt = False,
 ):
@@ -235,10 +228,6 @@ def serve_probe(
 
     reqs = parse_requests(request)
     modes = [m if m == "auto" else str(SparsityConfig.parse(m)) for m in mode]
-    if not 0 < tolerance < 1:
-        raise InputError(f"--tolerance must be in (0, 1), got {tolerance}")
-    if vocab < 1:
-        raise InputError(f"--vocab must be >= 1, got {vocab}")
     if cells is not None and not Path(cells).is_dir():
         raise InputError(f"--cells {cells}: no such folder of timing cells")
     if out is not None:
