@@ -178,7 +178,7 @@ def test_a_lacking_keep_shifts_the_swept_cost_by_its_32k_difference(account_swee
 
 
 def test_a_lacking_keep_without_its_cost_is_refused(account_sweep, tmp_path):
-    with pytest.raises(InputError, match="--keep-campaign"):
+    with pytest.raises(InputError, match="keep_folder=DIR"):
         predict_crossing(account_sweep, "sweep", proj="proj0.7")
     keep = _keep_campaign(tmp_path, {"proj0.6": 0.4})
     with pytest.raises(InputError, match=r"no kernel cost of proj0.7 \(costed modes: proj0.6\)"):

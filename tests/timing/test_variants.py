@@ -51,7 +51,7 @@ def test_variants_are_groups_of_their_own_interleaved_block_by_block(tiny):
 
 @pytest.mark.parametrize("grid,match", [
     ('variants = ["gemv.pdl=false", "gemv.pdl=false"]', "twice"),
-    ('variants = ["gemv.pdl=maybe"]', "variants: --kernels gemv.pdl=maybe: write true or false"),
+    ('variants = ["gemv.pdl=maybe"]', "variants: gemv.pdl=maybe: write true or false"),
     ('variants = [3]', "variants entry 3"),
     ('impl = "vllm"', "impl 'vllm'"),
     ('impl = "transformers"', "the transformers peer times the dense step"),

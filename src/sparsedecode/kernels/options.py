@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 
 def _positive_int(v, what: str) -> None:
@@ -116,7 +116,7 @@ class KernelOptions:
         for item in str(text).split(","):
             key, eq, raw = item.strip().partition("=")
             if not eq or not key:
-                raise InputError(f"--kernels '{item}': write KEY=VALUE, e.g. gemv.pdl=false "
+                raise InputError(f"{option('kernels')} '{item}': write KEY=VALUE, e.g. gemv.pdl=false "
                                  f"(options: {', '.join(option_names())})")
             values[key.strip()] = _value(raw.strip(), key.strip())
         return base.with_(**values)
@@ -150,11 +150,11 @@ def _value(raw: str, key: str):
     if "bool" in f.type:
         if low in ("true", "false"):
             return low == "true"
-        raise InputError(f"--kernels {key}={raw}: write true or false" + (" or none" if "None" in f.type else ""))
+        raise InputError(f"{key}={raw}: write true or false" + (" or none" if "None" in f.type else ""))
     try:
         return int(raw)
     except ValueError:
-        raise InputError(f"--kernels {key}={raw}: write an integer" + (" or none" if "None" in f.type else "")) from None
+        raise InputError(f"{key}={raw}: write an integer" + (" or none" if "None" in f.type else "")) from None
 
 
 def _text(v) -> str:

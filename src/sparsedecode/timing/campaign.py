@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.timing.cell import CellSpec, model_window
 from sparsedecode.timing.folder import finished, retire, spec_differences, write_atomic
 from sparsedecode.timing.neighbors import check_alone
@@ -179,7 +179,7 @@ def prepare(folder: str | os.PathLike, spec_path: str | os.PathLike,
             )
         return spec
     if (folder / "cells").is_dir() and any((folder / "cells").rglob("*.json")):
-        raise InputError(f"{folder} holds cell records but no {SPEC_FILE}: use a new --out folder")
+        raise InputError(f"{folder} holds cell records but no {SPEC_FILE}: use a new {option('folder', flag='--out')}")
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(saved, spec_path.read_bytes())
     return spec
@@ -215,16 +215,17 @@ def _check_gpus(gpus: list[str], spec) -> None:
     """Lanes on GPUs need a CUDA spec and those GPUs: two CPU cells at once would share the
     cores of one timing run, and a lane on a missing GPU would time nothing."""
     if spec.device == "cpu":
-        raise InputError("--gpus runs lanes of cells at once, and this spec times on the CPU: two cells "
+        raise InputError(f"{option('gpus')} runs lanes of cells at once, and this spec times on the CPU: two cells "
                          "would share its cores; drop --gpus (CPU cells run one after another)")
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have == 0:
-        raise InputError("--gpus needs CUDA GPUs and this machine has none; drop --gpus or run on a GPU host")
+        raise InputError(f"{option('gpus')} needs CUDA GPUs and this machine has none; drop {option('gpus')} or run "
+                         "on a GPU host")
     missing = [g for g in gpus if int(g) >= have]
     if missing:
-        raise InputError(f"--gpus {','.join(gpus)}: this machine has {have} GPU(s) (ids 0-{have - 1}); "
+        raise InputError(f"{option('gpus', ','.join(gpus))}: this machine has {have} GPU(s) (ids 0-{have - 1}); "
                          f"{','.join(missing)} do not exist")
 
 
@@ -240,14 +241,14 @@ def run_campaign(spec_path: str | os.PathLike, folder: str | os.PathLike, execut
     if executor not in EXECUTORS:
         raise InputError(f"executor '{executor}' is not one of {', '.join(EXECUTORS)}")
     if max_cells is not None and max_cells < 0:
-        raise InputError(f"--max-cells must be >= 0, got {max_cells}")
+        raise InputError(f"{option('max_cells')} must be >= 0, got {max_cells}")
     if gpus is not None:
         if executor != "local":
-            raise InputError("--gpus is for the local executor; Ray places cells on its own GPUs")
+            raise InputError(f"{option('gpus')} is for the local executor; Ray places cells on its own GPUs")
         if not gpus or len(set(gpus)) != len(gpus) or not all(g.strip().isdigit() for g in gpus):
-            raise InputError(f"--gpus takes distinct GPU ids like 0,1; got {','.join(gpus)!r}")
+            raise InputError(f"{option('gpus')} takes distinct GPU ids like 0,1; got {','.join(gpus)!r}")
     if stop_after is not None and stop_after <= 0:
-        raise InputError(f"--stop-after must be > 0 seconds, got {stop_after}")
+        raise InputError(f"{option('stop_after')} must be > 0 seconds, got {stop_after}")
     folder = Path(folder)
     spec = load_spec(spec_path)
     if shared_gpu is not None:  # a policy of this run, not of what is measured: see prepare()

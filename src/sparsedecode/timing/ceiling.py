@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 KIND = "bandwidth_ceiling"
 
@@ -31,7 +31,7 @@ def measure_ceiling(device: str = "auto", dtype: str = "auto", gib: float = 1.0,
     from sparsedecode.timing.neighbors import watched
 
     if not gib > 0 or replays < 1 or calls < 1:
-        raise InputError(f"ceiling: --gib must be > 0 and --replays, --calls >= 1 (got {gib}, {replays}, {calls})")
+        raise InputError(f"ceiling: {option('gib')} must be > 0 and {option('replays')}, {option('calls')} >= 1 (got {gib}, {replays}, {calls})")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     k = 8192

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 from sparsedecode.timing.folder import failed_path, finished, spec_differences, write_atomic
 from sparsedecode.timing.spec import SPEC_FILE, load_spec
 
@@ -74,7 +74,7 @@ def merge_campaigns(sources, into) -> MergeSummary:
     if not sources:
         raise InputError("give at least one campaign folder to merge")
     if into.exists() and not into.is_dir():
-        raise InputError(f"--into {into} is a file; give a campaign folder (or a new folder's path)")
+        raise InputError(f"{option('into', into, placeholder=True)} is a file; give a campaign folder (or a new folder's path)")
     for s in sources:
         if not (s / SPEC_FILE).is_file():
             raise InputError(f"{s} is not a campaign folder (no {SPEC_FILE})")

@@ -28,7 +28,7 @@ import statistics
 import time
 from dataclasses import asdict
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 
 def check_peer(spec) -> None:
@@ -40,7 +40,7 @@ def check_peer(spec) -> None:
         raise InputError(f"the {spec.impl} peer builds random weights and fills its cache with seeded "
                          "random keys and values: use init = 'random' and fill = 'random'")
     if spec.kernels:
-        raise InputError(f"kernel options are ours; the {spec.impl} peer takes none (drop --kernels)")
+        raise InputError(f"kernel options are ours; the {spec.impl} peer takes none (drop {option('kernels')})")
     if spec.impl == "graph" and spec.device not in ("cuda", "auto") and not spec.device.startswith("cuda:"):
         raise InputError(f"the graph peer captures a CUDA graph: give a CUDA device, not {spec.device}")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 KIND = "crossing_prediction"
 
@@ -44,7 +44,7 @@ def predict_crossing(folder, group: str, *, proj: str | None = None, sel: str | 
     from sparsedecode.timing.cells import load_cells
 
     if keep_folder is not None and not Path(keep_folder).is_dir():
-        raise InputError(f"--keep-campaign {keep_folder}: no such folder (a keep-ratio campaign's folder)")
+        raise InputError(f"{_keep_opt(keep_folder)}: no such folder (a keep-ratio campaign's folder)")
     rep = build_report(load_cells(folder))
     g = _group_of(rep, group, folder)
     cross = g["crossing"]
@@ -63,8 +63,13 @@ def predict_crossing(folder, group: str, *, proj: str | None = None, sel: str | 
     if keep_folder is None:
         lacking = " and ".join(want[b] for b in ("proj", "sel") if want[b] != swept[b])
         raise InputError(f"{folder}: the sweep's pair is {swept['proj']}/{swept['sel']}; {lacking} needs its "
-                         "kernel cost from a keep-ratio campaign: pass --keep-campaign DIR (App. D)")
+                         f"kernel cost from a keep-ratio campaign: pass {_keep_opt('DIR')} (App. D)")
     return _shifted(folder, group, rep, g, cross, swept, want, keep_folder)
+
+
+def _keep_opt(folder) -> str:
+    """How the caller names the keep-ratio campaign: '--keep-campaign DIR' or 'keep_folder=DIR'."""
+    return option("keep_folder", folder, placeholder=True, flag="--keep-campaign")
 
 
 def _group_of(rep: dict, group: str, folder) -> dict:
@@ -81,7 +86,7 @@ def _branch_spec(text: str | None, kind: str) -> str | None:
         return None
     mode = SparsityConfig.parse(text)
     if mode.kind != kind:
-        raise InputError(f"--{kind} {text}: give a {kind} mode such as {'proj0.7' if kind == 'proj' else 'sel0.5'}")
+        raise InputError(f"{option(kind, text, placeholder=True)}: give a {kind} mode such as {'proj0.7' if kind == 'proj' else 'sel0.5'}")
     return str(mode)
 
 
@@ -127,7 +132,7 @@ def _shifted(folder, group, rep, g, cross, swept, want, keep_folder) -> dict:
     kcc = load_cells(keep_folder)
     krep = build_report(kcc)
     if (krep["model"], krep["gpu"]) != (rep["model"], rep["gpu"]):
-        raise InputError(f"--keep-campaign {keep_folder}: {krep['model']} on {krep['gpu']}, the sweep is "
+        raise InputError(f"{_keep_opt(keep_folder)}: {krep['model']} on {krep['gpu']}, the sweep is "
                          f"{rep['model']} on {rep['gpu']}; each GPU takes its costs from its own campaigns (App. D)")
     rows = g["rows"]
     dense = {r["context"]: r for r in rows if r["mode"] == "dense"}
@@ -150,7 +155,7 @@ def _shifted(folder, group, rep, g, cross, swept, want, keep_folder) -> dict:
         k = _keep_row(krep, want[b], keep_folder)
         n0 = k["context"]
         if not n[0] <= n0 <= n[-1]:
-            raise InputError(f"--keep-campaign {keep_folder}: {want[b]} ran at {n0} tokens, outside the sweep's "
+            raise InputError(f"{_keep_opt(keep_folder)}: {want[b]} ran at {n0} tokens, outside the sweep's "
                              f"{ctx[0]}..{ctx[-1]}")
         swept_at = float(np.interp(n0, n, cost[b]))
         cost[b] = k["kernel_cost_ms"]["value"] + cost[b] - swept_at
@@ -188,10 +193,10 @@ def _keep_row(krep: dict, mode_spec: str, folder) -> dict:
     costed = [r for r in rows if r["kernel_cost_ms"] is not None]
     if not costed:
         have = sorted({r["mode_spec"] for g in krep["groups"] for r in g["rows"] if r["kernel_cost_ms"]})
-        raise InputError(f"--keep-campaign {folder}: no kernel cost of {mode_spec} (costed modes: "
+        raise InputError(f"{_keep_opt(folder)}: no kernel cost of {mode_spec} (costed modes: "
                          f"{', '.join(have) or 'none'})")
     if len({r["context"] for r in costed}) > 1:
-        raise InputError(f"--keep-campaign {folder}: {mode_spec} ran at several contexts "
+        raise InputError(f"{_keep_opt(folder)}: {mode_spec} ran at several contexts "
                          f"({sorted({r['context'] for r in costed})}); a keep-ratio campaign holds one")
     return costed[0]
 
@@ -214,7 +219,7 @@ def crossing_contexts(predicted: float, spacing: int, half_width: int, window: i
     """Contexts every `spacing` tokens (multiples of it) covering predicted ± half_width, inside
     the model window."""
     if spacing < 1 or half_width < spacing:
-        raise InputError(f"--spacing must be >= 1 and --half-width >= --spacing (got {spacing}, {half_width})")
+        raise InputError(f"{option('spacing')} must be >= 1 and {option('half_width')} >= {option('spacing')} (got {spacing}, {half_width})")
     lo = max(spacing, int((predicted - half_width) // spacing) * spacing)
     hi = int(-(-(predicted + half_width) // spacing)) * spacing
     out = list(range(lo, hi + 1, spacing))
@@ -222,7 +227,7 @@ def crossing_contexts(predicted: float, spacing: int, half_width: int, window: i
         out = [n for n in out if n <= window]
     if len(out) < 2 or not out[0] <= predicted <= out[-1]:
         raise InputError(f"the prediction {predicted:.0f} leaves fewer than two contexts around it inside "
-                         f"the model window ({window}); lower --half-width")
+                         f"the model window ({window}); lower {option('half_width')}")
     return out
 
 
@@ -235,7 +240,7 @@ def crossing_spec(pred: dict, name: str, contexts: list[int], blocks: int, cell:
     from sparsedecode.timing.spec import parse_spec
 
     if blocks < 3:
-        raise InputError(f"--blocks {blocks}: a crossing interval over block resamples wants at least 3")
+        raise InputError(f"{option('blocks', blocks, placeholder=True)}: a crossing interval over block resamples wants at least 3")
     model = pred.get("model")
     if not isinstance(model, str) or not model.strip() or not model.isprintable() or '"' in model \
             or "\\" in model or len(model) > 300:
