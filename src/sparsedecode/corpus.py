@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from sparsedecode.cache import cache_dir, sha256_of
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 SPLITS = {"test": "wiki.test.raw", "valid": "wiki.valid.raw", "validation": "wiki.valid.raw"}
 # sha256 of each shipped file once unpacked (the canonical wikitext-2-raw files; SOURCE.md)
@@ -47,7 +47,7 @@ def shipped_text(name: str) -> Path:
         packed = PACKAGED / f"{name}.xz"
         if not packed.is_file():
             raise InputError(f"the package's copy of {name} ({packed}) is missing: reinstall sparsedecode, "
-                             "or pass --text-file FILE")
+                             f"or pass {option('text_file', 'FILE', placeholder=True, python='text=FILE')}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=f".{name}-", delete=False) as tmp:
             with lzma.open(packed) as src:
@@ -74,7 +74,8 @@ def wikitext_path(split: str = "test", source: str | os.PathLike | None = None) 
     path = root / SPLITS[split] if root.is_dir() else root
     if not path.is_file():
         raise InputError(
-            f"no text at {path} (--text-file); pass --text-file FILE (any text file) or a folder "
+            f"no text at {path} ({option('text_file', python='text=')}); pass "
+            f"{option('text_file', 'FILE', placeholder=True, python='text=FILE')} (any text file) or a folder "
             "holding wiki.test.raw and wiki.valid.raw (WikiText-2 raw)"
         )
     return path

@@ -133,3 +133,35 @@ def test_the_account_command_says_never_for_a_sliding_model(capsys, tmp_path):
     cfg.write_text(json.dumps({**MISTRAL_V01, "num_key_value_heads": 0}))
     r = run_cli(capsys, "account", "--config", str(cfg))
     assert r.returncode == 2 and "num_key_value_heads' is 0" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_latency_crossing_solves_the_gap_over_the_windows():
+    """§4.3's n_lat with sliding windows: the byte-time gap grows only through the layers whose
+    window is not full, so n_lat is where the exact gap pays c_P - c_KV (checked by pricing the
+    gap at the answer), not n* minus a constant slope; without windows the two agree."""
+    from sparsedecode.account import latency_crossing
+    from sparsedecode.account.traffic import projection_saving
+
+    half = {**MISTRAL_V01, "sliding_window": [2048 if i % 2 else None for i in range(32)]}
+    d, f = ModelDims.from_config(half), ModelDims.from_config(full(MISTRAL_V01))
+    bw, c_p, c_kv = 3000.0, 0.30, 0.05  # GB/s, ms
+
+    def gap_ms(dims, n):  # the projection mode's step minus the KV mode's step, in ms
+        return ((kv_saving(dims, n, 0.3) - projection_saving(dims, 0.5)) / (bw * 1e9)) * 1e3 + c_p - c_kv
+
+    n_full = latency_crossing(f, 0.5, 0.3, c_p, c_kv, bw)
+    assert gap_ms(f, n_full) == pytest.approx(0, abs=1e-9)
+    n_half = latency_crossing(d, 0.5, 0.3, c_p, c_kv, bw)
+    # past 2048 only the 16 full layers grow the gap: the cost moves the crossing twice as far
+    assert n_half == pytest.approx(crossover(d, 0.5, 0.3) - 2 * (crossover(f, 0.5, 0.3) - n_full))
+    assert gap_ms(d, n_half) == pytest.approx(0, abs=1e-9)
+    assert 2048 < n_half < crossover(d, 0.5, 0.3)
+
+
+def test_the_engine_prices_its_model_with_the_windows_of_its_config():
+    """An engine's dims (ModelArgs.dims, what its records and gate price) keep the config's
+    windows, as the account's ModelDims.from_config reads them."""
+    from sparsedecode.models.args import ModelArgs
+
+    assert ModelArgs.from_config(MISTRAL_V01).dims() == ModelDims.from_config(MISTRAL_V01)
+    assert ModelArgs.from_config(MISTRAL_V01).dims().windows == (4096,) * 32

@@ -171,15 +171,20 @@ def latency_crossing(
 
     s is the growth of the byte-time gap per token: the KV bytes the KV branch
     skips per extra token of context divided by the effective bandwidth. Each
-    branch is modelled as byte time plus a constant kernel cost c (ms).
+    branch is modelled as byte time plus a constant kernel cost c (ms). With sliding
+    windows s falls as layers fill their windows: n_lat is where the gap, solved exactly
+    over the windows, pays c_P - c_KV.
     """
     if not bandwidth_gbps > 0:
         raise InputError(f"effective bandwidth must be positive (GB/s), got {bandwidth_gbps}")
-    n_star = crossover(dims, rp, rkv, ff_only, weight_bytes, kv_bytes)
-    if math.isinf(n_star):
+    per_layer = _tokens_per_layer(dims, rp, rkv, ff_only, weight_bytes, kv_bytes)
+    if math.isinf(per_layer):
         return math.inf
-    per_token_s = kv_saving(dims, 1, rkv, kv_bytes) / (bandwidth_gbps * 1e9)
-    return n_star - (cost_proj_ms - cost_kv_ms) * 1e-3 / per_token_s
+    # The gap must also pay c_P - c_KV: in cached tokens per layer at one layer's skipped bytes per
+    # token. With sliding windows the gap grows only through the layers whose window is not yet
+    # full, so the shifted target is solved over the windows as n* is (not n* minus a constant slope).
+    per_token_s = kv_saving(dims, 1, rkv, kv_bytes) / dims.n_layers / (bandwidth_gbps * 1e9)
+    return _kv_crossing(dims, per_layer - (cost_proj_ms - cost_kv_ms) * 1e-3 / per_token_s / dims.n_layers)
 
 
 def kv_gap_growth_ms_per_k(

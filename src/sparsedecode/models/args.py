@@ -41,6 +41,7 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    windows: tuple[int, ...] = field(default=())  # per layer (0: full attention), as ModelDims.windows
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = field(default=())
     name: str = ""
@@ -88,6 +89,7 @@ class ModelArgs:
             mlp_bias=dims.mlp_bias,
             qk_norm=dims.qk_norm,
             sliding_window=config_number({"sliding_window": window}, "sliding_window", None, int) if window else None,
+            windows=dims.windows,
             bos_id=cfg.get("bos_token_id"),
             eos_ids=tuple(int(e) for e in eos_ids),
             name=dims.name,
@@ -110,6 +112,7 @@ class ModelArgs:
             mlp_bias=self.mlp_bias,
             qk_norm=self.qk_norm,
             model_type=self.model_type,
+            windows=self.windows,
         )
 
     @property
