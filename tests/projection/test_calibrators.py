@@ -74,7 +74,7 @@ def test_quantile_threshold_keeps_the_target_fraction():
 
 
 def test_missing_text_names_text_file(tmp_path):
-    with pytest.raises(InputError, match="--text-file"):
+    with pytest.raises(InputError, match="text=FILE"):
         wikitext_ids(None, "test", tmp_path / "nowhere")
     with pytest.raises(InputError, match="'test' or 'valid'"):
         wikitext_ids(None, "train")

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 import torch
-from test_sparse_linear import TINY, run, site_inputs, site_modules
+from test_sparse_linear import DECODE, TINY, run, site_inputs, site_modules
 
 import sparsedecode
 from interpreted import run_interpreted
@@ -67,9 +67,39 @@ def test_dense_sites_through_the_gemv_decode_as_linear_under_interpreter():
     assert r["linear_mlp_after_off"] == "Linear" and r["still_sparse"] == "SparseLinear" and not r["kernels"], r
 
 
-def test_dense_gemv_is_refused_where_the_kernel_does_not_run(monkeypatch):
+def test_dense_gemv_on_cpu_runs_the_c_kernel_and_decodes_as_linear(monkeypatch):
+    """Issue 46 item 2: on a CPU where `kernels.cpu_gemv` is built, gemv.dense=true runs every
+    projection through it reading every row, q|k|v and gate|up as one call each (SparseConcat),
+    and decodes what nn.Linear decodes (float32)."""
+    import sparsedecode.projection.sparse_linear as sl
+    from sparsedecode.projection.sparse_linear import READ_ALL, SparseConcat, SparseLinear, cpu_rows
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(InputError, match="gemv.dense=true .* needs CUDA"):
+    if not cpu_rows(torch.zeros(1, 1)):
+        pytest.skip("the CPU kernel could not be built here (no C compiler)")
+    plain = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
+    eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
+    eng.model.load_state_dict(plain.model.state_dict(), strict=False)
+    mods = site_modules(eng.model)
+    assert all(isinstance(m, SparseLinear) and m.threshold.item() == READ_ALL for m in mods.values())
+    layer = eng.model.layers[0]
+    assert isinstance(layer.self_attn.qkv, SparseConcat) and isinstance(layer.mlp.gate_up, SparseConcat)
+    widths = []
+    real = sl.sparse_gemv_cpu
+    monkeypatch.setattr(sl, "sparse_gemv_cpu", lambda x, w_t, *a, **k: (widths.append(w_t.shape[1]), real(x, w_t, *a, **k))[1])
+    _, want = run(plain)  # decode logits, each step fed the same token
+    _, got = run(eng)
+    fused = {sum(layer.self_attn.qkv.widths), sum(layer.mlp.gate_up.widths)}
+    assert widths and fused <= set(widths) and len(widths) == 4 * TINY["num_hidden_layers"] * len(DECODE)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_dense_gemv_is_refused_where_no_kernel_runs(monkeypatch):
+    import sparsedecode.projection.sparse_linear as sl
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(sl, "cpu_rows", lambda w_t: False)  # as on a CPU without a C compiler
+    with pytest.raises(InputError, match="gemv.dense=true .* no torch.float32 kernel .* drop gemv.dense=true"):
         sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
     assert KernelOptions.parse("gemv.dense=true") == DENSE
     with pytest.raises(InputError, match="gemv.dense must be true, false or none"):

@@ -269,6 +269,8 @@ class SparseConcat(FixedDtypeBuffers):
         With `norm` = (an `RMSNorm`, sums of squares of x from `SparseLinear(x, residual=...)`),
         x is the residual stream and the sites read the norm of it, formed in the launch."""
         rms, ss = norm if norm is not None else (None, None)
+        if rms is None and not kernel_runs(x) and cpu_rows(self.w_t):
+            return self._forward_cpu(x)
         tracked = [m for m in self.sites if m.track]
         if tracked:
             counted = x if rms is None else rms(x)  # the sites' input
@@ -278,6 +280,18 @@ class SparseConcat(FixedDtypeBuffers):
                         ws=(self.ws_acc, self.ws_count), segments=self.widths,
                         norm=None if rms is None else (rms.weight, ss, rms.eps), options=self.options)
         return list(y.split(self.widths, dim=-1))
+
+    def _forward_cpu(self, x: Tensor) -> list[Tensor]:
+        """One token on CPU (`kernels.cpu_gemv`): one call over the fused rows where every site
+        holds the same threshold (a dense step: READ_ALL) and none counts its keep, which reads
+        each kept row of q|k|v (gate|up) in one sequential pass and pays one call instead of two
+        or three; otherwise each site's own call over its column slice (thresholds differ per
+        site, §3.2). Under torch.compile, the sites' calls (no host read of a threshold)."""
+        if not torch.compiler.is_compiling() and not any(m.track for m in self.sites):
+            t = float(self.sites[0].threshold)
+            if all(float(m.threshold) == t for m in self.sites[1:]):
+                return list(sparse_gemv_cpu(x, self.w_t, t, self.bias).split(self.widths, dim=-1))
+        return [m(x) for m in self.sites]
 
     def extra_repr(self) -> str:
         return f"sites={[m.site for m in self.sites]}, widths={self.widths}"
@@ -345,7 +359,7 @@ def sparsify_(model, thresholds: dict[str, float], ff_only: bool = False, track:
             setattr(parent, site, mod)
         out.append(mod)
     if fuse is None:
-        fuse = bool(out) and kernel_runs(out[0].w_t)
+        fuse = bool(out) and (kernel_runs(out[0].w_t) or cpu_rows(out[0].w_t))
     if fuse:
         _fuse_(model)
     if gemv is not None:
@@ -390,10 +404,14 @@ def dense_projections_(model, gemv: GemvOptions) -> None:
 
 
 def check_dense_gemv(model, gemv: GemvOptions) -> None:
-    """Refuse gemv.dense where the kernel does not run (CPU without TRITON_INTERPRET=1)."""
-    if gemv.dense and not kernel_runs(next(model.parameters())):
-        raise InputError("gemv.dense=true runs the projections through the Triton GEMV: it needs CUDA "
-                         "(or TRITON_INTERPRET=1); drop it on CPU")
+    """Refuse gemv.dense where no GEMV runs: CUDA (or TRITON_INTERPRET=1) runs the Triton kernel,
+    a CPU the C kernel (`kernels.cpu_gemv`) where it was built for the model's dtype."""
+    p = next(model.parameters())
+    if gemv.dense and not (kernel_runs(p) or cpu_rows(p)):
+        from sparsedecode.kernels.cpu_gemv import cpu_kernel
+
+        raise InputError(f"gemv.dense=true runs the projections through our GEMV, and on this CPU it has no "
+                         f"{p.dtype} kernel ({cpu_kernel().reason or 'not built for it'}); drop gemv.dense=true")
 
 
 def sparse_modules(model) -> list[SparseLinear]:
