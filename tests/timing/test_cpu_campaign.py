@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import require_embedded
 from sparsedecode.cli import app
 from sparsedecode.timing.campaign import load_spec, plan, run_campaign
 
@@ -18,6 +19,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "campaigns"
 
 @pytest.mark.slow
 def test_cpu_smoke_campaign_runs_and_its_report_renders(tmp_path):
+    require_embedded("smollm2-135m")  # each cell loads it: a GPU machine without network skips
     text = (EXAMPLES / "cpu_smoke.toml").read_text()
     assert "\nseed = 0\n" in text
     assert "contexts = [256, 512]" in text
