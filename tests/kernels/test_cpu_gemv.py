@@ -14,7 +14,12 @@ from _compare import mismatch
 from test_sparse_gemv import DTYPES, check, make, threshold_for
 
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.cpu_gemv import cats_up_cpu, cpu_kernel, sparse_gemv_cpu
+from sparsedecode.kernels.cpu_gemv import (
+    cats_up_cpu,
+    cpu_kernel,
+    sparse_gemv_cpu,
+    sparse_gemv_segs_cpu,
+)
 from sparsedecode.kernels.gather_gemv import cats_up_ref
 from sparsedecode.kernels.sparse_gemv import keep_mask, sparse_gemv_ref
 
@@ -64,6 +69,33 @@ def test_column_slice_of_a_fused_weight(dtype, threads):
     got = sparse_gemv_cpu(x, w_t, t, b[200:555])
     fails = check(got, x, w_t.contiguous(), t, b[200:555], f"slice {dtype}")
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K,widths", [(1, [1, 1]), (37, [13, 5, 7]), (577, [576, 192, 192]), (301, [700, 699])])
+@pytest.mark.parametrize("keeps", [(0.05, 0.5, 1.0), (0.5, 0.5, 0.5), (1.0, 0.3, 0.7)], ids=str)
+def test_segments_match_each_site_alone(K, widths, keeps, dtype, threads):
+    """q|k|v (gate|up) fused in one (K, sum of widths) weight, each site with its own threshold:
+    the segmented call equals each site's own call on its column slice and float64, and counts
+    each site's kept rows."""
+    x, w_t, b = make(K, sum(widths), dtype, seed=K + len(widths))
+    ts = [threshold_for(x, k) for k in keeps[:len(widths)]]
+    for bias in (b, None):
+        kept = [torch.zeros(2, dtype=torch.float64) for _ in widths]
+        got = sparse_gemv_segs_cpu(x, w_t, ts, widths, bias, kept=kept)
+        lo, fails = 0, []
+        for n, t, k in zip(widths, ts, kept, strict=True):
+            b_j = None if bias is None else bias[lo:lo + n]
+            part = got[..., lo:lo + n]
+            what = f"segment {lo}:{lo + n} {K}x{sum(widths)} {dtype} threads={threads}"
+            fails += check(part, x, w_t[:, lo:lo + n].contiguous(), t, b_j, what)
+            alone = sparse_gemv_cpu(x, w_t[:, lo:lo + n], t, b_j)
+            fails += [m for m in [mismatch(part, alone, check_tol(alone, dtype), what + " vs alone")] if m]
+            assert k.tolist() == [keep_mask(x, t).sum().item(), K]
+            lo += n
+        assert not fails, "\n".join(fails)
+    with pytest.raises(InputError, match="one threshold per site"):
+        sparse_gemv_segs_cpu(x, w_t, ts[:1], widths)
 
 
 def test_drops_nan_channels_and_reads_nothing_when_all_dropped():

@@ -144,3 +144,38 @@ def test_the_default_on_cuda_runs_the_gemv_and_yields_to_cats():
     assert eng.kernels.gemv.dense is True and isinstance(q(), SparseLinear) and eng.linear_needed_by is None
     eng.set_kernels(KernelOptions.parse("gemv.dense=false"))  # asked for: F.linear
     assert eng.kernels.gemv.dense is False and type(q()).__name__ == "Linear"
+
+
+def test_sparse_sites_fused_on_cpu_decode_as_the_sites_alone(monkeypatch):
+    """TEAL thresholds differ per site (§3.2): on CPU q|k|v and gate|up run as one segmented call
+    each (`sparse_gemv_segs_cpu`), decoding what the unfused sites decode, with the same realized
+    keep counted per site."""
+    import sparsedecode.projection.sparse_linear as sl
+    from sparsedecode.projection.sparse_linear import (
+        SparseConcat,
+        cpu_rows,
+        realized_projection_keep,
+        sparsify_,
+    )
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not cpu_rows(torch.zeros(1, 1)):
+        pytest.skip("the CPU kernel could not be built here (no C compiler)")
+    fused = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
+    alone = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
+    alone.model.load_state_dict(fused.model.state_dict(), strict=False)
+    inputs = site_inputs(fused, site_modules(fused.model))
+    keeps = (0.3, 0.5, 0.7)  # q, k, v (and gate, up, down) keep different fractions
+    th = {k: float(torch.stack(v).abs().quantile(keeps[i % 3])) for i, (k, v) in enumerate(inputs.items())}
+    sparsify_(fused.model, th, track=True)
+    sparsify_(alone.model, th, track=True, fuse=False)
+    assert isinstance(fused.model.layers[0].self_attn.qkv, SparseConcat) and alone.model.layers[0].self_attn.qkv is None
+    calls = []
+    real = sl.sparse_gemv_segs_cpu
+    monkeypatch.setattr(sl, "sparse_gemv_segs_cpu", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    _, want = run(alone)
+    assert not calls
+    _, got = run(fused)
+    assert len(calls) == 2 * TINY["num_hidden_layers"] * len(DECODE)  # q|k|v and gate|up of every layer, every step
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert realized_projection_keep(fused.model) == realized_projection_keep(alone.model) < 1

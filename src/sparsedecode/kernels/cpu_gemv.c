@@ -74,14 +74,59 @@ static inline float bf16_f32(uint16_t h) {
     return n;                                                                                  \
   }
 
+/* Segmented: the columns of W are nseg sites side by side (q|k|v or gate|up, one fused weight),
+ * columns [ends[j-1], ends[j]) of site j, each with its own threshold t[j] (one threshold per
+ * (layer, projection), ByteCross §3.2). Site j reads its column slice of the rows kept under
+ * t[j]; each thread takes its share of every site's kept list: one call where there were two or
+ * three. kept[j] receives site j's kept rows; returns 0, or -1 when memory could not be allocated.
+ * (Where every site holds the same threshold, sd_gemv_rows over all N columns reads each kept row
+ * in one pass: a dense step.) */
+#define SEGS_FN(NAME, ROWS, ELEM_T)                                                            \
+  long NAME(const float *x, const ELEM_T *w, const float *bias, float *y, long K, long N,     \
+            long ldw, long nseg, const long *ends, const float *t, long *kept, int nthreads) { \
+    int32_t *idx = malloc((K > 0 ? K : 1) * (nseg > 0 ? nseg : 1) * sizeof(int32_t));         \
+    if (!idx) return -1;                                                                       \
+    long most = 0;                                                                             \
+    for (long j = 0; j < nseg; j++) {                                                          \
+      long n = 0;                                                                              \
+      for (long i = 0; i < K; i++)                                                             \
+        if (fabsf(x[i]) > t[j]) idx[j * K + n++] = (int32_t)i;                                 \
+      kept[j] = n;                                                                             \
+      if (n > most) most = n;                                                                  \
+    }                                                                                          \
+    long nth = nthreads > 0 ? nthreads : 1;                                                    \
+    if (nth > most / 8) nth = most / 8 > 0 ? most / 8 : 1;                                    \
+    float *part = nth > 1 ? malloc((nth - 1) * N * sizeof(float)) : NULL;                      \
+    if (nth > 1 && !part) { free(idx); return -1; }                                            \
+    _Pragma("omp parallel for num_threads(nth) schedule(static)")                              \
+    for (long tid = 0; tid < nth; tid++) {                                                     \
+      float *acc = tid == 0 ? y : part + (tid - 1) * N;                                        \
+      for (long c = 0; c < N; c++) acc[c] = (tid == 0 && bias) ? bias[c] : 0.0f;              \
+      for (long j = 0; j < nseg; j++) {                                                        \
+        long lo = j ? ends[j - 1] : 0, n = kept[j];                                            \
+        ROWS(acc + lo, w + lo, ldw, idx + j * K, x, n * tid / nth, n * (tid + 1) / nth, ends[j] - lo); \
+      }                                                                                        \
+    }                                                                                          \
+    for (long p = 0; p + 1 < nth; p++) {                                                       \
+      const float *restrict s = part + p * N;                                                  \
+      _Pragma("omp simd") for (long c = 0; c < N; c++) y[c] += s[c];                           \
+    }                                                                                          \
+    free(part);                                                                                \
+    free(idx);                                                                                 \
+    return 0;                                                                                  \
+  }
+
 ROWS_FN(rows_f32, float, AS_IS)
 GEMV_FN(sd_gemv_rows_f32, rows_f32, float)
+SEGS_FN(sd_gemv_segs_f32, rows_f32, float)
 ROWS_FN(rows_bf16, uint16_t, bf16_f32)
 GEMV_FN(sd_gemv_rows_bf16, rows_bf16, uint16_t)
+SEGS_FN(sd_gemv_segs_bf16, rows_bf16, uint16_t)
 #ifdef __FLT16_MAX__
 #define F16_F32(v) ((float)(v))
 ROWS_FN(rows_f16, _Float16, F16_F32)
 GEMV_FN(sd_gemv_rows_f16, rows_f16, _Float16)
+SEGS_FN(sd_gemv_segs_f16, rows_f16, _Float16)
 #endif
 
 /* CATS's up projection on CPU (SATS paper §2): h[j] = act[j] * (W[j, :] . x + bias[j]) for the

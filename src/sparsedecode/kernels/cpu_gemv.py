@@ -40,6 +40,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _P, _L = ctypes.c_void_p, ctypes.c_long
 SIGNATURES = {"sd_gemv_rows": (_P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int),
+              "sd_gemv_segs": (_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _P, ctypes.c_int),
               "sd_gather_rows": (_P, _P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int)}
 
 
@@ -167,6 +168,34 @@ def _gemv_rows(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None, kept: Ten
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
+def sparse_gemv_segs_cpu(x: Tensor, w_t: Tensor, thresholds, widths, bias: Tensor | None = None,
+                         kept: list | None = None) -> Tensor:
+    """Several sites fused side by side in w_t (K, sum of widths) (q|k|v, gate|up), site j with
+    its own threshold: what `sparse_gemv_cpu` of each site's column slice computes, in one call,
+    each site reading only the rows it keeps. `kept`: per site a float64 buffer of 2 (or None) to
+    which [kept channels, K] is added. Eager only (the decoder calls each site apart under
+    torch.compile)."""
+    K, N = w_t.shape
+    fn = _entry("sparse_gemv_segs_cpu", "sd_gemv_segs", x, w_t, K, bias, N)
+    widths = [int(n) for n in widths]
+    if len(thresholds) != len(widths) or sum(widths) != N or min(widths, default=0) < 1:
+        raise InputError(f"sparse_gemv_segs_cpu wants one threshold per site and widths summing to {N}; "
+                         f"got {len(thresholds)} thresholds, widths {widths}")
+    ends = torch.tensor(widths, dtype=torch.int64).cumsum(0)
+    t = torch.tensor([float(v) for v in thresholds], dtype=torch.float32)
+    counts = torch.zeros(len(widths), dtype=torch.int64)
+    y = torch.empty(N, dtype=torch.float32)
+    xf, b = _f32(x, K), _f32(bias, N)  # held here: the C call reads their memory
+    if fn(xf.data_ptr(), w_t.data_ptr(), _ptr(b), y.data_ptr(), K, N, w_t.stride(0), len(widths),
+          ends.data_ptr(), t.data_ptr(), counts.data_ptr(), torch.get_num_threads()) < 0:
+        raise MemoryError("sparse_gemv_segs_cpu could not allocate its kept lists or partial sums")
+    for buf, n in zip(kept or (), counts.tolist(), strict=False):
+        if buf is not None:
+            buf[0] += n
+            buf[1] += K
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
 def cats_up_cpu(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None = None) -> Tensor:
     """CATS's up projection on CPU, reading only the rows of kept channels (SATS paper §2): x (..., K)
     one token, w_up (N, K) row-major, gate_act (..., N) = SiLU(gate(x)) -> (..., N) in x's dtype,
@@ -210,4 +239,4 @@ def _(x, w_up, gate_act, threshold, bias):
     return x.new_empty(*x.shape[:-1], w_up.shape[0])
 
 
-__all__ = ["CpuKernel", "cats_up_cpu", "cpu_kernel", "has_entry", "sparse_gemv_cpu"]
+__all__ = ["CpuKernel", "cats_up_cpu", "cpu_kernel", "has_entry", "sparse_gemv_cpu", "sparse_gemv_segs_cpu"]

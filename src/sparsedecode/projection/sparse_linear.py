@@ -32,7 +32,7 @@ from torch import Tensor
 
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.common import interpreting, keep_mask, workspace
-from sparsedecode.kernels.cpu_gemv import has_entry, sparse_gemv_cpu
+from sparsedecode.kernels.cpu_gemv import has_entry, sparse_gemv_cpu, sparse_gemv_segs_cpu
 from sparsedecode.kernels.options import GemvOptions
 from sparsedecode.kernels.sparse_gemv import sparse_gemv, sparse_gemv_ref
 from sparsedecode.projection.thresholds import MODULE_OF
@@ -282,16 +282,21 @@ class SparseConcat(FixedDtypeBuffers):
         return list(y.split(self.widths, dim=-1))
 
     def _forward_cpu(self, x: Tensor) -> list[Tensor]:
-        """One token on CPU (`kernels.cpu_gemv`): one call over the fused rows where every site
-        holds the same threshold (a dense step: READ_ALL) and none counts its keep, which reads
-        each kept row of q|k|v (gate|up) in one sequential pass and pays one call instead of two
-        or three; otherwise each site's own call over its column slice (thresholds differ per
-        site, §3.2). Under torch.compile, the sites' calls (no host read of a threshold)."""
-        if not torch.compiler.is_compiling() and not any(m.track for m in self.sites):
-            t = float(self.sites[0].threshold)
-            if all(float(m.threshold) == t for m in self.sites[1:]):
-                return list(sparse_gemv_cpu(x, self.w_t, t, self.bias).split(self.widths, dim=-1))
-        return [m(x) for m in self.sites]
+        """One token on CPU (`kernels.cpu_gemv`), one call for the two or three sites: where every
+        site holds the same threshold (a dense step: READ_ALL) and none counts its keep, one pass
+        over each kept row of the fused weight; otherwise the segmented call, each site reading its
+        column slice of the rows it keeps under its own threshold (§3.2), keeps counted per site.
+        Under torch.compile, or where a site has forward hooks (an activation collector, a test
+        reading each site's input), the sites' own calls."""
+        if torch.compiler.is_compiling() or any(m._forward_hooks or m._forward_pre_hooks for m in self.sites):
+            return [m(x) for m in self.sites]
+        ts = [float(m.threshold) for m in self.sites]
+        if all(t == ts[0] for t in ts) and not any(m.track for m in self.sites):
+            y = sparse_gemv_cpu(x, self.w_t, ts[0], self.bias)
+        else:
+            y = sparse_gemv_segs_cpu(x, self.w_t, ts, self.widths, self.bias,
+                                     kept=[m.kept if m.track else None for m in self.sites])
+        return list(y.split(self.widths, dim=-1))
 
     def extra_repr(self) -> str:
         return f"sites={[m.site for m in self.sites]}, widths={self.widths}"
