@@ -767,3 +767,31 @@ def test_status_estimates_the_time_left_from_the_gaps_between_records():
     assert cell_seconds(stamps) == (35.0, 2)
     assert cell_seconds(stamps[:1]) == (None, 0)
     assert cell_seconds(["2026-12-04T17:00:00+00:00", "2026-12-04T17:20:00+00:00"]) == (None, 0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_a_cell_starts_stops_that_cell(tmp_path, monkeypatch, sig):
+    """The race a loaded host showed (a cell that ran on and wrote its record after its campaign
+    stopped): the campaign's signal arrives while `launch` is starting the cell, before it holds
+    the process. The interrupt is held until the cell can be stopped, then raised: the cell is
+    stopped with it, never left running."""
+    from sparsedecode.timing import processes
+    from sparsedecode.timing.processes import TermAsInterrupt, launch
+
+    started = []
+    real = subprocess.Popen
+
+    def popen_then_signal(*a, **k):  # the child exists; the signal comes before Popen returns
+        started.append(real(*a, **k))
+        os.kill(os.getpid(), sig)
+        time.sleep(0.2)  # the handler runs here, inside the start
+        return started[-1]
+
+    monkeypatch.setattr(processes.subprocess, "Popen", popen_then_signal)
+    running = set()
+    with TermAsInterrupt(), pytest.raises(KeyboardInterrupt):
+        launch([sys.executable, "-c", "import time; time.sleep(120)"], tmp_path / "cell.log", running=running)
+    child = started[0]
+    assert child.poll() is not None, "the cell started as the signal arrived was left running"
+    assert not running
+    assert signal.getsignal(signal.SIGTERM) is not TermAsInterrupt._raise  # the handlers are put back

@@ -23,22 +23,55 @@ def launch(argv: list[str], log: Path, env: dict | None = None, running: set | N
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(argv)}\n".encode())
         f.flush()
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=None if nice is None else lambda: _renice(nice))
-        if running is not None:
-            running.add(proc)
+        proc = None
         try:
+            # A signal that arrived while the child was being started, before `proc` held it,
+            # would leave a cell running on (and writing its record) after its campaign stopped:
+            # the campaign's interrupt waits until the child is held, then is raised here.
+            with _held():
+                proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=None if nice is None else lambda: _renice(nice))
+                if running is not None:
+                    running.add(proc)
+            _raise_held()
             while True:  # short waits: Ray's cancel raises in the task's thread between bytecodes
                 try:
                     return proc.wait(timeout=0.5)
                 except subprocess.TimeoutExpired:
                     continue
         except BaseException:
-            stop(proc)
+            if proc is not None:
+                stop(proc)
             raise
         finally:
-            if running is not None:
+            if running is not None and proc is not None:
                 running.discard(proc)
+
+
+# The campaign's interrupt (TermAsInterrupt's handler, main thread) while a cell is being started:
+# [depth of _held sections, the signal that arrived in one or None]
+_HOLD = [0, None]
+
+
+class _held:
+    """In the main thread, while TermAsInterrupt is on: SIGTERM/SIGINT arriving inside are kept
+    (not raised) until `_raise_held`; elsewhere a no-op (other threads never get the exception)."""
+
+    def __enter__(self):
+        self.on = threading.current_thread() is threading.main_thread()
+        if self.on:
+            _HOLD[0] += 1
+
+    def __exit__(self, *exc):
+        if self.on:
+            _HOLD[0] -= 1
+        return False
+
+
+def _raise_held() -> None:
+    if _HOLD[0] == 0 and _HOLD[1] is not None:
+        signum, _HOLD[1] = _HOLD[1], None
+        raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _renice(nice: int) -> None:
@@ -68,21 +101,30 @@ def stop(proc: subprocess.Popen) -> None:
 class TermAsInterrupt:
     """While a campaign runs, SIGTERM raises KeyboardInterrupt in the main thread, so it stops
     the campaign as Ctrl-C does (the running cells stopped, no record, the summary says
-    interrupted). Outside the main thread signals cannot be set, and this does nothing."""
+    interrupted); SIGINT (where not ignored) does the same through the same handler. Either is
+    held while `launch` starts a cell, and raised once the cell can be stopped. Outside the main
+    thread signals cannot be set, and this does nothing."""
 
     def __enter__(self):
-        self.old = None
+        self.old = {}
         if threading.current_thread() is threading.main_thread():
-            self.old = signal.signal(signal.SIGTERM, self._raise)
+            _HOLD[1] = None
+            self.old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._raise)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self.old[signal.SIGINT] = signal.signal(signal.SIGINT, self._raise)
         return self
 
     @staticmethod
     def _raise(signum, frame):
+        if _HOLD[0]:  # a cell is being started: raised by launch once it holds the cell
+            _HOLD[1] = signum
+            return
         raise KeyboardInterrupt(f"signal {signum}")
 
     def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGTERM, self.old)
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        _HOLD[1] = None
         return False
 
 
