@@ -179,7 +179,25 @@ def test_sparse_linear_runs_the_kernel_and_traces_whole_under_compile():
     traced = torch.compile(mod, fullgraph=True, backend="aot_eager")
     assert torch.equal(traced(x), eager)
     kept = keep_mask(x, t).sum().item()
-    assert mod.kept.tolist() == [2 * kept, 2 * 96]
+    assert mod.kept_counts() == (2 * kept, 2 * 96)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["one threshold", "own thresholds"])
+def test_fused_sites_count_each_sites_keep_whichever_call_runs(same):
+    """A SparseConcat of three tracked sites on CPU: with one threshold shared (one pass over the
+    fused rows) or each its own (the segmented call), every site's output is its own call's and
+    its kept count is its own mask's."""
+    from sparsedecode.projection.sparse_linear import SparseConcat, SparseLinear
+
+    x, w_t, b = make(97, 3 * 33, torch.float32, seed=5)
+    ts = [threshold_for(x, k) for k in ((0.5, 0.5, 0.5) if same else (0.3, 0.5, 0.9))]
+    sites = [SparseLinear(w_t[:, 33 * j:33 * (j + 1)].contiguous(), b[33 * j:33 * (j + 1)], t,
+                          site=f"layers.0.{s}", track=True) for j, (s, t) in enumerate(zip("qkv", ts, strict=True))]
+    fused = SparseConcat(sites)
+    outs = fused(x)
+    for m, out, t in zip(sites, outs, ts, strict=True):
+        torch.testing.assert_close(out, sparse_gemv_ref(x, m.w_t, t, m.bias), rtol=1e-5, atol=1e-5)
+        assert m.kept_counts() == (keep_mask(x, t).sum().item(), 97), m.site
 
 
 def test_without_a_compiler_the_cpu_path_is_the_masked_reference_and_says_so(tmp_path):

@@ -135,6 +135,9 @@ class SparseLinear(FixedDtypeBuffers):
         dev = w_t.device
         self.register_buffer("threshold", torch.tensor(t, dtype=torch.float32, device=dev))
         self.register_buffer("kept", torch.zeros(2, dtype=torch.float64, device=dev), persistent=False)
+        # the eager CPU kernels add [kept channels, channels] here: a Python add per call instead
+        # of tensor ops, which cost a tracked CPU step ~15% (kept_counts sums both)
+        self.kept_host = [0, 0]
         acc, count = workspace(w_t.shape[1], dev)
         self.register_buffer("ws_acc", acc, persistent=False)  # (out,) fp32, zero between calls
         self.register_buffer("ws_count", count, persistent=False)
@@ -185,7 +188,7 @@ class SparseLinear(FixedDtypeBuffers):
         if residual is None and x.shape[:-1].numel() != 1:
             return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
         if residual is None and not x.is_cuda and cpu_rows(self.w_t):
-            return sparse_gemv_cpu(x, self.w_t, self.threshold, self.bias, kept=self.kept if self.track else None)
+            return sparse_gemv_cpu(x, self.w_t, self.threshold, self.bias, kept=self.kept_buffer())
         if self.track:
             self.count_kept(x)
         if residual is None and not x.is_cuda:
@@ -205,13 +208,26 @@ class SparseLinear(FixedDtypeBuffers):
         return sparse_gemv(gate, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), up=up,
                            residual=residual, options=self.options)
 
+    def kept_buffer(self):
+        """Where a tracked CPU call adds its [kept channels, channels] (None untracked): the host
+        counters eagerly, the tensor buffer under torch.compile (traced as an op)."""
+        if not self.track:
+            return None
+        return self.kept if torch.compiler.is_compiling() else self.kept_host
+
+    def kept_counts(self) -> tuple[float, float]:
+        """[kept channels, channels] seen by tracked one-token calls, device and host counters."""
+        kept, total = self.kept.tolist()
+        return kept + self.kept_host[0], total + self.kept_host[1]
+
     def realized_keep(self) -> float:
         """Kept channels over channels seen by tracked one-token calls (nan before any)."""
-        kept, total = self.kept.tolist()
+        kept, total = self.kept_counts()
         return kept / total if total else float("nan")
 
     def reset_keep(self) -> None:
         self.kept.zero_()
+        self.kept_host[:] = [0, 0]
 
     def extra_repr(self) -> str:
         return (f"site={self.site!r}, in_features={self.in_features}, out_features={self.out_features}, "
@@ -283,19 +299,26 @@ class SparseConcat(FixedDtypeBuffers):
 
     def _forward_cpu(self, x: Tensor) -> list[Tensor]:
         """One token on CPU (`kernels.cpu_gemv`), one call for the two or three sites: where every
-        site holds the same threshold (a dense step: READ_ALL) and none counts its keep, one pass
-        over each kept row of the fused weight; otherwise the segmented call, each site reading its
-        column slice of the rows it keeps under its own threshold (§3.2), keeps counted per site.
+        site holds the same threshold (a dense step: READ_ALL; TEAL's q|k|v often), one pass over
+        each kept row of the fused weight, its kept count added to each tracked site; otherwise
+        the segmented call, each site reading its column slice of the rows it keeps under its own
+        threshold (§3.2), keeps counted per site.
         Under torch.compile, or where a site has forward hooks (an activation collector, a test
         reading each site's input), the sites' own calls."""
         if torch.compiler.is_compiling() or any(m._forward_hooks or m._forward_pre_hooks for m in self.sites):
             return [m(x) for m in self.sites]
         ts = [float(m.threshold) for m in self.sites]
-        if all(t == ts[0] for t in ts) and not any(m.track for m in self.sites):
-            y = sparse_gemv_cpu(x, self.w_t, ts[0], self.bias)
+        if all(t == ts[0] for t in ts):
+            # one pass; the sites share their input and threshold, so each keeps the same channels
+            acc = [0, 0] if any(m.track for m in self.sites) else None
+            y = sparse_gemv_cpu(x, self.w_t, ts[0], self.bias, kept=acc)
+            for buf in (m.kept_buffer() for m in self.sites) if acc is not None else ():
+                if buf is not None:
+                    buf[0] += acc[0]
+                    buf[1] += acc[1]
         else:
             y = sparse_gemv_segs_cpu(x, self.w_t, ts, self.widths, self.bias,
-                                     kept=[m.kept if m.track else None for m in self.sites])
+                                     kept=[m.kept_buffer() for m in self.sites])
         return list(y.split(self.widths, dim=-1))
 
     def extra_repr(self) -> str:
@@ -433,7 +456,7 @@ def realized_projection_keep(model) -> float:
     """
     rows = []
     for mod in sparse_modules(model):
-        kept, total = mod.kept.tolist()
+        kept, total = mod.kept_counts()
         if mod.track and total:
             rows.append((kept / total, mod.in_features * mod.out_features))
     if not rows:
@@ -454,7 +477,7 @@ def projection_call_bytes(model) -> dict[str, dict[str, float]]:
     their read over dense). The decode benchmark sets them beside each call's profiled time."""
     out: dict[str, dict[str, float]] = {}
     for mod in sparse_modules(model):
-        kept, total = mod.kept.tolist()
+        kept, total = mod.kept_counts()
         if not (mod.track and total):
             continue
         weight = mod.in_features * mod.out_features * mod.w_t.element_size()
