@@ -8,6 +8,7 @@ import torch
 
 import sparsedecode
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.options import GemvOptions, KernelOptions
 from sparsedecode.projection.thresholds import SITES, Thresholds
 
 CFG = dict(
@@ -15,10 +16,12 @@ CFG = dict(
     num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
     max_position_embeddings=256, rope_theta=10000.0, eos_token_id=None,
 )
+LINEAR = KernelOptions(gemv=GemvOptions(dense=False))
 
 
 def _engine():
-    return sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64)
+    """nn.Linear dense sites (gemv.dense=false): the layout these tests check sparsify against."""
+    return sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, kernels=LINEAR)
 
 
 def _thresholds(eng, t: float, sites=SITES[:7]) -> Thresholds:
@@ -48,7 +51,8 @@ def test_zero_thresholds_decode_as_dense_and_real_ones_do_not(tmp_path):
 def test_load_takes_thresholds_and_ff_only_files(tmp_path):
     eng = _engine()
     path = _thresholds(eng, 0.02, sites=("gate", "up", "down")).save(tmp_path / "ff.safetensors")
-    eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, config=f"proj[{path}]")
+    eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, config=f"proj[{path}]",
+                            kernels=LINEAR)
     attn, mlp = eng.model.layers[0].self_attn, eng.model.layers[0].mlp
     assert type(attn.q_proj).__name__ == "Linear" and type(mlp.up_proj).__name__ == "SparseLinear"
 
@@ -174,3 +178,31 @@ def test_cpu_runtime_reads_kept_rows_and_counts_them():
     eng.sparsify(Thresholds(values={f"layers.{i}.act": 0.01 for i in range(2)}, method="cats", keep=0.5,
                             model=eng.name, dims=eng.dims.to_dict()))
     assert eng.projection_runtime() == "CPU row-gather up + sparse down (kept rows only)"
+
+
+def test_tracking_keep_counts_cats_mlps_by_the_weight_bytes_they_read():
+    """Under CATS thresholds tracking_keep reports the MLP's weight-byte keep, (1 + 2k)/3 for a
+    kept fraction k of SiLU(gate) channels (gate read whole): every channel at threshold 0, gate
+    alone at a threshold no activation reaches; the decode it tracks is the untracked one."""
+    ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(3))
+    eng = _engine()
+
+    def cats(t):
+        return Thresholds(values={f"layers.{i}.act": t for i in range(2)}, method="cats", keep=0.5,
+                          model=eng.name, dims=eng.dims.to_dict())
+
+    for t, want in ((0.0, 1.0), (1e9, 1 / 3)):
+        eng.sparsify(cats(t))
+        with eng.tracking_keep() as keep_of:
+            _decode(eng, ids)
+            assert keep_of() == pytest.approx(want)
+    eng.sparsify(cats(0.01))
+    untracked = _decode(eng, ids)
+    with eng.tracking_keep() as keep_of:
+        tracked = _decode(eng, ids)
+        assert 1 / 3 < keep_of() < 1.0
+    assert not any(layer.mlp.track for layer in eng.model.layers)
+    torch.testing.assert_close(tracked, untracked, rtol=0, atol=0)
+    with pytest.raises(InputError, match="no tracked CATS decode calls"):
+        with eng.tracking_keep() as keep_of:
+            keep_of()

@@ -119,11 +119,9 @@ def generate(
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    # on CPU the realized keep of the projections is counted as they run (the kernel returns it)
-    from sparsedecode.projection.thresholds import ACT_SITE
-
-    track = (eng.device.type == "cpu" and eng.thresholds is not None and gate_obj is None
-             and ACT_SITE not in eng.thresholds.sites)
+    # on CPU the realized keep of the projections is counted as they run (the kernel returns it;
+    # CATS/SATS: the MLP's weight-byte keep, Engine.tracking_keep)
+    track = eng.device.type == "cpu" and eng.thresholds is not None and gate_obj is None
     with eng.tracking_keep() if track else contextlib.nullcontext(None) as keep_of:
         out = eng.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, on_text=None if as_json else show, gate=gate_obj)

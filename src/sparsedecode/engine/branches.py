@@ -225,18 +225,49 @@ class Branches:
         """Count, in the sparse projections, the input channels each eager decode step reads;
         yields a function that returns the realized projection keep pooled over the steps run
         so far (App. A 'Timed reads'). Tracking is off again on exit, and the captured step is
-        dropped (it never counts)."""
+        dropped (it never counts).
+
+        Under CATS/SATS thresholds (the 'act' sites) the keep is that of the MLP's weight bytes,
+        (1 + 2k)/3 for a kept fraction k of SiLU(gate) channels: gate is read whole, up and down
+        only in kept channels (SATS §3.2); the attention projections stay dense and out of it."""
         from sparsedecode.projection.sparse_linear import realized_projection_keep, sparsify_
+        from sparsedecode.projection.thresholds import ACT_SITE
 
         th = self.thresholds
         if th is None:
             raise InputError("tracking the realized projection keep needs the projection branch installed")
+        if ACT_SITE in th.sites:
+            with self._tracking_cats(th) as kept_of:
+                yield kept_of
+            return
         ff_only = not set(th.sites) - {"gate", "up", "down"}
         sparsify_(self.model, th.values, ff_only=ff_only, track=True, gemv=self.kernels.gemv)
         try:
             yield lambda: realized_projection_keep(self.model)
         finally:
             sparsify_(self.model, th.values, ff_only=ff_only, track=False, gemv=self.kernels.gemv)
+            self.invalidate_step()
+
+    @contextmanager
+    def _tracking_cats(self, th):
+        """`tracking_keep` for CATS/SATS MLPs: their counters start at zero here."""
+        from sparsedecode.projection.cats_runtime import cats_
+
+        mlps = cats_(self.model, th.values, track=True)
+        for mlp in mlps:
+            mlp.kept.zero_()
+        self.invalidate_step()
+
+        def keep() -> float:
+            kept, total = (sum(m.kept[i].item() for m in mlps) for i in (0, 1))
+            if not total:
+                raise InputError("no tracked CATS decode calls: run decode steps inside tracking_keep first")
+            return (1 + 2 * kept / total) / 3  # gate whole, up and down in kept channels
+
+        try:
+            yield keep
+        finally:
+            cats_(self.model, th.values, track=False)
             self.invalidate_step()
 
 
