@@ -10,6 +10,7 @@ import torch
 
 import sparsedecode
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.cpu_gemv import has_entry
 from sparsedecode.kernels.options import GemvOptions, KernelOptions
 from sparsedecode.projection.sparse_linear import sparse_modules
 from sparsedecode.projection.thresholds import SITES, Thresholds
@@ -17,6 +18,7 @@ from sparsedecode.projection.thresholds import SITES, Thresholds
 CFG = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=100, max_position_embeddings=256, rope_theta=10000.0, eos_token_id=None)
 OPTS = KernelOptions.parse("gemv.pdl=false,gemv.programs_per_sm=4,attention.min_split_keys=none")
+CPU_GEMV = has_entry("sd_gemv_rows", torch.float32)  # gemv.dense's default on the CPU: on where it was built
 
 
 def _thresholds(eng, t: float) -> Thresholds:
@@ -32,12 +34,12 @@ def _options(eng):
 
 def test_load_and_set_kernels_reach_every_layer_and_later_projections():
     eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, kernels=OPTS)
-    resolved = OPTS.with_(gemv__dense=False)  # gemv.dense's default resolves to off on the CPU
+    resolved = OPTS.with_(gemv__dense=CPU_GEMV)  # gemv.dense's default: on where the CPU kernel was built
     assert eng.kernels_asked == OPTS and eng.kernels == resolved and _options(eng)[0] == {OPTS.attention}
     eng.sparsify(_thresholds(eng, 0.02))  # sparse modules made after the options were set
     assert _options(eng) == ({OPTS.attention}, {resolved.gemv})
     eng.set_kernels(KernelOptions())
-    assert _options(eng) == ({KernelOptions().attention}, {GemvOptions(dense=False)})
+    assert _options(eng) == ({KernelOptions().attention}, {GemvOptions(dense=CPU_GEMV)})
     with pytest.raises(InputError, match="takes a KernelOptions"):
         eng.set_kernels({"gemv": {"pdl": False}})
 
@@ -64,7 +66,9 @@ def test_a_cell_records_its_kernel_options_whole(tmp_path, capsys):
                 "--obs", "8", "--calib-tokens", "256", "--kernels", "gemv.pdl=false", "--out", str(out))
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
-    # what ran, resolved: gemv.dense's default is off on the CPU
-    assert KernelOptions.from_dict(rec["kernels"]) == KernelOptions.parse("gemv.pdl=false,gemv.dense=false")
+    # what ran, resolved: gemv.dense's default is on where the CPU kernel was built
+    assert KernelOptions.from_dict(rec["kernels"]) == KernelOptions.parse(
+        f"gemv.pdl=false,gemv.dense={str(CPU_GEMV).lower()}")
     assert rec["spec"]["kernels"] == "gemv.pdl=false"
-    assert rec["dense_step"] == "F.linear" and "dense step: F.linear" in r.stdout  # CPU: eager F.linear
+    label = "our GEMV reading every row" if CPU_GEMV else "F.linear"
+    assert rec["dense_step"] == label and f"dense step: {label}" in r.stdout

@@ -16,6 +16,7 @@ from sparsedecode.kernels.options import GemvOptions, KernelOptions
 from sparsedecode.projection.thresholds import Thresholds, site_key
 
 DENSE = KernelOptions(gemv=GemvOptions(dense=True))
+LINEAR = KernelOptions(gemv=GemvOptions(dense=False))  # the nn.Linear step: the reference here
 
 
 def _worker() -> None:
@@ -27,7 +28,7 @@ def _worker() -> None:
     from sparsedecode.projection.sparse_linear import READ_ALL, SparseLinear
     from sparsedecode.projection.thresholds import Thresholds
 
-    plain = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
+    plain = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=LINEAR)
     eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
     eng.model.load_state_dict(plain.model.state_dict(), strict=False)
     mods = site_modules(eng.model)
@@ -46,7 +47,7 @@ def _worker() -> None:
     _, want_ff = run(plain)
     _, got_ff = run(eng)
     ff_err = (got_ff - want_ff).abs().max().item() / want_ff.abs().max().item()
-    eng.set_kernels(KernelOptions())
+    eng.set_kernels(LINEAR)
     back = site_modules(eng.model)
     print(json.dumps({
         "all_gemv": all_gemv, "dense_err": dense_err, "ff_err": ff_err,
@@ -77,7 +78,7 @@ def test_dense_gemv_on_cpu_runs_the_c_kernel_and_decodes_as_linear(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not cpu_rows(torch.zeros(1, 1)):
         pytest.skip("the CPU kernel could not be built here (no C compiler)")
-    plain = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
+    plain = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=LINEAR)
     eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
     eng.model.load_state_dict(plain.model.state_dict(), strict=False)
     mods = site_modules(eng.model)
@@ -107,6 +108,9 @@ def test_dense_gemv_is_refused_where_no_kernel_runs(monkeypatch):
     assert KernelOptions.parse("gemv.dense=none") == KernelOptions() and KernelOptions().gemv.dense is None
     eng = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
     assert eng.kernels.gemv.dense is False and eng.kernels_asked.gemv.dense is None  # the default, off here
+    monkeypatch.undo()  # the kernel back: the default turns it on on the CPU
+    if sl.cpu_rows(torch.zeros(1, 1)):
+        assert sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64).kernels.gemv.dense is True
 
 
 def _teal(eng, t=0.02) -> Thresholds:
@@ -161,8 +165,8 @@ def test_sparse_sites_fused_on_cpu_decode_as_the_sites_alone(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not cpu_rows(torch.zeros(1, 1)):
         pytest.skip("the CPU kernel could not be built here (no C compiler)")
-    fused = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
-    alone = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64)
+    fused = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=LINEAR)
+    alone = sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=LINEAR)
     alone.model.load_state_dict(fused.model.state_dict(), strict=False)
     inputs = site_inputs(fused, site_modules(fused.model))
     keeps = (0.3, 0.5, 0.7)  # q, k, v (and gate, up, down) keep different fractions

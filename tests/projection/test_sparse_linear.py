@@ -42,6 +42,9 @@ CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not N
 
 
 def tiny_engine(device="cpu", dtype=None, kernels=None):
+    """A random tiny engine whose dense step is nn.Linear (the reference these tests sparsify) unless
+    `kernels` says otherwise."""
+    kernels = KernelOptions(gemv=GemvOptions(dense=False)) if kernels is None else kernels
     return sparsedecode.load(dict(TINY), init="random", device=device, dtype=dtype, max_len=64, kernels=kernels)
 
 

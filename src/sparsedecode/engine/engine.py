@@ -318,17 +318,22 @@ class Engine(Branches):
             raise
 
     def _resolved(self, kernels: KernelOptions) -> KernelOptions:
-        """gemv.dense None read as on on CUDA with Triton when nothing installed needs the nn.Linear
-        modules (`linear_needed_by`), off elsewhere (the CPU's step has no GEMV launches to save);
+        """gemv.dense None read as on when nothing installed needs the nn.Linear modules
+        (`linear_needed_by`): on CUDA with Triton, and on CPU where the C kernel was built for the
+        engine's dtype (its step is faster than F.linear's in the CPU decode records,
+        `benchmarks/records/cpu/decode/`, docs/kernels/cpu_gemv.md 'dense-step'); off elsewhere.
         true where something needs them is refused."""
         from sparsedecode.kernels.common import triton
+        from sparsedecode.projection import sparse_linear
 
         if kernels.gemv.dense and self.linear_needed_by:
             raise InputError(f"{self.linear_needed_by} run the dense nn.Linear modules, which gemv.dense=true "
                              "replaces: drop gemv.dense=true (the default turns it off here by itself)")
         if kernels.gemv.dense is not None:
             return kernels
-        on = self.linear_needed_by is None and self.device.type == "cuda" and triton is not None
+        on = self.linear_needed_by is None and (
+            (self.device.type == "cuda" and triton is not None)
+            or sparse_linear.cpu_rows(torch.empty(0, 0, dtype=self.dtype, device=self.device)))
         return kernels.with_(gemv__dense=on)
 
     def select_kv(self, method: str, keep: float, max_new: int, indices: bool = False, **params):
