@@ -789,8 +789,14 @@ def test_a_signal_while_a_cell_starts_stops_that_cell(tmp_path, monkeypatch, sig
 
     monkeypatch.setattr(processes.subprocess, "Popen", popen_then_signal)
     running = set()
-    with TermAsInterrupt(), pytest.raises(KeyboardInterrupt):
-        launch([sys.executable, "-c", "import time; time.sleep(120)"], tmp_path / "cell.log", running=running)
+    # Ctrl-C's Python handler, as in a terminal (a pytest-xdist worker ignores SIGINT, and
+    # TermAsInterrupt leaves an ignored SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with TermAsInterrupt(), pytest.raises(KeyboardInterrupt):
+            launch([sys.executable, "-c", "import time; time.sleep(120)"], tmp_path / "cell.log", running=running)
+    finally:
+        signal.signal(signal.SIGINT, before)
     child = started[0]
     assert child.poll() is not None, "the cell started as the signal arrived was left running"
     assert not running
