@@ -158,3 +158,64 @@ GATHER_FN(sd_gather_rows_bf16, uint16_t, bf16_f32)
 #ifdef __FLT16_MAX__
 GATHER_FN(sd_gather_rows_f16, _Float16, F16_F32)
 #endif
+
+/* Batched (ByteCross §3.3 and App. F): B tokens x (B, K), one per sequence of a decode batch, each
+ * with its own mask |x[b, i]| > t. The weight rows read are those of the union of the channels any
+ * token keeps (u_B >= r_P of the rows), each row once for the whole batch; token b adds only the
+ * rows it keeps itself, so row b of y is that token's own input-sparse GEMV (summed in another
+ * order than sd_gemv_rows: equal to float32 rounding, not bitwise). y is (B, N); kept[b] (may be
+ * NULL) receives token b's kept channels. Returns the union's size; -1 when memory could not be
+ * allocated. Threads split the union's rows, each with its own (B, N) partial sums. */
+#define UNION_FN(NAME, ELEM_T, WIDEN)                                                          \
+  long NAME(const float *x, const ELEM_T *w, const float *bias, float *y, long B, long K,     \
+            long N, long ldw, float t, long *kept, int nthreads) {                             \
+    int32_t *idx = malloc((K > 0 ? K : 1) * sizeof(int32_t));                                  \
+    float *xm = malloc((B * K > 0 ? B * K : 1) * sizeof(float));                               \
+    if (!idx || !xm) { free(idx); free(xm); return -1; }                                       \
+    for (long b = 0; b < B; b++) if (kept) kept[b] = 0;                                        \
+    long n = 0;                                                                                \
+    for (long i = 0; i < K; i++) {                                                             \
+      int any = 0;                                                                             \
+      for (long b = 0; b < B; b++) {                                                           \
+        float v = x[b * K + i];                                                                \
+        int keep = fabsf(v) > t;                                                               \
+        xm[b * K + i] = keep ? v : NAN; /* NaN marks a dropped channel of token b */           \
+        any |= keep;                                                                           \
+        if (kept && keep) kept[b]++;                                                           \
+      }                                                                                        \
+      if (any) idx[n++] = (int32_t)i;                                                          \
+    }                                                                                          \
+    long nth = nthreads > 0 ? nthreads : 1;                                                    \
+    if (nth > n / 8) nth = n / 8 > 0 ? n / 8 : 1;                                              \
+    float *part = nth > 1 ? malloc((nth - 1) * B * N * sizeof(float)) : NULL;                  \
+    if (nth > 1 && !part) { free(idx); free(xm); return -1; }                                  \
+    _Pragma("omp parallel for num_threads(nth) schedule(static)")                              \
+    for (long tid = 0; tid < nth; tid++) {                                                     \
+      float *acc = tid == 0 ? y : part + (tid - 1) * B * N;                                    \
+      for (long b = 0; b < B; b++)                                                             \
+        for (long j = 0; j < N; j++) acc[b * N + j] = (tid == 0 && bias) ? bias[j] : 0.0f;    \
+      for (long r = n * tid / nth; r < n * (tid + 1) / nth; r++) {                             \
+        const ELEM_T *restrict wi = w + (long)idx[r] * ldw;                                    \
+        for (long b = 0; b < B; b++) {                                                         \
+          float v = xm[b * K + idx[r]];                                                        \
+          if (isnan(v)) continue;                                                              \
+          float *restrict a = acc + b * N;                                                     \
+          _Pragma("omp simd") for (long j = 0; j < N; j++) a[j] += v * WIDEN(wi[j]);           \
+        }                                                                                      \
+      }                                                                                        \
+    }                                                                                          \
+    for (long p = 0; p + 1 < nth; p++) {                                                       \
+      const float *restrict s = part + p * B * N;                                              \
+      _Pragma("omp simd") for (long c = 0; c < B * N; c++) y[c] += s[c];                       \
+    }                                                                                          \
+    free(part);                                                                                \
+    free(xm);                                                                                  \
+    free(idx);                                                                                 \
+    return n;                                                                                  \
+  }
+
+UNION_FN(sd_gemv_union_f32, float, AS_IS)
+UNION_FN(sd_gemv_union_bf16, uint16_t, bf16_f32)
+#ifdef __FLT16_MAX__
+UNION_FN(sd_gemv_union_f16, _Float16, F16_F32)
+#endif

@@ -41,7 +41,8 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _P, _L = ctypes.c_void_p, ctypes.c_long
 SIGNATURES = {"sd_gemv_rows": (_P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int),
               "sd_gemv_segs": (_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _P, ctypes.c_int),
-              "sd_gather_rows": (_P, _P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int)}
+              "sd_gather_rows": (_P, _P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int),
+              "sd_gemv_union": (_P, _P, _P, _P, _L, _L, _L, _L, ctypes.c_float, _P, ctypes.c_int)}
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,31 @@ def sparse_gemv_segs_cpu(x: Tensor, w_t: Tensor, thresholds, widths, bias: Tenso
             buf[0] += n
             buf[1] += K
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def sparse_gemv_union_cpu(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None) -> tuple[Tensor, int, Tensor]:
+    """A decode batch's tokens x (B, K), one per sequence, through w_t (K, N) on CPU (ByteCross §3.3,
+    App. F): token b keeps its own channels |x[b, i]| > threshold and row b of the result is its own
+    `sparse_gemv_cpu` (to float32 rounding), but the weight is read once for the batch, only in the
+    rows of the union of kept channels. Returns (y (B, N) in x's dtype, the union's size, each
+    token's kept channels (B,) int64): union / K is the realized u_B the batching appendix measures."""
+    if x.dim() != 2:
+        raise InputError(f"sparse_gemv_union_cpu takes x of shape (B, K); got {tuple(x.shape)}")
+    B, K = x.shape
+    if B < 1:
+        raise InputError("sparse_gemv_union_cpu needs at least one token (B >= 1)")
+    if w_t.dim() != 2 or w_t.shape[0] != K:
+        raise InputError(f"sparse_gemv_union_cpu wants w_t of shape ({K}, N); got {tuple(w_t.shape)}")
+    N = w_t.shape[1]
+    fn = _entry("sparse_gemv_union_cpu", "sd_gemv_union", x[:1], w_t, K, bias, N)
+    y = torch.empty(B, N, dtype=torch.float32)
+    kept = torch.zeros(B, dtype=torch.int64)
+    xf, b = x.float().contiguous(), _f32(bias, N)  # held here: the C call reads their memory
+    n = fn(xf.data_ptr(), w_t.data_ptr(), _ptr(b), y.data_ptr(), B, K, N, w_t.stride(0), float(threshold),
+           kept.data_ptr(), torch.get_num_threads())
+    if n < 0:
+        raise MemoryError("sparse_gemv_union_cpu could not allocate its masks or partial sums")
+    return y.to(x.dtype), int(n), kept
 
 
 def cats_up_cpu(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None = None) -> Tensor:
