@@ -1,6 +1,8 @@
-"""`sparsedecode bench cell` and `sparsedecode campaign run|status` (ByteCross App. A 'Timing', §4.2).
+"""`sparsedecode bench cell|ceiling|union` and `sparsedecode campaign run|status` (ByteCross App. A
+'Timing', §4.2; App. F).
 
     sparsedecode bench ceiling [--gib 1] --out runs/h200/ceiling.json
+    sparsedecode bench union --model smollm2-135m --proj-keep 0.5 [--sequences 64 --context 4K --steps 16] --out u.json
     sparsedecode bench cell --model llama-3.1-8b --init random --context 32K --mode sel0.3 \\
         [--attention split_k] [--repeats 5 --steps 50 --warmup 5] [--fill prefill|random] \\
         [--compile-mode ''] [--device cuda] [--dtype bfloat16] [--text-file F] --out cell.json [--json]
@@ -31,7 +33,10 @@ from sparsedecode.cli.common import (
     DtypeOpt,
     JsonOpt,
     ObsOpt,
+    ProjKeepOpt,
     TextFileOpt,
+    ThreadsOpt,
+    ThresholdsOpt,
     bounded,
     check_out_file,
     emit_json,
@@ -143,6 +148,113 @@ def ceiling(
         emit_json(rec)
     else:
         typer.echo(f"{rec['gpu']} {rec['dtype']}: ceiling {rec['gbps']:.0f} GB/s ({rec['method']})")
+
+
+@bench_app.command("union")
+def union(
+    model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, config.json, hub id or .gguf file.")],
+    proj_keep: ProjKeepOpt = None,
+    thresholds: ThresholdsOpt = None,
+    sequences: Annotated[int, typer.Option("--sequences", metavar="N", callback=bounded(1, 4096), help="WikiText-2 test windows decoded (App. F: 64).")] = 64,
+    context: Annotated[int, typer.Option("--context", **TOKENS, help="Prompt tokens of each window (App. F: 4K).")] = "4K",
+    steps: Annotated[int, typer.Option("--steps", metavar="N", callback=bounded(1, 4096), help="Greedy decode steps per window (App. F: 16).")] = 16,
+    batches: Annotated[str, typer.Option("--batches", metavar="B,B,...", help="Batch sizes B, comma-separated, each at most --sequences.")] = "1,2,4,8,16,32,64",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+    text_file: TextFileOpt = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(".json"), help="Record to write (never overwritten).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Measure u_B, the union of kept channels a batched sparse projection reads (ByteCross §3.3,
+    App. F, Table 14): each window decoded greedily with TEAL thresholds, the masks grouped into
+    batches of B sequences, the byte-weighted union averaged over steps and groups.
+
+    --text-file replaces WikiText-2: its test text gives the windows, its validation text the
+    calibration."""
+    from sparsedecode.cli.common import apply_threads
+
+    apply_threads(threads)
+    if (proj_keep is None) == (thresholds is None):
+        raise InputError("give one of --proj-keep (TEAL thresholds calibrated and cached) or --thresholds FILE")
+    if proj_keep is not None:
+        from sparsedecode.account.units import check_keep
+
+        proj_keep = check_keep(proj_keep, "--proj-keep")
+    try:
+        sizes = sorted({int(b) for b in batches.split(",")})
+    except ValueError:
+        raise InputError(f"--batches '{batches}': write batch sizes as integers, e.g. 1,2,4,8") from None
+    if not sizes or sizes[0] < 1 or sizes[-1] > sequences:
+        raise InputError(f"--batches '{batches}': each batch size must be 1 to --sequences ({sequences})")
+    if out is not None:
+        check_out_file(out, "--out", ".json")
+        if Path(out).exists():
+            raise InputError(f"record {out} exists; records are never overwritten (pick a new --out)")
+    rec = _measure_union(model, proj_keep, thresholds, sequences, context, steps, sizes, device, dtype, text_file,
+                         progress=not json_out)
+    if out is not None:
+        from sparsedecode.records import write_record
+
+        write_record(out, rec)
+    if json_out:
+        emit_json(rec)
+        return
+    typer.echo(f"{rec['model']} TEAL keep {rec['projection_keep']:g}, {rec['sequences']} windows of "
+               f"{rec['context']:,} tokens, {rec['steps']} steps ({rec['device']}):")
+    typer.echo("| B | groups | union u_B | min | max | qkv | o | ffn_in | ffn_hidden |")
+    typer.echo("|---|---|---|---|---|---|---|---|---|")
+    for r in rec["results"]:
+        typer.echo(f"| {r['batch']} | {r['groups']} | {r['union']:.4f} | {r['group_min']:.4f} | {r['group_max']:.4f} | "
+                   + " | ".join(f"{r['by_input'][k]:.3f}" for k in ("qkv", "o", "ffn_in", "ffn_hidden")) + " |")
+
+
+def _measure_union(model, proj_keep, thresholds, sequences, context, steps, sizes, device, dtype, text_file,
+                   progress: bool) -> dict:
+    """The `bench union` record (see `projection.union`)."""
+    import torch
+
+    import sparsedecode
+    from sparsedecode.corpus import text_ids, wikitext_path
+    from sparsedecode.kernels.options import KernelOptions
+    from sparsedecode.projection.calibrate import cached_teal
+    from sparsedecode.projection.sparse_linear import site_key
+    from sparsedecode.projection.thresholds import Thresholds
+    from sparsedecode.projection.union import record_masks, union_table, window_starts
+    from sparsedecode.records import stamp
+
+    span = context + steps
+    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=span, quiet=not progress,
+                            kernels=KernelOptions.parse("gemv.dense=false"))
+    if thresholds is not None:
+        th = Thresholds.load(thresholds)
+        th.validate(eng.dims)  # other dims refused
+    else:
+        th = cached_teal(eng, proj_keep, text_file=text_file, progress=progress)
+    ids = text_ids(eng.tokenizer, wikitext_path("test", text_file))
+    starts = window_starts(len(ids), sequences, span)
+    windows = [ids[s:s + context] for s in starts]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sequences, desc=f"decoding {sequences} windows of {context:,} tokens", unit="window")
+    try:
+        masks = record_masks(eng, th.values, windows, steps, progress=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
+    params = {site_key(i, s): getattr(p, s).weight.numel() for i, s, p in eng.model.projection_sites()}
+    return stamp({
+        "kind": "union_bench", "model": eng.name, "device": str(eng.device).upper() if eng.device.type == "cpu"
+        else torch.cuda.get_device_name(eng.device), "dtype": str(eng.dtype).removeprefix("torch."),
+        "projection_keep": th.keep, "thresholds": {"method": th.method, "source": thresholds or "calibrated (cached_teal)"},
+        "context": context, "sequences": sequences, "steps": steps, "decoding": "greedy, thresholds on (masked)",
+        "window_starts": starts, "text": str(wikitext_path("test", text_file).name),
+        "results": union_table(masks, params, sizes),
+        "union_of": "byte-weighted fraction of the seven projections' weights whose input channel at least one "
+                    "sequence of a group keeps, averaged over steps and groups (ByteCross App. F)",
+    })
 
 
 def _failure_fields(*, model: str, init: str, context: str, mode: str, **given) -> dict:
