@@ -157,3 +157,28 @@ def test_a_retrieval_table_is_one_models(tmp_path):
     m = _manifest(tmp_path, '[[table]]\ntitle = "T3"\nconditions = "c"\nkind = "retrieval"\nrecords = ["a", "b"]\n')
     with pytest.raises(InputError, match="qwen2.5-coder-0.5b, smollm2-135m; a retrieval table is one model's"):
         render(m)
+
+
+def test_a_union_table_sets_each_record_beside_the_papers_and_prices_n_star_b(tmp_path):
+    """The union kind (Table 14): one u_B column per record and keep, the paper's marked, and n*_B
+    from each keep-0.5 union by the account; a file that is not a union record is named."""
+    import json
+
+    from sparsedecode.account.crossover import crossover_batched
+    from sparsedecode.account.dims import ModelDims
+    from sparsedecode.account.known import known_model
+
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    ours = {"kind": "union_bench", "model": "smollm2-135m", "projection_keep": 0.5,
+            "results": [{"batch": 1, "union": 0.5}, {"batch": 2, "union": 0.75}]}
+    (tmp_path / "u.json").write_text(json.dumps(ours))
+    head = ('[[table]]\ntitle = "t"\nconditions = "c"\nkind = "union"\nrecords = ["u.json"]\n'
+            'paper = ["data/bytecross/batching/union_keep50.json"]\n')
+    page = render(_manifest(tmp_path, head))
+    assert "| B | u_B smollm2-135m keep 0.5 | u_B Llama-3.1-8B-Instruct keep 0.5 (paper) |" in page
+    assert "| 2 | 0.750 | 0.751 |" in page and "| 64 |  | 0.999 |" in page
+    dims = ModelDims.from_config(known_model("smollm2-135m").config, "smollm2-135m")
+    assert f"| 1 | {crossover_batched(dims, 0.5, 0.3, 1) / 1024:.1f}K |" in page
+    (tmp_path / "u.json").write_text(json.dumps({"model": "m"}))
+    with pytest.raises(InputError, match="u.json is not a `bench union` record"):
+        render(_manifest(tmp_path, head))

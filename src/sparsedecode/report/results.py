@@ -24,7 +24,8 @@ the timing campaigns that price it, optional `context` and `budgets`) and "retri
 `records` a folder or a list of folders of one model's `retrieval_eval` records, from
 `sparsedecode eval passkey|multikey|two-turn --out`, typically one run at one context on one
 device each; one row per test and configuration led by its context, device and dtype, so a
-4K CPU run and 16K/32K H200 runs share one table):
+4K CPU run and 16K/32K H200 runs share one table); and "union" (Table 14: `records` lists `bench
+union` records, `paper` the paper's batching/union_keep*.json, optional `kv_keep` for n*_B):
 
     [[table]]
     title = "Long-context retrieval (Table 3), qwen2.5-coder-0.5b"
@@ -286,6 +287,53 @@ def _retrieval_table(root: Path, t: dict) -> tuple[str, str]:
         "passkey|multikey|two-turn --out` in " + ", ".join(f"`{f}`" for f in folders) + ".")
 
 
+def _tokens(n: float) -> str:
+    """A token count as the tables print it: 71.0K from 1,024 tokens on, whole tokens below."""
+    return f"{n / 1024:.1f}K" if n >= 1024 else f"{n:,.0f}"
+
+
+def _union_table(root: Path, t: dict) -> tuple[str, str]:
+    """Table 14 on our records: u_B, the union of kept channels a batched sparse projection reads,
+    for each `bench union` record (`records`) and the paper's (`paper`), one column per model and
+    keep; then the batched crossover n*_B at KV keep `kv_keep` (default 0.3) from each model's
+    keep-0.5 union, by the account (§3.3; 16-bit weights and cache, as the paper prices them)."""
+    from sparsedecode.account.crossover import crossover_batched
+    from sparsedecode.account.dims import ModelDims
+    from sparsedecode.account.known import known_model
+    from sparsedecode.textfile import read_json
+
+    rkv = float(t.get("kv_keep", 0.3))
+    cols = []  # (label, model name for the account, keep, {B: union})
+    for rel in [*_list(t, "records"), *(_list(t, "paper") if "paper" in t else [])]:
+        r = read_json(root / rel, "union record")
+        try:
+            rows = {int(x["batch"]): float(x["union"]) for x in r["results"]}
+            name, keep = str(r["model"]), float(r["projection_keep"])
+        except (KeyError, TypeError, ValueError):
+            raise InputError(f"table {t.get('title')!r}: {rel} is not a `bench union` record (model, "
+                             "projection_keep, results[batch, union])") from None
+        account = {"llama-3.1-8b-instruct": "llama-3.1-8b"}.get(name.lower(), name)
+        label = f"{name} keep {keep:g}" + ("" if r.get("kind") == "union_bench" else " (paper)")
+        cols.append((label, account, keep, rows))
+    batches = sorted({b for *_, rows in cols for b in rows})
+    lines = ["| B | " + " | ".join(f"u_B {c[0]}" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for b in batches:
+        lines.append(f"| {b} | " + " | ".join(f"{c[3][b]:.3f}" if b in c[3] else "" for c in cols) + " |")
+    halves = [c for c in cols if c[2] == 0.5]
+    if halves:
+        lines += ["", "| B | " + " | ".join(f"n*_B {c[0]}, r_KV {rkv:g}" for c in halves) + " |",
+                  "|---" * (len(halves) + 1) + "|"]
+        dims = {c[1]: ModelDims.from_config(known_model(c[1]).config, c[1]) for c in halves}
+        for b in batches:
+            cells = [_tokens(crossover_batched(dims[c[1]], c[3][b], rkv, b)) if b in c[3] else "" for c in halves]
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), (
+        "Rebuilt by `sparsedecode report results` from " + ", ".join(f"`{f}`" for f in _list(t, "records"))
+        + (" and the paper's " + ", ".join(f"`{f}`" for f in _list(t, "paper")) if "paper" in t else "")
+        + "; each of ours made by `sparsedecode bench union --model M --proj-keep K --device cuda --dtype float32 "
+        "--out FILE` (its record names the device and commit).")
+
+
 def _list(t: dict, key: str) -> list[str]:
     v = t.get(key)
     if isinstance(v, str):
@@ -299,7 +347,7 @@ KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load":
          "serve_probe": _serve_probe_table, "step_check": _step_check_table,
          "generate": _generate_table, "dense_steps": _dense_steps_table, "step_profile": _step_profile_table,
          "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table,
-         "retrieval": _retrieval_table}
+         "retrieval": _retrieval_table, "union": _union_table}
 
 
 def render(manifest: str | Path) -> str:
