@@ -6,8 +6,9 @@ N=28672), each weight larger than the L2, so every call streams it. A batch of B
 keeping half its channels (the |x| quantile of its own row, random normal x: the tokens' masks
 are independent, so the union is about 1 - 0.5^B, what real text gives within a few hundredths:
 benchmarks/records/union). For each B: `union_gemv` (one weight read over the union), dense
-`F.linear` (cuBLAS, every row) and, at B = 1, the tuned one-token kernel `sparse_gemv`. Median of
-`--calls` calls timed with CUDA events after warm-up. Bytes read = union rows * N * 2 (+ x); the
+`F.linear` (cuBLAS, every row) and, at B = 1, the tuned one-token kernel `sparse_gemv`. Each is
+20 calls captured in one CUDA graph, the median of `--calls` replays (per call) timed with CUDA
+events: no host launch time. Bytes read = union rows * N * 2 (+ x); the
 record gives GB/s of each beside the measured ceiling passed in (`--ceiling`, a `bench ceiling`
 record of the same machine).
 
@@ -31,19 +32,29 @@ from sparsedecode.records import stamp, write_record
 SHAPES = {"down": (14336, 4096), "gate|up": (4096, 28672)}
 
 
-def timed(fn, calls: int) -> float:
-    """Median ms of one call of fn over `calls` calls, each between CUDA events."""
-    for _ in range(5):
-        fn()
+def timed(fn, calls: int, reps: int = 20) -> float:
+    """Median ms of one call of fn: `reps` calls captured in one CUDA graph (no host launch time
+    in the measurement), `calls` replays each between CUDA events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     ms = []
     for _ in range(calls):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        ms.append(a.elapsed_time(b))
+        ms.append(a.elapsed_time(b) / reps)
     return statistics.median(ms)
 
 
