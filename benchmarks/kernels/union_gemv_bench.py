@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsedecode.kernels.sparse_gemv import keep_mask, sparse_gemv
-from sparsedecode.kernels.union_gemv import union_gemv
+from sparsedecode.kernels.union_gemv import DEFAULT, UnionConfig, union_gemv
 from sparsedecode.records import stamp, write_record
 
 SHAPES = {"down": (14336, 4096), "gate|up": (4096, 28672)}
@@ -58,6 +58,36 @@ def timed(fn, calls: int, reps: int = 20) -> float:
     return statistics.median(ms)
 
 
+def sweep(a) -> None:
+    """Every config of a small grid on both shapes at B = 1, 4, 16 (keep --keep); the record ranks
+    them by the sum of their times."""
+    import itertools
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for name, (K, N) in SHAPES.items():
+        w_t = torch.randn(K, N, device="cuda", dtype=torch.bfloat16, generator=gen) / K ** 0.5
+        for B in (1, 4, 16):
+            x = torch.randn(B, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+            cases.append((name, B, x, w_t, x.float().abs().quantile(1 - a.keep, dim=1).min().item()))
+    rows = []
+    for bn, bk, warps, pps in itertools.product((64, 128, 256), (16, 32, 64), (1, 2, 4), (2, 8, 16)):
+        cfg = UnionConfig(block_n=bn, block_k=bk, warps=warps, programs_per_sm=pps)
+        try:
+            times = {f"{n} B={B}": timed(lambda x=x, w_t=w_t, t=t, cfg=cfg: union_gemv(x, w_t, t, config=cfg), 20)
+                     for n, B, x, w_t, t in cases}
+        except Exception as e:  # a config the compiler refuses (registers, shared memory) is recorded as such
+            rows.append({"config": cfg.__dict__, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        rows.append({"config": cfg.__dict__, "ms": times, "total_ms": sum(times.values())})
+        print(cfg, f"total {sum(times.values()) * 1e3:.0f} us", flush=True)
+    ok = sorted((r for r in rows if "total_ms" in r), key=lambda r: r["total_ms"])
+    print("fastest:", ok[0]["config"], "default:", DEFAULT)
+    write_record(a.out, stamp({"kind": "union_gemv_sweep", "gpu": torch.cuda.get_device_name(), "dtype": "bfloat16",
+                               "keep": a.keep, "rows": rows, "fastest": ok[0]["config"],
+                               "default": DEFAULT.__dict__}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
@@ -65,7 +95,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--ceiling", required=True, help="a `sparsedecode bench ceiling` record of this machine")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every UnionConfig of the grid at B = 1, 4, 16 instead, and name the fastest")
     a = ap.parse_args()
+    if a.sweep:
+        return sweep(a)
     ceiling = json.loads(Path(a.ceiling).read_text())["gbps"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []

@@ -25,6 +25,8 @@ the path where no kernel runs. The CPU's own kernel for a batch is `kernels.cpu_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -37,9 +39,30 @@ try:
 except ImportError:
     triton = None
 
-BLOCK_N = 64  # columns per program: 128 bytes of a bf16 row
-BLOCK_K = 32  # rows per loop iteration
 MIN_ROWS = 16  # tl.dot's smallest M: a batch below it is padded with zero tokens
+
+
+@dataclass(frozen=True)
+class UnionConfig:
+    """A launch of `union_gemv`: columns per program (`block_n`), rows per loop iteration
+    (`block_k`), warps per program, and programs per SM the K splits aim at. The default is the
+    fastest of benchmarks/kernels/union_gemv_bench.py --sweep (docs/kernels/union_gemv.md)."""
+
+    block_n: int = 64
+    block_k: int = 32
+    warps: int = 4
+    programs_per_sm: int = 2
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 16 and v & (v - 1) == 0):
+                raise InputError(f"UnionConfig.{name} must be a power of two >= 16; got {v!r}")
+        if self.warps not in (1, 2, 4, 8) or not (isinstance(self.programs_per_sm, int) and self.programs_per_sm >= 1):
+            raise InputError(f"UnionConfig wants warps in 1, 2, 4, 8 and programs_per_sm >= 1; got {self}")
+
+
+DEFAULT = UnionConfig()
 
 
 def union_gemv_ref(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None) -> Tensor:
@@ -108,11 +131,11 @@ if triton is not None:
 
 
 def union_gemv(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None, splits: int | None = None,
-               union: Tensor | None = None) -> Tensor:
+               union: Tensor | None = None, config: UnionConfig = DEFAULT) -> Tensor:
     """x (B, K), one decode token per sequence, through w_t (K, N) -> (B, N) in x's dtype, each
     token keeping its own channels, the weight read once in the rows of their union. `union`: an
     int32 device tensor of one element to which the union's kept rows are added (the realized
-    u_B is union / K). `splits`: programs along K (default: enough to fill the device)."""
+    u_B is union / K). `splits`: programs along K (default: `config.programs_per_sm` per SM)."""
     B, K, N = check_inputs(x, w_t, bias)
     if triton is None:
         raise InputError("union_gemv needs Triton (pip install triton) and a CUDA GPU, or TRITON_INTERPRET=1")
@@ -122,20 +145,21 @@ def union_gemv(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None, sp
     rows = max(MIN_ROWS, triton.next_power_of_2(B))
     if rows > 64:
         raise InputError(f"union_gemv takes at most 64 tokens a call; got {B} (split the batch)")
-    n_tiles = triton.cdiv(N, BLOCK_N)
+    bn, bk = config.block_n, config.block_k
+    n_tiles = triton.cdiv(N, bn)
     if splits is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        splits = max(1, min(triton.cdiv(K, BLOCK_K), triton.cdiv(2 * sms, n_tiles)))
-    per = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
+        splits = max(1, min(triton.cdiv(K, bk), triton.cdiv(config.programs_per_sm * sms, n_tiles)))
+    per = triton.cdiv(triton.cdiv(K, splits), bk) * bk
     splits = triton.cdiv(K, per)
     out = torch.zeros(B, N, dtype=torch.float32, device=x.device)
     count = union if union is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
     _union_gemv_kernel[(n_tiles, splits)](x, w_t, out, count, B, K, N, x.stride(0), w_t.stride(0), thr, per,
-                                          ROWS=rows, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
-                                          UPCAST=x.dtype == torch.float32 or interpreting())
+                                          ROWS=rows, BLOCK_K=bk, BLOCK_N=bn,
+                                          UPCAST=x.dtype == torch.float32 or interpreting(), num_warps=config.warps)
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
 
 
-__all__ = ["union_gemv", "union_gemv_ref"]
+__all__ = ["DEFAULT", "UnionConfig", "union_gemv", "union_gemv_ref"]
