@@ -48,7 +48,7 @@ class UnionConfig:
     (`block_k`), warps per program, and programs per SM the K splits aim at. The default is the
     fastest of benchmarks/kernels/union_gemv_bench.py --sweep (docs/kernels/union_gemv.md)."""
 
-    block_n: int = 64
+    block_n: int = 256
     block_k: int = 32
     warps: int = 4
     programs_per_sm: int = 2
