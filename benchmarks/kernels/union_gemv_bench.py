@@ -28,34 +28,18 @@ import torch.nn.functional as F
 from sparsedecode.kernels.sparse_gemv import keep_mask, sparse_gemv
 from sparsedecode.kernels.union_gemv import DEFAULT, UnionConfig, union_gemv
 from sparsedecode.records import stamp, write_record
+from sparsedecode.timing.clock import time_graph
 
 SHAPES = {"down": (14336, 4096), "gate|up": (4096, 28672)}
 
 
 def timed(fn, calls: int, reps: int = 20) -> float:
     """Median ms of one call of fn: `reps` calls captured in one CUDA graph (no host launch time
-    in the measurement), `calls` replays each between CUDA events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    in the measurement), `calls` replays (`timing.clock.time_graph`)."""
+    def run():
         for _ in range(reps):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(calls):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b) / reps)
-    return statistics.median(ms)
+    return statistics.median(time_graph(run, calls, warmup=1, per_replay=reps)) * 1e3
 
 
 def sweep(a) -> None:

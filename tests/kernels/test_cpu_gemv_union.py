@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from _compare import mismatch
-from test_cpu_gemv import check_tol
+from test_cpu_gemv import check_tol, threads  # noqa: F401, F811 (threads: the 1- and 2-thread fixture)
 from test_sparse_gemv import DTYPES, check, make, threshold_for
 
 from sparsedecode.errors import InputError
@@ -18,14 +18,6 @@ from sparsedecode.kernels.cpu_gemv import cpu_kernel, sparse_gemv_cpu, sparse_ge
 from sparsedecode.kernels.sparse_gemv import keep_mask
 
 pytestmark = pytest.mark.skipif(cpu_kernel().lib is None, reason=f"CPU kernel not built: {cpu_kernel().reason}")
-
-
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def batch(B: int, K: int, N: int, dtype, seed: int):
@@ -40,7 +32,7 @@ def batch(B: int, K: int, N: int, dtype, seed: int):
 @pytest.mark.parametrize("K,N", [(1, 1), (13, 7), (65, 33), (577, 193)])
 @pytest.mark.parametrize("B", [1, 2, 3, 7, 64])
 @pytest.mark.parametrize("keep", [0.05, 0.3, 0.5, 1.0])
-def test_each_token_is_its_own_sparse_gemv_and_the_union_is_counted(keep, B, K, N, dtype, threads):
+def test_each_token_is_its_own_sparse_gemv_and_the_union_is_counted(keep, B, K, N, dtype, threads):  # noqa: F811
     x, w_t, bias = batch(B, K, N, dtype, seed=K + N + B + int(keep * 100))
     t = threshold_for(x, keep)
     y, union, kept = sparse_gemv_union_cpu(x, w_t, t, bias)
