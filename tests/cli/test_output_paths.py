@@ -17,6 +17,7 @@ OUTPUTS = [
     ("account plot", "--out", "file", ".png"),
     ("bench cell", "--out", "file", ".json"),
     ("bench ceiling", "--out", "file", ".json"),
+    ("bench union", "--out", "file", ".json"),
     ("calibrate", "--out", "file", ".safetensors"),
     ("campaign plan-crossing", "--prediction", "file", ".json"),
     ("campaign plan-crossing", "--spec", "file", ".toml"),
