@@ -685,10 +685,13 @@ def test_sigterm_stops_a_background_campaign_and_its_cell(tmp_path, executor):
     On Ray too, whose own SIGTERM handler would exit and leave the cell running."""
     if executor == "ray":
         pytest.importorskip("ray")
-    slow = tmp_path / "slow" / "config.json"  # 32 layers, 302 steps: a cell long enough to be caught running
+    # a cell process lives seconds (Python and torch start, the model builds, 2 x (40 + 2) steps): long enough to be
+    # caught running at a 50 ms poll, short enough that the resume's cells cost little (a 32-layer, 302-step
+    # cell made this test 8 of CI's minutes)
+    slow = tmp_path / "slow" / "config.json"
     slow.parent.mkdir()
-    slow.write_text(json.dumps({**TINY, "num_hidden_layers": 32, "max_position_embeddings": 2048}))
-    spec = write_spec(tmp_path, toml(str(slow), "steps = 150\nblocks = 1",
+    slow.write_text(json.dumps({**TINY, "num_hidden_layers": 4, "max_position_embeddings": 2048}))
+    spec = write_spec(tmp_path, toml(str(slow), "steps = 40\nblocks = 1",
                                      '[[grid]]\ngroup = "sweep"\ncontexts = [704, 768]\nmodes = ["dense", "sel0.5"]\n'))
     out = tmp_path / "run"
 
