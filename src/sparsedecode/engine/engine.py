@@ -38,7 +38,8 @@ DEFAULT_MAX_LEN = 4096
 
 
 class Engine(Branches):
-    """A loaded model with its static cache; batch 1. Build it with `load`."""
+    """A loaded model with its static cache of `batch` rows (1: one sequence; B > 1: a decode
+    batch, `generate_batch`, engine/batch.py). Build it with `load`."""
 
     def __init__(self, model, args, *, tokenizer, source_path, device, dtype, attention,
                  name, init, eos_ids=(), compile: bool | str | None = None, kernels=None):
@@ -50,6 +51,8 @@ class Engine(Branches):
         self.attention = attention
         self.name, self.init = name, init
         self.max_len = model.max_len
+        self.batch = model.layers[0].self_attn.cache.k.shape[0]  # cache rows: sequences decoded at once
+        self._slot: int | None = None  # the batch row a batch-1 call runs on (engine/batch.py)
         self.eos_ids = tuple(dict.fromkeys(int(e) for e in eos_ids))
         self.pos = 0  # tokens in the cache (host copy; the step reads `_pos`)
         self._tok = torch.zeros(1, 1, dtype=torch.long, device=device)  # (1, 1) static input
@@ -116,6 +119,12 @@ class Engine(Branches):
                 "or shorten the prompt"
             )
 
+    def _one_sequence(self, what: str) -> None:
+        """Refuse a batch-1 call on an engine of B > 1 cache rows, outside a slot's prefill."""
+        if self.batch > 1 and self._slot is None:
+            raise InputError(f"{what} runs one sequence, and this engine was loaded with {option('batch', self.batch)}: "
+                             "decode with generate_batch, or load with batch=1")
+
     def _as_ids(self, ids) -> torch.Tensor:
         t = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)  # (L,)
         if t.numel() == 0:
@@ -129,6 +138,7 @@ class Engine(Branches):
         Returns the float32 logits of the last position (V,), or of every
         position (L, V) with all_logits. The cache then holds start+L tokens.
         """
+        self._one_sequence("prefill")
         ids = self._as_ids(ids)
         if chunk < 1:
             raise InputError(f"prefill chunk must be >= 1, got {chunk}")
@@ -157,6 +167,7 @@ class Engine(Branches):
         """Feed one token (int or (1,) device tensor) at the next position; return its
         float32 logits (V,). On CUDA the result is the graph's static output buffer:
         read it before the next step."""
+        self._one_sequence("decode_step")
         if self.pos >= self.max_len:
             raise InputError(
                 f"the cache of {self.max_len} tokens is full; load with a larger {option('max_len')} "
@@ -344,6 +355,7 @@ class Engine(Branches):
         position 0 returns to dense attention."""
         from sparsedecode.kv.apply import select_kv
 
+        self._one_sequence("select_kv")
         self.kv = None
         self.kv = select_kv(self, method, keep, max_new, indices=indices, **params)
         return self.kv
@@ -453,6 +465,15 @@ class Engine(Branches):
         Stops at the model's EOS ids (or `stop_ids`), which are kept in `ids` but not in `text`.
         `gate`: see `tokens`.
         """
+        if self.batch > 1:  # one sequence through the batch's slots
+            if gate is not None:
+                raise InputError(f"a runtime gate chooses per request, and this engine decodes batches "
+                                 f"({option('batch', self.batch)}): load with batch=1 to gate")
+            out = self.generate_batch([prompt], max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                      chat=chat, stop_ids=stop_ids)[0]
+            if on_text is not None and out.text:
+                on_text(out.text)
+            return out
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else [int(t) for t in prompt]
         out = Generation(prompt_ids=list(ids))
         shown = ""
@@ -469,6 +490,46 @@ class Engine(Branches):
             if on_text is not None and len(out.text) > len(shown):
                 on_text(out.text[len(shown):])
         return out
+
+    def generate_batch(self, prompts, max_new_tokens=128, *, temperature=0.0, top_p=1.0, seed=None,
+                       chat: bool = False, stop_ids: Sequence[int] | None = None, kv=(),
+                       on_token: Callable[[int, int], None] | None = None) -> list[Generation]:
+        """Generate from several prompts (strings or token ids) in one decode batch of up to
+        `batch` sequences (ByteCross §3.3, App. F; engine/batch.py): more prompts than slots
+        wait in order for a free slot. max_new_tokens, temperature, top_p and seed take one
+        value for every prompt or a list of one per prompt; `kv` likewise takes each prompt's KV
+        selection (a KVConfig, text such as 'sel0.3', or None for its whole cache; left out:
+        the engine's configured one, `kv_config`). The projection configuration is the engine's,
+        for the whole batch. `on_token(i, token)` sees each new token of prompt i. Returns one
+        `Generation` per prompt, in order."""
+        from sparsedecode.engine.batch import BatchDecoder, Request, as_kv
+
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise InputError("generate_batch takes a list of prompts (strings or token id lists), at least one")
+        if self.linear_needed_by is not None or self.router is not None:
+            raise InputError(f"a decode batch runs dense or TEAL-thresholded projections; {self.linear_needed_by or 'token routing'} "
+                             "is not built for batches: decode with batch=1")
+        if self.attention != "split_k":
+            raise InputError(f"a decode batch attends with split_k; this engine runs {self.attention!r}")
+        n = len(prompts)
+
+        def each(v, name):
+            if isinstance(v, (list, tuple)):
+                if len(v) != n:
+                    raise InputError(f"{name} gives {len(v)} values for {n} prompts: give one value or one per prompt")
+                return list(v)
+            return [v] * n
+
+        kvs = [self.kv_config] * n if kv == () else [as_kv(k) for k in each(kv, "kv")]
+        reqs = [Request(self.encode(p, chat) if isinstance(p, str) else [int(t) for t in p], m, t, tp, sd,
+                        stop_ids, k)
+                for p, m, t, tp, sd, k in zip(prompts, each(max_new_tokens, "max_new_tokens"),
+                                              each(temperature, "temperature"), each(top_p, "top_p"),
+                                              each(seed, "seed"), kvs, strict=True)]
+        dec = getattr(self, "_batch_decoder", None)
+        if dec is None:
+            dec = self._batch_decoder = BatchDecoder(self)
+        return dec.run(reqs, on_token)
 
     def __repr__(self) -> str:
         return (f"Engine({self.name!r}, {self.args.model_type}, device={self.device}, "

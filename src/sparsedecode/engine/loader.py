@@ -17,7 +17,7 @@ from sparsedecode.models.load import Checkpoint
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
          attention: str = "split_k", compile: bool | str | None = None, seed: int | None = 0,
-         quiet: bool = False, config=None, kernels=None) -> Engine:
+         quiet: bool = False, config=None, kernels=None, batch: int = 1) -> Engine:
     """Load `ref` (known name, HF folder, hub id, .gguf file, a config dict with
     init='random', or a `models.load.Checkpoint` already resolved) into an Engine whose static cache holds `max_len` tokens
     (default min(model window, 4096)). `compile` defaults to True on CUDA; a string
@@ -27,7 +27,10 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     `Engine.generate(..., gate=)`). `kernels` (a
     `kernels.options.KernelOptions`; default: the defaults) is what every kernel launches with
     (`Engine.set_kernels`). On CUDA, load also pays what the first KV selection would
-    (`kv.apply.warm_selection`: Triton's setup, the score and sort kernels' first launch)."""
+    (`kv.apply.warm_selection`: Triton's setup, the score and sort kernels' first launch).
+    `batch`: the sequences one decode step runs (ByteCross App. F; `Engine.generate_batch`),
+    the cache holding `max_len` tokens for each; refused before allocation where the cache would
+    not fit the device's free memory."""
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
 
     get_backend(attention)  # an unknown backend fails before any download
@@ -43,15 +46,20 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     check_dtype(dev, dt)
     if max_len is not None and max_len < 1:
         raise InputError(f"{option('max_len')} must be >= 1 token, got {max_len}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InputError(f"{option('batch')} must be a whole number >= 1 (sequences per decode step), got {batch!r}")
+    if batch > 1 and attention != "split_k":
+        raise InputError(f"a decode batch attends with split_k; drop {option('attention', attention)} or load with batch=1")
     ckpt = ref if isinstance(ref, Checkpoint) else resolve(ref, init=init, quiet=quiet)
     mark("resolve_s")
     model, args = build_model(ckpt, dev, dt, seed=seed)
     mark("build_s")
     max_len = max_len or min(args.window, DEFAULT_MAX_LEN)
     args.check_length(max_len)
+    check_cache_memory(args, max_len, batch, dt, dev)
     if dev.type == "cpu":
         model.column_major_()  # faster one-token GEMV on CPU; same values and shapes
-    model.setup_cache(max_len, batch=1, attention=attention)
+    model.setup_cache(max_len, batch=batch, attention=attention)
     mark("cache_s")
     tokenizer = load_tokenizer(ckpt) if ckpt.kind != "random" else None
     eos = list(args.eos_ids) + list(extra_eos_ids(ckpt))
@@ -69,6 +77,35 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     if config is not None:
         eng.configure(config, progress=not quiet)
     return eng
+
+
+def cache_bytes(args: ModelArgs, max_len: int, batch: int, dtype: torch.dtype) -> int:
+    """Bytes of the static KV cache: keys and values of every layer, `batch` rows of `max_len`."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * args.n_layers * batch * args.n_kv_heads * max_len * args.head_dim * itemsize
+
+
+def free_bytes(dev: torch.device) -> int | None:
+    """Free memory on `dev` (the GPU's, or the host's MemAvailable); None where unknown."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_cache_memory(args: ModelArgs, max_len: int, batch: int, dtype: torch.dtype, dev: torch.device) -> None:
+    """Refuse, before allocating, a cache that would not fit the device's free memory."""
+    need, free = cache_bytes(args, max_len, batch, dtype), free_bytes(dev)
+    if free is not None and need > free:
+        gib = 2**30
+        raise InputError(f"a cache of {batch} x {max_len} tokens needs {need / gib:.2f} GiB and {dev} has "
+                         f"{free / gib:.2f} GiB free: lower {option('batch', batch)} or {option('max_len', max_len)}")
 
 
 def cache_length(args: ModelArgs, prompt_tokens: int, max_new_tokens: int, max_len: int | None = None) -> int:
@@ -93,4 +130,4 @@ def cache_length(args: ModelArgs, prompt_tokens: int, max_new_tokens: int, max_l
     return max_len
 
 
-__all__ = ["cache_length", "load"]
+__all__ = ["cache_bytes", "cache_length", "check_cache_memory", "load"]

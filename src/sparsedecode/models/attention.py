@@ -43,7 +43,7 @@ from sparsedecode.kernels.decode_attention import (
 )
 from sparsedecode.kernels.options import DEFAULT, AttentionOptions
 
-__all__ = ["BACKENDS", "decode_attention", "get_backend", "merge_lse", "split_k_lse"]
+__all__ = ["BACKENDS", "decode_attention", "get_backend", "merge_lse", "rows_attention", "split_k_lse"]
 
 
 def _in_range(end, start, T: int, device) -> Tensor:
@@ -190,3 +190,39 @@ def decode_attention(q, k_cache, v_cache, end, *, start=0, backend="split_k", sc
     if fn is _split_k:
         return fn(q, k_cache, v_cache, end, start, scale, end_offset, options=options)
     return fn(q, k_cache, v_cache, end + end_offset if end_offset else end, start, scale)
+
+
+def rows_attention(q, k_cache, v_cache, pos, compact=None, *, slots=None,
+                   options: AttentionOptions = DEFAULT.attention):
+    """A decode batch's attention, each sequence over its own entries (ByteCross §3.3, App. F):
+    row b's query (q (B, Hq, D)) at position pos[b] reads cache entries [0, pos[b] + 1), or, where
+    its sequence selected (`compact` = (k_buf, v_buf, offset (B,), selected (B,) bool), the
+    per-slot compact buffers of `engine.batch`), its buffer's entries [0, pos[b] - offset[b] + 1)
+    and nothing of the cache. `slots` (B,): the cache (and buffer) rows of the B queries (None:
+    rows 0..B-1). Returns (B, Hq, D).
+
+    Captured (CUDA, or under torch.compile): two split-K calls with per-row bounds, a row's bound
+    in the source it does not read being 0 (an empty range reads no entry), merged by log-sum-exp;
+    with no compact buffers, one call. Eager CPU: each row through PyTorch's SDPA over its valid
+    slice, the same call a batch-1 step makes, so batched and single decoding agree bit for bit."""
+    if q.is_cuda or torch.compiler.is_compiling():
+        if slots is not None:
+            raise InputError("a captured decode batch reads cache rows 0..B-1: run every slot (slots=None)")
+        if compact is None:
+            return split_k_lse(q, k_cache, v_cache, pos, end_offset=1, options=options)[0]
+        ck, cv, offset, sel = compact
+        zero = torch.zeros_like(pos)
+        o1, l1 = split_k_lse(q, k_cache, v_cache, torch.where(sel, zero, pos + 1), options=options)
+        o2, l2 = split_k_lse(q, ck, cv, torch.where(sel, pos - offset + 1, zero), options=options)
+        return merge_lse([o1, o2], [l1, l2])[0]
+    ends = pos.tolist()
+    idx = list(range(len(ends))) if slots is None else slots.tolist()
+    sel = [False] * k_cache.shape[0] if compact is None else compact[3].tolist()
+    offs = None if compact is None else compact[2].tolist()
+    rows = []
+    for b, (e, r) in enumerate(zip(ends, idx, strict=True)):
+        if sel[r]:
+            rows.append(_sdpa_slice(q[b:b + 1], compact[0][r:r + 1], compact[1][r:r + 1], 0, e - offs[r] + 1))
+        else:
+            rows.append(_sdpa_slice(q[b:b + 1], k_cache[r:r + 1], v_cache[r:r + 1], 0, e + 1))
+    return torch.cat(rows)

@@ -39,7 +39,7 @@ from sparsedecode.kernels.rope_cache import rope_cache
 from sparsedecode.kernels.rope_cache import usable as rope_cache_usable
 from sparsedecode.kernels.sparse_gemv import sumsq
 from sparsedecode.models.args import ModelArgs
-from sparsedecode.models.attention import decode_attention
+from sparsedecode.models.attention import decode_attention, rows_attention
 from sparsedecode.models.rope import apply_rope, rope_tables
 from sparsedecode.models.window_attention import window_attention
 
@@ -81,6 +81,19 @@ class KVCache(nn.Module):
         self.compact = None  # (k, v, offset) of the selected entries, see read_compact
         self.host_offset = 0  # the offset as a host int, for backends that slice on the host
         self.window = None  # (sinks, recent), see read_window
+        # A decode batch's per-sequence selections: (k_buf, v_buf (B, Hkv, T_c, D), offset (B,),
+        # selected (B,) bool), see `rows_attention`; None: every sequence reads its cache rows.
+        self.rows = None
+
+    def slot(self, b: int) -> KVCache:
+        """Sequence b's rows of this cache as a batch-1 cache (views: writes land here), so the
+        batch-1 prefill and selection run on one sequence of a batch unchanged."""
+        view = KVCache.__new__(KVCache)
+        nn.Module.__init__(view)
+        view.register_buffer("k", self.k[b:b + 1], persistent=False)
+        view.register_buffer("v", self.v[b:b + 1], persistent=False)
+        view.compact, view.host_offset, view.window, view.rows = None, 0, None, None
+        return view
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (B, Hkv, L, D) at cache positions pos (L,)."""
@@ -131,18 +144,19 @@ class Attention(nn.Module):
         self.backend = "split_k"
         self.kernel_options = AttentionOptions()  # the split-K kernel's launch options (set_attention_options_)
 
-    def forward(self, x, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None):
+    def forward(self, x, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None, slots=None):
         """x (B, L, dim); cos, sin (L, D); pos (L,) positions; start, host_len: see module doc;
         decode only: tables, the (T, D) cos and sin tables (the one-launch RoPE reads its row on
-        the device)."""
+        the device); a decode batch: slots, see `_attend_rows`."""
         B, L, _ = x.shape
         if self.qkv is not None and B * L == 1:
             q, k, v = self.qkv(x)  # one launch for the three sites
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.o_proj(self.attend(q, k, v, cos, sin, pos, start, host_len, tables))
+        return self.o_proj(self.attend(q, k, v, cos, sin, pos, start, host_len, tables, slots))
 
-    def attend(self, q, k, v, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None):
+    def attend(self, q, k, v, cos, sin, pos, start: int | None, host_len: int | None = None, tables=None,
+               slots=None):
         """The attention output (B, L, Hq * D), before o_proj, of the projections q (B, L, Hq * D)
         and k, v (B, L, Hkv * D): RoPE, the cache update, then decode or prefill attention."""
         B, L, _ = q.shape
@@ -151,6 +165,8 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if start is None and (B > 1 or slots is not None):
+            return self._attend_rows(q, k, v, cos, sin, pos, slots)
         one = start is None and L == 1 and tables is not None and rope_cache_usable(q)
         if one and self.backend == "split_k" and self.cache.window is None and host_len is None and self.observe is None:
             # one launch: RoPE, the cache write (and the compact buffer's) and the attention
@@ -182,6 +198,29 @@ class Attention(nn.Module):
             y = self._prefill_attention(q, start, L).transpose(1, 2)  # (B, L, Hq, D)
             y = y.reshape(B, L, self.n_heads * self.head_dim)
         return y
+
+    def _attend_rows(self, q, k, v, cos, sin, pos, slots=None):
+        """A decode batch (ByteCross §3.3, App. F): q (B, 1, Hq, D), k, v (B, 1, Hkv, D) of one
+        token per sequence at its own position pos (B,), with cos, sin (B, D) its rows of the RoPE
+        tables; `slots` (B,) the cache rows of the B sequences (None: rows 0..B-1). Each entry
+        goes to its sequence's cache row (and to its compact buffer where it selected) and its
+        query reads its own entries (`rows_attention`). (B, 1, Hq * D)."""
+        B, D = q.shape[0], self.head_dim
+        c, s = cos.view(B, 1, 1, D), sin.view(B, 1, 1, D)
+        q = apply_rope(q.transpose(1, 2), c, s)[:, :, 0]  # (B, Hq, D)
+        k = apply_rope(k.transpose(1, 2), c, s)[:, :, 0]  # (B, Hkv, D)
+        v = v[:, 0]  # (B, Hkv, D)
+        rows, cache = torch.arange(B, device=q.device) if slots is None else slots, self.cache
+        cache.k[rows, :, pos] = k  # entry (b, :, pos[b]) of each row
+        cache.v[rows, :, pos] = v
+        compact = cache.rows
+        if compact is not None:
+            ck, cv, offset, _ = compact
+            slot = (pos - offset[rows]).clamp(0, ck.shape[2] - 1)  # a row that did not select writes a slot it never reads
+            ck[rows, :, slot] = k
+            cv[rows, :, slot] = v
+        y = rows_attention(q, cache.k, cache.v, pos, compact, slots=slots, options=self.kernel_options)
+        return y.reshape(B, 1, self.n_heads * self.head_dim)
 
     def _keep_recent(self, q: Tensor, start: int) -> None:
         """Keep the trailing RECENT_QUERIES queries of a prefill chunk (B, Hq, L, D) at positions
@@ -255,8 +294,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x, cos, sin, pos, start, host_len=None, tables=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start, host_len, tables)
+    def forward(self, x, cos, sin, pos, start, host_len=None, tables=None, slots=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, start, host_len, tables, slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def fused(self) -> bool:
@@ -310,23 +349,25 @@ class Transformer(nn.Module):
         self.max_len = max_len
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor, start: int | None = None,
-                host_len: int | None = None):
+                host_len: int | None = None, slots: torch.Tensor | None = None):
         """Logits (B, L, vocab) in the model dtype for tokens idx (B, L) at positions pos (L,).
 
         `start` (host int) selects the prefill path and must equal pos[0]; None is
-        the decode path (L == 1, position only on the device). `host_len`, decode only,
+        the decode path (L == 1, position only on the device); a decode batch (idx (B, 1), B > 1,
+        or `slots` given) gives each sequence's own position, pos (B,), and `slots` (B,) the cache
+        rows its sequences live in (None: rows 0..B-1). `host_len`, decode only,
         is the valid length pos + 1 as a host int, for backends that slice on the host.
         """
         x = self.embed_tokens(idx)  # (B, L, dim)
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (L, D)
-        one = start is None and idx.numel() == 1
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (L, D); a decode batch's (B, D)
+        one = start is None and idx.numel() == 1 and slots is None
         tables = (self.rope_cos, self.rope_sin) if start is None else None  # decode: for the one-launch RoPE
         ss = None  # x's sums of squares, while layers run forward_fused
         for layer in self.layers:
             if one and layer.fused():
                 x, ss = layer.forward_fused(x, sumsq(x) if ss is None else ss, cos, sin, pos, host_len, tables)
             else:
-                x, ss = layer(x, cos, sin, pos, start, host_len, tables), None
+                x, ss = layer(x, cos, sin, pos, start, host_len, tables, slots), None
         return self.lm_head(self.norm(x))  # (B, L, vocab)
 
     def column_major_(self) -> None:

@@ -16,6 +16,12 @@ Each sparse module holds the `GemvOptions` it launches with (`options`; `sparsif
 gemv=)`, `set_gemv_options_`), passed to the kernel as plain values: a decode step captured
 or compiled before the options change keeps the old ones, so capture again.
 
+A decode batch (x of shape (B, 1, in), one token per sequence, B > 1) keeps each token's own
+channels and reads the weight once, in the rows of the union of the kept channels (ByteCross
+§3.3, App. F): `kernels.union_gemv` on CUDA, `sparse_gemv_union_cpu` on CPU; a dense site
+(READ_ALL) runs one GEMM. The realized union (union rows over rows, summed over calls) is
+counted beside the keep when `track` is on (`realized_union`).
+
 The realized keep, the fraction of projection weight bytes actually read, is
 counted on the device when `track` is on: each sparse call adds [kept channels,
 channels] to a float64 buffer in place (no host sync, capturable), and
@@ -32,7 +38,12 @@ from torch import Tensor
 
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.common import interpreting, keep_mask, workspace
-from sparsedecode.kernels.cpu_gemv import has_entry, sparse_gemv_cpu, sparse_gemv_segs_cpu
+from sparsedecode.kernels.cpu_gemv import (
+    has_entry,
+    sparse_gemv_cpu,
+    sparse_gemv_segs_cpu,
+    sparse_gemv_union_cpu,
+)
 from sparsedecode.kernels.options import GemvOptions
 from sparsedecode.kernels.sparse_gemv import sparse_gemv, sparse_gemv_ref
 from sparsedecode.projection.thresholds import MODULE_OF
@@ -113,7 +124,7 @@ class SparseLinear(FixedDtypeBuffers):
     `options`, the GemvOptions its kernel launches with.
     """
 
-    FIXED_DTYPE = ("threshold", "kept", "ws_acc")
+    FIXED_DTYPE = ("threshold", "kept", "union_dev", "union_n", "ws_acc")
 
     def __init__(self, w_t: Tensor, bias: Tensor | None, threshold: float, site: str = "",
                  track: bool = False, column_major: bool = False, options: GemvOptions | None = None):
@@ -134,10 +145,14 @@ class SparseLinear(FixedDtypeBuffers):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # (out,)
         dev = w_t.device
         self.register_buffer("threshold", torch.tensor(t, dtype=torch.float32, device=dev))
+        self.threshold_host = t  # the same value on the host, for calls that take a Python float
         self.register_buffer("kept", torch.zeros(2, dtype=torch.float64, device=dev), persistent=False)
+        self.register_buffer("union_dev", torch.zeros(2, dtype=torch.float64, device=dev), persistent=False)
+        self.register_buffer("union_n", torch.zeros(1, dtype=torch.int32, device=dev), persistent=False)
         # the eager CPU kernels add [kept channels, channels] here: a Python add per call instead
         # of tensor ops, which cost a tracked CPU step ~15% (kept_counts sums both)
         self.kept_host = [0, 0]
+        self.union_host = [0, 0]  # [union rows read, rows] of tracked batch calls (`realized_union`)
         acc, count = workspace(w_t.shape[1], dev)
         self.register_buffer("ws_acc", acc, persistent=False)  # (out,) fp32, zero between calls
         self.register_buffer("ws_count", count, persistent=False)
@@ -185,6 +200,8 @@ class SparseLinear(FixedDtypeBuffers):
 
         With `residual` (one token, where the kernel runs: `kernel_runs`) it returns
         (residual + out, per-tile sums of squares of that sum) from one launch."""
+        if residual is None and x.dim() == 3 and x.shape[0] > 1 and x.shape[1] == 1:
+            return self._forward_rows(x)  # a decode batch: one token per sequence
         if residual is None and x.shape[:-1].numel() != 1:
             return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
         if residual is None and not x.is_cuda and cpu_rows(self.w_t):
@@ -195,6 +212,45 @@ class SparseLinear(FixedDtypeBuffers):
             return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)  # masked: reads every row
         return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), residual=residual,
                            options=self.options)
+
+    def _forward_rows(self, x: Tensor) -> Tensor:
+        """x (B, 1, in), one decode token per sequence -> (B, 1, out): each token keeps its own
+        channels (|x| > threshold) and the weight is read once, in the rows of their union (§3.3,
+        App. F). A dense site (READ_ALL) is one GEMM: its union is every row."""
+        B, _, K = x.shape
+        if self.threshold_host == READ_ALL:
+            return F.linear(x, self.w_t.t(), self.bias)
+        x2 = x.reshape(B, K)  # (B, in)
+        if x.is_cuda:
+            from sparsedecode.kernels.union_gemv import union_gemv
+
+            if self.track:  # counted on the device (capturable): union rows and each token's keep
+                keep = keep_mask(x2, self.threshold)  # (B, in)
+                self.kept[0] += keep.sum() / B
+                self.kept[1] += K
+                self.union_n.zero_()
+                y = union_gemv(x2, self.w_t, self.threshold_host, self.bias, union=self.union_n)
+                self.union_dev[0] += self.union_n[0]
+                self.union_dev[1] += K
+                return y.reshape(B, 1, -1)
+            return union_gemv(x2, self.w_t, self.threshold_host, self.bias).reshape(B, 1, -1)
+        if cpu_rows(self.w_t):
+            y, n, kept = sparse_gemv_union_cpu(x2, self.w_t, self.threshold_host, self.bias)
+            if self.track:
+                self.kept_host[0] += float(kept.sum()) / B
+                self.kept_host[1] += K
+                self.union_host[0] += n
+                self.union_host[1] += K
+            return y.reshape(B, 1, -1)
+        from sparsedecode.kernels.union_gemv import union_gemv_ref
+
+        if self.track:  # masked: every row is read, whatever the union
+            keep = keep_mask(x2, self.threshold)
+            self.kept[0] += keep.sum() / B
+            self.kept[1] += K
+            self.union_dev[0] += keep.any(0).sum()
+            self.union_dev[1] += K
+        return union_gemv_ref(x2, self.w_t, self.threshold, self.bias).reshape(B, 1, -1)
 
     def forward_swiglu(self, gate: Tensor, up: Tensor, residual: Tensor | None = None):
         """This projection of silu(gate) * up (SwiGLU's down input). For one token where the
@@ -225,9 +281,17 @@ class SparseLinear(FixedDtypeBuffers):
         kept, total = self.kept_counts()
         return kept / total if total else float("nan")
 
+    def realized_union(self) -> float:
+        """Union rows read over rows, pooled over tracked batch calls (B > 1): u_B (nan before any)."""
+        n, total = self.union_dev.tolist()
+        n, total = n + self.union_host[0], total + self.union_host[1]
+        return n / total if total else float("nan")
+
     def reset_keep(self) -> None:
         self.kept.zero_()
         self.kept_host[:] = [0, 0]
+        self.union_dev.zero_()
+        self.union_host[:] = [0, 0]
 
     def extra_repr(self) -> str:
         return (f"site={self.site!r}, in_features={self.in_features}, out_features={self.out_features}, "
@@ -381,6 +445,7 @@ def sparsify_(model, thresholds: dict[str, float], ff_only: bool = False, track:
         mod = getattr(parent, site)
         if isinstance(mod, SparseLinear):
             mod.threshold.fill_(t)
+            mod.threshold_host = t
             mod.track = track
         else:
             mod = SparseLinear.from_linear(mod, t, site=key, track=track, options=gemv)
