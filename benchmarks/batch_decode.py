@@ -1,0 +1,228 @@
+"""Batched decode step against batch size, per mode and context (issue 44; ByteCross §3.3, App. F).
+
+One engine per context, loaded with the largest batch asked (`load(..., batch=B)`), its cache
+rows filled with seeded normal keys and values (what a step reads costs the same whatever the
+values, as a timing cell's 'random' fill). For each mode (dense, proj<keep>, sel<keep>,
+both<p>/<s>) and batch B, the decode step of B sequences at position `context` (each row its
+own cache row, or its own compact region of round(keep x context) entries where the mode
+selects: timing only, the entries are not scored) is timed: a CUDA graph's replays on a GPU,
+the eager step on CPU. With `--fill prefill` (the default) and a model with a tokenizer, each row
+is instead a dense prefill of its own WikiText-2 test window and decodes that window's next
+token, so the union of kept channels is the one real text gives. Projection thresholds are TEAL's at the mode's keep, calibrated on the
+model's own activations (`own_teal`: WikiText-2 validation with a tokenizer, seeded random ids
+for a random-init model); the union they realize over the batch's B tokens is measured in
+tracked eager steps and goes into the byte count. Random weights have no meaningful union:
+their rows say so (`union_source`), and the account's n*_B uses the real-text union records.
+
+    PYTHONPATH=src python benchmarks/batch_decode.py --model smollm2-135m --device cpu \\
+        --contexts 1024 --batches 1 2 4 8 --modes dense proj0.5 sel0.3 --out benchmarks/records/cpu/batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import sparsedecode
+from sparsedecode.config import SparsityConfig
+from sparsedecode.engine.batch import BatchDecoder
+from sparsedecode.records import stamp, write_record
+
+NOMINAL_TBPS = {"H200": 4.8, "H100": 3.35}  # HBM3e / HBM3 (SXM) peaks
+MEASURED_TBPS = {"H200": 4.15}  # bf16 GEMV ceiling measured on the H200 (ByteCross App. A; records/h200)
+
+
+def realized_union(eng, step, steps: int = 4) -> tuple[float, float]:
+    """(union, keep) of the sparse projections over `steps` tracked eager steps, each site weighted
+    by its parameters: the fraction of projection weight rows a batch step reads, and the mean
+    token's keep."""
+    from sparsedecode.projection.sparse_linear import sparse_modules
+
+    mods = sparse_modules(eng.model)
+    for m in mods:
+        m.track = True
+        m.reset_keep()
+    with torch.inference_mode():
+        for _ in range(steps):
+            step()
+    w = [m.in_features * m.out_features for m in mods]
+    u = [m.realized_union() for m in mods]
+    k = [m.realized_keep() for m in mods]
+    for m in mods:
+        m.track = False
+    if any(x != x for x in u):  # B = 1: one token's keep is its union
+        u = k
+    return sum(a * b for a, b in zip(u, w, strict=True)) / sum(w), sum(a * b for a, b in zip(k, w, strict=True)) / sum(w)
+
+
+def time_step(step, cuda: bool, warmup: int, repeats: int, steps: int) -> list[float]:
+    """ms per step of each repeat: CUDA graph replays on a GPU, the eager step on CPU."""
+    if cuda:
+        from sparsedecode.timing.clock import time_graph
+
+        with torch.inference_mode():
+            secs = time_graph(step, replays=repeats, warmup=warmup, per_replay=steps)
+        return [s * 1e3 for s in secs]
+    from sparsedecode.timing.clock import time_blocks
+
+    with torch.inference_mode():
+        return time_blocks(step, warmup, repeats, steps, False)
+
+
+def select_rows(dec: BatchDecoder, context: int, keep: float, seed: int) -> int:
+    """Every slot reads a compact region of round(keep x context) seeded entries (the new one
+    at slot `budget`): a selection's bytes, not its choice. Returns the budget."""
+    budget = max(1, int(keep * context + 0.5))
+    _, _, offset, sel = dec._rows_state(budget + 1)
+    gen = torch.Generator(dec.engine.device).manual_seed(seed)
+    for c in dec.caches:
+        c.rows[0].normal_(generator=gen)
+        c.rows[1].normal_(generator=gen)
+    offset.fill_(context - budget)
+    sel.fill_(True)
+    return budget
+
+
+def text_rows(eng, dec: BatchDecoder, context: int, rows: int, seed: int) -> list[list[int]] | None:
+    """Fill cache row b with a dense prefill of its own WikiText-2 test window (windows `context`
+    + 1 tokens apart, as App. F draws a batch's sequences from the stream); a model without a
+    tokenizer gets seeded normal keys and values instead. Returns each row's ids (None: random)."""
+    if eng.tokenizer is None:
+        eng.fill_random_(seed)
+        return None
+    from sparsedecode.corpus import wikitext_ids
+
+    ids = wikitext_ids(eng.tokenizer, "test")
+    span = context + 1
+    if len(ids) < rows * span:
+        ids = ids * (rows * span // len(ids) + 1)
+    out = [ids[b * span:(b + 1) * span] for b in range(rows)]
+    for b, row in enumerate(out):
+        with dec._on_slot(b):
+            eng.prefill(row[:context])
+    return out
+
+
+def clear_rows(dec: BatchDecoder) -> None:
+    for c in dec.caches:
+        c.rows = None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--init", default="pretrained")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--modes", nargs="+", default=["dense", "proj0.5", "sel0.3", "both0.5/0.3"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
+                    help="cache rows: each its own WikiText-2 window prefilled (a model with a tokenizer), or seeded "
+                         "normal values")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True, help="folder for the record")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rows, t_start = [], time.perf_counter()
+    configs = [SparsityConfig.parse(m) for m in a.modes]
+    gpu = None
+    for context in a.contexts:
+        bmax = max(a.batches)
+        eng = sparsedecode.load(a.model, init=a.init, device=a.device, dtype=a.dtype, max_len=context + 1,
+                                batch=bmax, compile=False, quiet=True)
+        cuda = eng.device.type == "cuda"
+        gpu = torch.cuda.get_device_name(eng.device) if cuda else "CPU"
+        dec = BatchDecoder(eng)
+        stream = text_rows(eng, dec, context, bmax, a.seed) if a.fill == "prefill" else None
+        dims, size = eng.dims, eng.dtype.itemsize
+        thresholds = {}
+        for cfg in configs:
+            k = cfg.proj_keep
+            if cfg.projection is not None and k not in thresholds:
+                from sparsedecode.projection.calibrate import own_teal
+
+                with dec._on_slot(0):
+                    thresholds[k] = own_teal(eng, k, tokens=a.calib_tokens, seed=a.seed)
+                stream = text_rows(eng, dec, context, bmax, a.seed) if a.fill == "prefill" else None  # calibration wrote row 0
+        for cfg in configs:
+            proj = cfg.with_(kv=None)
+            th = thresholds.get(cfg.proj_keep)
+            eng.configure(proj, thresholds=None if th is None else th[0])
+            budget = context
+            if cfg.kv is not None:
+                budget = select_rows(dec, context, cfg.kv_keep, a.seed)
+            else:
+                clear_rows(dec)
+            for B in sorted(a.batches):
+                if stream is not None:  # each row's own next token of its text
+                    tok = torch.tensor([[stream[b][context]] for b in range(B)], device=eng.device)
+                else:
+                    gen = torch.Generator().manual_seed(a.seed + B)
+                    tok = torch.randint(0, dims.vocab, (B, 1), generator=gen).to(eng.device)
+                pos = torch.full((B,), context, dtype=torch.long, device=eng.device)
+
+                def step(tok=tok, pos=pos):
+                    return eng.model(tok, pos, None)[:, -1].float()
+
+                union, keep = realized_union(eng, step) if cfg.projection is not None else (1.0, 1.0)
+                ms = time_step(step, cuda, a.warmup, a.repeats, a.steps)
+                med = statistics.median(ms)
+                weights = (dims.n_layers * dims.proj_params * union + dims.other_params) * size
+                kv = B * dims.kv_elems_per_token * dims.kv_tokens(budget + 1) * size
+                nbytes = weights + kv
+                label = gpu.removeprefix("NVIDIA ").split()[0] if cuda else "CPU"
+                row = {
+                    "mode": cfg.kind, "mode_spec": str(cfg), "context": context, "batch": B,
+                    "step_ms_runs": ms, "step_ms_median": med, "tokens_per_sec": B * 1e3 / med,
+                    "realized_union": union, "realized_keep": keep, "kv_entries_read": budget + 1,
+                    "bytes_per_step": nbytes, "achieved_gbps": nbytes / (med * 1e-3) / 1e9,
+                    "union_source": None if cfg.projection is None else (
+                        "random weights: tokens' kept channels nearly independent" if a.init == "random"
+                        else "the model's own activations on its stream"),
+                }
+                if label in NOMINAL_TBPS:
+                    row["pct_nominal_peak"] = 100 * row["achieved_gbps"] / (NOMINAL_TBPS[label] * 1e3)
+                if label in MEASURED_TBPS:
+                    row["pct_measured_ceiling"] = 100 * row["achieved_gbps"] / (MEASURED_TBPS[label] * 1e3)
+                rows.append(row)
+                print(f"{label} n={context} {str(cfg):>12} B={B:>3}: {med:8.3f} ms  {row['tokens_per_sec']:9.1f} tok/s  "
+                      f"union {union:.3f}  {row['achieved_gbps']:.0f} GB/s", flush=True)
+        del dec, eng
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    rec = stamp({
+        "kind": "batch_decode",
+        "model": a.model, "init": a.init, "device": "cuda" if gpu != "CPU" else "cpu", "gpu": gpu,
+        "label": gpu.removeprefix("NVIDIA ") if gpu != "CPU" else "CPU",
+        "threads": torch.get_num_threads(),
+        "fill": a.fill if a.init != "random" else "random",
+        "protocol": (f"{a.warmup} warm-up, {a.repeats} repeats x {a.steps} steps at position n; "
+                     + ("CUDA graph replays" if gpu != "CPU" else "eager, perf_counter")
+                     + ("; each cache row its own WikiText-2 test window, prefilled" if a.fill == "prefill"
+                        and a.init != "random" else "; cache rows filled with seeded normal values")
+                     + "; selected modes read round(keep x n) seeded entries per row (bytes, not a scored choice)"),
+        "ceilings_tbps": {"nominal": NOMINAL_TBPS, "measured": MEASURED_TBPS},
+        "rows": rows,
+        "wall_s": time.perf_counter() - t_start,
+        "command": "PYTHONPATH=src python benchmarks/batch_decode.py " + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(a).items() if v is not None),
+    })
+    a.out.mkdir(parents=True, exist_ok=True)
+    when = rec["timestamp"].replace(":", "").replace("-", "")[:15]
+    print(write_record(a.out / f"batch_decode_{a.model}_{rec['label'].replace(' ', '_')}_{when}.json", rec))
+
+
+if __name__ == "__main__":
+    main()
