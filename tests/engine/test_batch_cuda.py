@@ -33,9 +33,14 @@ def test_a_captured_batch_decodes_as_batch_1(dtype, proj, kvs):
         one.configure(proj)
         four.configure(proj, thresholds=one.thresholds)
     want = []
+    th = one.thresholds
     for p, kv in zip(prompts, kvs, strict=True):
-        one.configure(kv if kv else (proj or "dense"), thresholds=one.thresholds if proj else None) if kv is None \
-            else one.configure(kv)
+        if kv:
+            one.configure(kv)
+        elif proj:
+            one.configure(proj, thresholds=th)
+        else:
+            one.configure("dense")
         want.append(one.generate(p, NEW, stop_ids=()).ids)
     got = four.generate_batch(prompts, NEW, kv=kvs, stop_ids=())
     same = [sum(a == b for a, b in zip(w, g.ids, strict=True)) for w, g in zip(want, got, strict=True)]
