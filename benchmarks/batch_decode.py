@@ -112,37 +112,14 @@ def clear_rows(dec: BatchDecoder) -> None:
         c.rows = None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--init", default="pretrained")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--modes", nargs="+", default=["dense", "proj0.5", "sel0.3", "both0.5/0.3"])
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--calib-tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
-                    help="cache rows: each its own WikiText-2 window prefilled (a model with a tokenizer), or seeded "
-                         "normal values")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, required=True, help="folder for the record")
-    a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    rows, t_start = [], time.perf_counter()
-    configs = [SparsityConfig.parse(m) for m in a.modes]
-    gpu = None
+def measure(a, configs, rows: list, state: dict) -> None:
+    """Every (context, mode, batch) row, appended to `rows` as it is measured."""
     for context in a.contexts:
         bmax = max(a.batches)
         eng = sparsedecode.load(a.model, init=a.init, device=a.device, dtype=a.dtype, max_len=context + 1,
                                 batch=bmax, compile=False, quiet=True)
         cuda = eng.device.type == "cuda"
-        gpu = torch.cuda.get_device_name(eng.device) if cuda else "CPU"
+        gpu = state["gpu"] = torch.cuda.get_device_name(eng.device) if cuda else "CPU"
         dec = BatchDecoder(eng)
         stream = text_rows(eng, dec, context, bmax, a.seed) if a.fill == "prefill" else None
         dims, size = eng.dims, eng.dtype.itemsize
@@ -172,8 +149,8 @@ def main() -> None:
                     tok = torch.randint(0, dims.vocab, (B, 1), generator=gen).to(eng.device)
                 pos = torch.full((B,), context, dtype=torch.long, device=eng.device)
 
-                def step(tok=tok, pos=pos):
-                    return eng.model(tok, pos, None)[:, -1].float()
+                def step(tok=tok, pos=pos, model=eng.model):
+                    return model(tok, pos, None)[:, -1].float()
 
                 union, keep = realized_union(eng, step) if cfg.projection is not None else (1.0, 1.0)
                 ms = time_step(step, cuda, a.warmup, a.repeats, a.steps)
@@ -201,6 +178,39 @@ def main() -> None:
         del dec, eng
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--init", default="pretrained")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--modes", nargs="+", default=["dense", "proj0.5", "sel0.3", "both0.5/0.3"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
+                    help="cache rows: each its own WikiText-2 window prefilled (a model with a tokenizer), or seeded "
+                         "normal values")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True, help="folder for the record")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rows, t_start = [], time.perf_counter()
+    configs = [SparsityConfig.parse(m) for m in a.modes]
+    state = {"gpu": None, "error": None}
+    try:
+        measure(a, configs, rows, state)
+    except BaseException as e:  # what was measured is kept: the record says where it stopped
+        state["error"] = f"{type(e).__name__}: {e}"
+        print("stopped:", state["error"], flush=True)
+    gpu = state["gpu"] or "unknown"
     rec = stamp({
         "kind": "batch_decode",
         "model": a.model, "init": a.init, "device": "cuda" if gpu != "CPU" else "cpu", "gpu": gpu,
@@ -214,6 +224,7 @@ def main() -> None:
                      + "; selected modes read round(keep x n) seeded entries per row (bytes, not a scored choice)"),
         "ceilings_tbps": {"nominal": NOMINAL_TBPS, "measured": MEASURED_TBPS},
         "rows": rows,
+        "error": state["error"],  # None: every row asked for was measured
         "wall_s": time.perf_counter() - t_start,
         "command": "PYTHONPATH=src python benchmarks/batch_decode.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
