@@ -1,4 +1,5 @@
-"""`sparsedecode serve`: an OpenAI-compatible HTTP server, one model, batch 1 (sparsedecode.serve)."""
+"""`sparsedecode serve`: an OpenAI-compatible HTTP server, one model, one request at a time or up to
+`--batch` in one decode step (sparsedecode.serve)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def serve(
     kv_keep: KvKeepOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", callback=bounded(0, 65535), help="TCP port (0: any free port, printed at start)."),
+    batch: int = typer.Option(1, "--batch", callback=bounded(1, 1024), help="Requests decoded together in one step "
+                              "(continuous batching: a finished request's slot goes to the next queued one); 1: one at a time."),
     max_queue: int = typer.Option(64, "--max-queue", callback=bounded(1, 10**6), help="Requests that may wait for the engine; more get 429."),
     drain_timeout: float = typer.Option(25.0, "--drain-timeout", callback=bounded(0, 3600), metavar="SECONDS", help="Seconds SIGTERM/SIGINT let the running "
                                         "answer finish before it is stopped with a 503; queued requests get 503 at once."),
@@ -77,6 +80,11 @@ def serve(
                          "ahead of requests; serve with split_k or sdpa_masked")
     if ready_file is not None:
         check_new_file(ready_file, "--ready-file", ".json")
+    if batch > 1 and gate is not None:
+        raise InputError("--gate chooses a configuration per request and a decode batch shares one: drop --gate, "
+                         "or serve with --batch 1")
+    if batch > 1 and attention != "split_k":
+        raise InputError(f"a decode batch attends with split_k: drop --attention {attention}, or serve with --batch 1")
     config, th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)
     check_calibration_text(text_file, calibrates=proj_keep is not None or gate is not None, init=init)
 
@@ -93,7 +101,8 @@ def serve(
     except OSError as e:
         raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
     t0 = time.perf_counter()
-    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len, attention=attention, init=init)
+    eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len, attention=attention, init=init,
+                            batch=batch)
     apply_sparsity(eng, config, th, text_file=text_file)
     gate_obj = None
     if gate is not None:  # the server asks it per request itself (auto or named)
@@ -103,7 +112,7 @@ def serve(
     load_s = time.perf_counter() - t0
     server = Server(eng, Configurations(eng, gate_obj), max_queue=max_queue)
     typer.echo(f"[loaded {eng.name} on {eng.device}, {str(eng.dtype).removeprefix('torch.')}, cache {eng.max_len} "
-               f"tokens, in {load_s:.1f} s]", err=True)
+               f"tokens" + (f" x {batch} slots" if batch > 1 else "") + f", in {load_s:.1f} s]", err=True)
 
     def shown(spec, s):
         typer.echo(f"  warmed {spec} in {s:.1f} s", err=True)

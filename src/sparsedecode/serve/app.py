@@ -61,7 +61,12 @@ class Server:
     def __init__(self, engine, configs: Configurations, *, max_queue: int = 64, max_prompt_chars: int | None = None):
         self.engine, self.configs = engine, configs
         self.metrics = Metrics()
-        self.worker = Worker(engine, configs, self.metrics, max_queue)
+        if getattr(engine, "batch", 1) > 1:  # continuous batching (serve/batch_worker.py)
+            from sparsedecode.serve.batch_worker import BatchWorker
+
+            self.worker = BatchWorker(engine, configs, self.metrics, max_queue)
+        else:
+            self.worker = Worker(engine, configs, self.metrics, max_queue)
         self.started = int(time.time())
         self.max_prompt_chars = max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_len
         self.max_body = BODY_BYTES_PER_CHAR * self.max_prompt_chars + BODY_SLACK
@@ -310,7 +315,8 @@ class Server:
         async def health():
             return {"status": "shutting_down" if self.draining else "ok", "model": eng.name,
                     "device": str(eng.device), "configurations": self.configs.specs, "default": self.configs.default,
-                    "queue": self.worker.waiting, "running": self.worker.running, "max_len": eng.max_len,
+                    "queue": self.worker.waiting, "running": self.worker.running, "batch": getattr(eng, "batch", 1),
+                    "max_len": eng.max_len,
                     "max_prompt_chars": self.max_prompt_chars, "max_body_bytes": self.max_body}
 
         @app.get("/metrics")

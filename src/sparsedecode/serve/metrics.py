@@ -24,6 +24,10 @@ class Metrics:
                                "endpoint, HTTP status and reason (the error's code)", ["endpoint", "status", "reason"],
                                registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for the engine", registry=r)
+        self.batch_occupancy = Gauge(p + "batch_occupancy", "Requests in the decode batch (serve --batch)",
+                                     registry=r)
+        self.queue_wait = Histogram(p + "queue_wait_seconds", "Seconds a request waited for a slot before its prefill",
+                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=r)
         self.cancelled = Counter(p + "cancelled", "Requests whose client went away before the end",
                                  registry=r)
         self.capture_seconds = Gauge(p + "capture_seconds", "Compile and capture seconds of each "

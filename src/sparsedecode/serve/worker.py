@@ -42,6 +42,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     refusal: RequestError | None = None  # why the server stopped it (None: its client went away)
     client_seen: float = field(default_factory=time.monotonic)  # when its handler last found the client there
+    queued_at: float = field(default_factory=time.monotonic)  # when it was made, just before it queued
 
     def emit(self, kind: str, payload) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
@@ -204,54 +205,75 @@ class Worker:
 
         eng, p = self.engine, job.params
         self.configs.install(job.plan.spec)
-        ids: list[int] = []
-        timing = Generation(prompt_ids=list(job.ids), ids=ids)  # its decode speed counts `ids`
+        answer = Answer(job, eng.tokenizer)
+        timing = Generation(prompt_ids=list(job.ids), ids=answer.ids)  # its decode speed counts `ids`
         t0 = time.perf_counter()
         steps = eng.tokens(job.ids, p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                            stop_ids=() if p.ignore_eos else None, timing=timing)
-        tok_text = eng.tokenizer
-        stream = TextStream(tok_text) if tok_text is not None else None
-        longest = max((len(s) for s in p.stop), default=0)
-        sent, text, finish = 0, "", None
         try:
             for tok in steps:
-                if job.cancelled.is_set():
-                    finish = "cancelled"
+                if answer.add(tok):
                     break
-                ids.append(tok)
-                if stream is None:  # a model without a tokenizer answers in ids only
-                    continue
-                if not stream.add(tok):
-                    continue  # nothing new (the middle of a multi-byte character, a special token)
-                text = stream.text
-                start = max(0, sent - longest)  # a stop can only begin in what has not been sent
-                cut = min((i for i in (text.find(s, start) for s in p.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-                    break
-                ready = len(text) - _held_back(text, p.stop)
-                if ready > sent:
-                    job.emit("delta", text[sent:ready])
-                    sent = ready
         finally:
             steps.close()
-        if finish == "cancelled":
+        answer.end(timing, self.metrics, t0)
+
+
+class Answer:
+    """One job's answer as its tokens arrive: the text streamed as `delta` events, held back
+    where it may begin a stop string and cut at one; then `end` sends `done` (or the refusal of
+    a job stopped by the server). `ids` are the answer's tokens."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job, self.tokenizer, self.ids = job, tokenizer, []
+        self.stream = TextStream(tokenizer) if tokenizer is not None else None
+        self.longest = max((len(s) for s in job.params.stop), default=0)
+        self.sent, self.text, self.finish = 0, "", None
+
+    def add(self, tok: int) -> bool:
+        """Take the next token; True where the answer ends here (a stop string, or cancelled)."""
+        job = self.job
+        if job.cancelled.is_set():
+            self.finish = "cancelled"
+            return True
+        self.ids.append(tok)
+        if self.stream is None or not self.stream.add(tok):  # ids only, or nothing new (mid-character)
+            return False
+        stops, text = job.params.stop, self.stream.text
+        start = max(0, self.sent - self.longest)  # a stop can only begin in what has not been sent
+        cut = min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish = text[:cut], "stop"
+            return True
+        self.text = text
+        ready = len(text) - _held_back(text, stops)
+        if ready > self.sent:
+            job.emit("delta", text[self.sent:ready])
+            self.sent = ready
+        return False
+
+    def end(self, timing, metrics: Metrics, t0: float, extra: dict | None = None) -> None:
+        """Send the answer's end: `done` with its ids, text, finish reason and timings (`extra`
+        joins the response's `sparsedecode` field), or, where it was cancelled, the server's
+        refusal (the drain ran out) or nothing (its client went away)."""
+        job = self.job
+        if self.finish == "cancelled":
             if job.refusal is not None:  # the drain ran out: the client hears why, not a cut connection
                 job.emit("error", job.refusal)
             else:
-                self.metrics.cancelled.inc()
+                metrics.cancelled.inc()
             return
-        if finish is None:
-            finish = "stop" if timing.stopped_at_eos else "length"
-        if tok_text is not None and len(text) > sent:
-            job.emit("delta", text[sent:])
+        finish = self.finish or ("stop" if timing.stopped_at_eos else "length")
+        if self.tokenizer is not None and len(self.text) > self.sent:
+            job.emit("delta", self.text[self.sent:])
         ms = timing.ms_per_token
-        self.metrics.observe(job.plan.spec, len(job.ids), len(ids), ms)
+        metrics.observe(job.plan.spec, len(job.ids), len(self.ids), ms)
         job.emit("done", {
-            "ids": ids, "text": text if tok_text is not None else None, "finish": finish,
+            "ids": self.ids, "text": self.text if self.tokenizer is not None else None, "finish": finish,
             "sparsedecode": {
                 "mode": job.plan.spec, "predicted_ms_per_token": job.plan.predicted_ms_per_token,
                 "ms_per_token": None if ms != ms else ms, "kv_select_ms": 1000.0 * timing.kv_select_s,
-                "prefill_ms": 1000.0 * timing.prefill_s, "compile_ms": 1000.0 * timing.compile_s, "wall_ms": 1000.0 * (time.perf_counter() - t0),
+                "prefill_ms": 1000.0 * timing.prefill_s, "compile_ms": 1000.0 * timing.compile_s,
+                "wall_ms": 1000.0 * (time.perf_counter() - t0), **(extra or {}),
             },
         })

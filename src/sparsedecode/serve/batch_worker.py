@@ -1,0 +1,218 @@
+"""Continuous batching: up to B requests in one decode step (ByteCross §3.3, App. F; issue 44).
+
+The worker thread owns an engine loaded with `batch=B` and its `engine.batch.BatchDecoder`.
+Each turn of its loop it
+1. takes a queued job into a free slot, when one is free and no other prompt is being prefilled;
+2. runs one chunk of the prompt being prefilled (`BatchDecoder.admit_chunks`), so a long prompt
+   stalls the decoding requests by one chunk at most, not by its whole prefill;
+3. runs one decode step of every live request and hands each its token (`worker.Answer`: text,
+   stop strings, cancellation); a request that ends frees its slot, and the next queued one
+   takes it before the next step.
+Every request's KV selection is its own (the server's `--kv`, selected after its own prefill
+into its own compact region); the projection configuration is the server's, shared by the whole
+batch (one step reads one set of weight rows: the union of the batch's kept channels).
+The queue, the refusals and the drain behave as the batch-1 `Worker`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import traceback
+
+from sparsedecode.errors import InputError
+from sparsedecode.serve.protocol import RequestError
+from sparsedecode.serve.worker import Answer, Job, Worker
+
+log = logging.getLogger("sparsedecode.serve")
+
+
+class BatchWorker(Worker):
+    """`Worker` for an engine of `batch` > 1 slots; see the module doc. `chunk`: prompt tokens
+    prefilled between two decode steps."""
+
+    def __init__(self, engine, configs, metrics, max_queue: int, chunk: int = 512):
+        from sparsedecode.engine.batch import BatchDecoder
+
+        super().__init__(engine, configs, metrics, max_queue)
+        self.decoder = BatchDecoder(engine)
+        self.chunk = chunk
+        self._live: dict[int, tuple[Job, Answer, float]] = {}  # id(job) -> the job, its answer, its start
+        self._admitting = None  # (job, its prefill's chunks, its slot, its start) while a prompt is prefilled
+        self._ending = False  # the stop sentinel was taken: finish what runs, take nothing more
+
+    @property
+    def running(self) -> int:  # jobs decoding or being prefilled
+        return len(self._live) + (self._admitting is not None)
+
+    @running.setter
+    def running(self, value) -> None:  # Worker.__init__ sets it; here it is counted
+        pass
+
+    def abort(self, refusal: RequestError) -> None:
+        """Stop every running job before the next step; their clients get `refusal`."""
+        with self._lock:
+            jobs = [j for j, _, _ in self._live.values()] + ([self._admitting[0]] if self._admitting else [])
+            for job in jobs:
+                if not job.cancelled.is_set():
+                    job.refusal = refusal
+                    job.cancelled.set()
+
+    # -- the thread ------------------------------------------------------------------------
+    def _warm(self) -> dict[str, float]:
+        """Prefill, select where the server selects, and decode a few steps of one prompt: on
+        CUDA this captures the B-row step (every occupancy replays it)."""
+        from sparsedecode.engine.batch import Request
+        from sparsedecode.kv.select import get_selector
+
+        eng, spec = self.engine, self.configs.specs[0]
+        kv = eng.kv_config if eng.kv_config is not None and eng.kv_config.keep < 1.0 else None
+        n = 16
+        if kv is not None:
+            sel = get_selector(kv.method, **kv.params)
+            n = int((sel.sinks + sel.window + 4) / kv.keep) + 1
+        if n + 4 > eng.max_len:
+            raise InputError(f"the cache of {eng.max_len} tokens cannot hold a prompt that {spec} can select from "
+                             f"({n} tokens); load with a larger max_len")
+        t0 = time.perf_counter()
+        self.decoder.run([Request([0] * n, 4, stop_ids=(), kv=kv)])
+        out = {spec: time.perf_counter() - t0}
+        if self._progress is not None:
+            self._progress(spec, out[spec])
+        return out
+
+    def _run(self) -> None:
+        try:
+            if self.configs.gate is not None:
+                raise InputError("a decode batch runs one configuration: a gate chooses per request; serve "
+                                 "with --batch 1 to gate")
+            self.warm_s = self._warm()
+            for spec, s in self.warm_s.items():
+                self.metrics.capture_seconds.labels(spec).set(s)
+        except BaseException as e:  # reported by start() on the main thread
+            self.failure = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while not (self._ending and not self.running):
+            if self._admitting is None and not self._ending and self.decoder.free_slot() is not None:
+                self._take(block=not self._live)
+            if self._admitting is not None:
+                self._admit_chunk()
+            self._drop_cancelled()
+            if self._live:
+                self._step()
+            self.metrics.batch_occupancy.set(len(self._live))
+
+    def _take(self, block: bool) -> None:
+        """Take the next queued job that is still wanted and start its prefill (blocking only
+        while nothing decodes)."""
+        while True:
+            try:
+                job = self._jobs.get(block=block)
+            except queue.Empty:
+                return
+            if job is None:
+                self._ending = True
+                return
+            with self._lock:
+                self._waiting -= 1
+                self.metrics.queue_depth.set(self._waiting)
+                closed, gone = self._closed, job.cancelled.is_set()
+            if gone:
+                self.metrics.cancelled.inc()
+                continue
+            if closed is not None:
+                self._refuse(job, closed)
+                continue
+            self.metrics.queue_wait.observe(time.monotonic() - job.queued_at)
+            self._start(job)
+            return
+
+    def _start(self, job: Job) -> None:
+        from sparsedecode.engine.batch import Request
+
+        eng, p, b = self.engine, job.params, self.decoder.free_slot()
+        self.configs.install(job.plan.spec)
+        try:
+            req = Request(list(job.ids), p.max_tokens, p.temperature, p.top_p, p.seed,
+                          () if p.ignore_eos else None, eng.kv_config)
+            chunks = self.decoder.admit_chunks(b, id(job), req, self.chunk)
+        except Exception as e:
+            self._fail(job, e)
+            return
+        with self._lock:
+            self._admitting = (job, chunks, b, time.perf_counter())
+
+    def _admit_chunk(self) -> None:
+        job, chunks, b, t0 = self._admitting
+        try:
+            next(chunks)
+            return  # more chunks to come: the others decode a step first
+        except StopIteration:
+            pass
+        except Exception as e:
+            with self._lock:
+                self._admitting = None
+            if self.decoder.slots[b] is not None:
+                self.decoder.free(b)
+            self._fail(job, e)
+            return
+        gen = self.decoder.generations[id(job)]
+        answer = Answer(job, self.engine.tokenizer)
+        with self._lock:
+            self._admitting = None
+            self._live[id(job)] = (job, answer, t0)
+        if gen.ids and answer.add(gen.ids[0]) or self.decoder.slot_of(id(job)) is None:
+            self._end(id(job))  # its first token ended it (a stop, max_tokens 1, EOS), or a stop string
+
+    def _step(self) -> None:
+        try:
+            events = self.decoder.decode()
+        except Exception as e:  # a bug: every running request learns it was ours; the server goes on
+            log.error("decode step failed:\n%s", traceback.format_exc())
+            for key in list(self._live):
+                b = self.decoder.slot_of(key)
+                if b is not None:
+                    self.decoder.free(b)
+                job = self._live[key][0]
+                with self._lock:
+                    del self._live[key]
+                self._fail(job, e)
+            return
+        for key, tok, done in events:
+            _, answer, _ = self._live[key]
+            if answer.add(tok) or done:
+                self._end(key)
+
+    def _drop_cancelled(self) -> None:
+        """A job whose client went away, or that the drain stopped, leaves its slot before the step."""
+        for key, (job, answer, _) in list(self._live.items()):
+            if job.cancelled.is_set():
+                answer.finish = "cancelled"
+                self._end(key)
+
+    def _end(self, key: int) -> None:
+        job, answer, t0 = self._live[key]
+        b = self.decoder.slot_of(key)
+        if b is not None:
+            self.decoder.free(b)
+        with self._lock:
+            del self._live[key]
+        gen = self.decoder.generations.pop(key)
+        answer.end(gen, self.metrics, t0, {"batch": self.decoder.B})
+
+    def _fail(self, job: Job, e: BaseException) -> None:
+        self.decoder.generations.pop(id(job), None)
+        if isinstance(e, RequestError):
+            job.emit("error", e)
+        elif isinstance(e, InputError):
+            job.emit("error", RequestError(str(e)))
+        else:
+            log.error("request failed:\n%s", "".join(traceback.format_exception(e)))
+            job.emit("error", RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
+                                           kind="server_error"))
+
+
+__all__ = ["BatchWorker"]
