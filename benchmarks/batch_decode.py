@@ -73,15 +73,21 @@ def time_step(step, cuda: bool, warmup: int, repeats: int, steps: int) -> list[f
         return time_blocks(step, warmup, repeats, steps, False)
 
 
-def select_rows(dec: BatchDecoder, context: int, keep: float, seed: int) -> int:
-    """Every slot reads a compact region of round(keep x context) seeded entries (the new one
-    at slot `budget`): a selection's bytes, not its choice. Returns the budget."""
+def select_rows(dec: BatchDecoder, context: int, keep: float, seed: int, text: bool) -> int:
+    """Every slot reads a compact region of round(keep x context) entries (the new one at slot
+    `budget`): a selection's bytes, not its scored choice. With `text` rows the entries are each
+    row's most recent ones (real keys and values, so the step's activations, and the union they
+    give, stay those of text); otherwise seeded values. Returns the budget."""
     budget = max(1, int(keep * context + 0.5))
     _, _, offset, sel = dec._rows_state(budget + 1)
     gen = torch.Generator(dec.engine.device).manual_seed(seed)
     for c in dec.caches:
-        c.rows[0].normal_(generator=gen)
-        c.rows[1].normal_(generator=gen)
+        if text:
+            c.rows[0][:, :, :budget] = c.k[:, :, context - budget:context]
+            c.rows[1][:, :, :budget] = c.v[:, :, context - budget:context]
+        else:
+            c.rows[0].normal_(generator=gen)
+            c.rows[1].normal_(generator=gen)
     offset.fill_(context - budget)
     sel.fill_(True)
     return budget
@@ -138,7 +144,7 @@ def measure(a, configs, rows: list, state: dict) -> None:
             eng.configure(proj, thresholds=None if th is None else th[0])
             budget = context
             if cfg.kv is not None:
-                budget = select_rows(dec, context, cfg.kv_keep, a.seed)
+                budget = select_rows(dec, context, cfg.kv_keep, a.seed, stream is not None)
             else:
                 clear_rows(dec)
             for B in sorted(a.batches):
@@ -221,7 +227,8 @@ def main() -> None:
                      + ("CUDA graph replays" if gpu != "CPU" else "eager, perf_counter")
                      + ("; each cache row its own WikiText-2 test window, prefilled" if a.fill == "prefill"
                         and a.init != "random" else "; cache rows filled with seeded normal values")
-                     + "; selected modes read round(keep x n) seeded entries per row (bytes, not a scored choice)"),
+                     + "; selected modes read round(keep x n) entries per row, its most recent ones (text rows) or "
+                     "seeded values: a selection's bytes, not its scored choice"),
         "ceilings_tbps": {"nominal": NOMINAL_TBPS, "measured": MEASURED_TBPS},
         "rows": rows,
         "error": state["error"],  # None: every row asked for was measured
