@@ -2,9 +2,10 @@
 
 The worker thread owns an engine loaded with `batch=B` and its `engine.batch.BatchDecoder`.
 Each turn of its loop it
-1. takes a queued job into a free slot, when one is free and no other prompt is being prefilled;
-2. runs one chunk of the prompt being prefilled (`BatchDecoder.admit_chunks`), so a long prompt
-   stalls the decoding requests by one chunk at most, not by its whole prefill;
+1. takes queued jobs into free slots, one prompt prefilled at a time;
+2. prefills at most one chunk of prompt tokens (`BatchDecoder.admit_chunks`): several short
+   prompts join at once, a long one goes on chunk by chunk across steps, so a prompt stalls the
+   decoding requests by one chunk at most, not by its whole prefill;
 3. runs one decode step of every live request and hands each its token (`worker.Answer`: text,
    stop strings, cancellation); a request that ends frees its slot, and the next queued one
    takes it before the next step.
@@ -41,6 +42,7 @@ class BatchWorker(Worker):
         self._live: dict[int, tuple[Job, Answer, float]] = {}  # id(job) -> the job, its answer, its start
         self._admitting = None  # (job, its prefill's chunks, its slot, its start) while a prompt is prefilled
         self._ending = False  # the stop sentinel was taken: finish what runs, take nothing more
+        self._prefill_left: dict[int, int] = {}  # prompt tokens of the job being prefilled still to run
 
     @property
     def running(self) -> int:  # jobs decoding or being prefilled
@@ -96,14 +98,32 @@ class BatchWorker(Worker):
             return
         self._ready.set()
         while not (self._ending and not self.running):
-            if self._admitting is None and not self._ending and self.decoder.free_slot() is not None:
-                self._take(block=not self._live)
-            if self._admitting is not None:
-                self._admit_chunk()
+            self._admit()
             self._drop_cancelled()
             if self._live:
                 self._step()
             self.metrics.batch_occupancy.set(len(self._live))
+
+    def _admit(self) -> None:
+        """Prefill up to `chunk` prompt tokens before the next step: several short prompts join
+        the batch at once (a wave of finished requests refills every free slot before one step),
+        a long one goes on chunk by chunk across steps."""
+        budget = self.chunk
+        while budget > 0:
+            if self._admitting is None:
+                if self._ending or self.decoder.free_slot() is None:
+                    return
+                self._take(block=not self._live and budget == self.chunk)
+                if self._admitting is None:
+                    return
+            job, _, _, _ = self._admitting
+            left = self._prefill_left.get(id(job), len(job.ids))
+            cost = min(self.chunk, left)
+            if cost > budget:
+                return
+            budget -= cost
+            self._prefill_left[id(job)] = left - cost
+            self._admit_chunk()
 
     def _take(self, block: bool) -> None:
         """Take the next queued job that is still wanted and start its prefill (blocking only
@@ -151,8 +171,9 @@ class BatchWorker(Worker):
             next(chunks)
             return  # more chunks to come: the others decode a step first
         except StopIteration:
-            pass
+            self._prefill_left.pop(id(job), None)
         except Exception as e:
+            self._prefill_left.pop(id(job), None)
             with self._lock:
                 self._admitting = None
             if self.decoder.slots[b] is not None:
