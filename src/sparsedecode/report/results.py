@@ -25,7 +25,9 @@ the timing campaigns that price it, optional `context` and `budgets`) and "retri
 `sparsedecode eval passkey|multikey|two-turn --out`, typically one run at one context on one
 device each; one row per test and configuration led by its context, device and dtype, so a
 4K CPU run and 16K/32K H200 runs share one table); and "union" (Table 14: `records` lists `bench
-union` records, `paper` the paper's batching/union_keep*.json, optional `kv_keep` for n*_B):
+union` records, `paper` the paper's batching/union_keep*.json, optional `kv_keep` for n*_B); and
+"batch" (the batched step against B: `records` lists `benchmarks/batch_decode.py` records) and
+"serve_batch" (`records`: `benchmarks/serve_batch.py` records):
 
     [[table]]
     title = "Long-context retrieval (Table 3), qwen2.5-coder-0.5b"
@@ -334,6 +336,68 @@ def _union_table(root: Path, t: dict) -> tuple[str, str]:
         "--out FILE` (its record names the device and commit).")
 
 
+def _batch_table(root: Path, t: dict) -> tuple[str, str]:
+    """The batched step against B (issue 44, App. F) from `benchmarks/batch_decode.py` records
+    (`records`): per context, one row per B, per mode its step ms and tokens/s, the projection
+    modes with the union they read, and the fastest mode's speedup over dense at that B."""
+    from sparsedecode.textfile import read_json
+
+    out = []
+    for rel in _list(t, "records"):
+        r = read_json(root / rel, "batch_decode record")
+        if r.get("kind") != "batch_decode":
+            raise InputError(f"table {t.get('title')!r}: {rel} is not a benchmarks/batch_decode.py record")
+        modes = list(dict.fromkeys(x["mode_spec"] for x in r["rows"]))
+        for n in sorted({x["context"] for x in r["rows"]}):
+            at = {(x["mode_spec"], x["batch"]): x for x in r["rows"] if x["context"] == n}
+            out += [f"{r['label']}, {r['model']}, context {_tokens(n)}:", "",
+                    "| B | " + " | ".join(f"{m} ms (tok/s)" for m in modes) + " | fastest vs dense |",
+                    "|---" * (len(modes) + 2) + "|"]
+            for b in sorted({k[1] for k in at}):
+                cells = []
+                for m in modes:
+                    x = at.get((m, b))
+                    if x is None:
+                        cells.append("")
+                        continue
+                    u = f", u {x['realized_union']:.2f}" if x["mode_spec"] != "dense" and x["realized_union"] < 1 else ""
+                    cells.append(f"{x['step_ms_median']:.1f} ({x['tokens_per_sec']:.0f}{u})")
+                row = [at[(m, b)] for m in modes if (m, b) in at]
+                best = min(row, key=lambda x: x["step_ms_median"])
+                dense = at.get(("dense", b))
+                gain = f"{best['mode_spec']} {dense['step_ms_median'] / best['step_ms_median']:.2f}x" if dense else ""
+                out.append(f"| {b} | " + " | ".join(cells) + f" | {gain} |")
+            out.append("")
+    return "\n".join(out).rstrip(), (
+        "Rebuilt by `sparsedecode report results` from " + ", ".join(f"`{f}`" for f in _list(t, "records"))
+        + "; each made by the `command` it records (`benchmarks/batch_decode.py`), on the device it names.")
+
+
+def _serve_batch_table(root: Path, t: dict) -> tuple[str, str]:
+    """`serve --batch B` against `--batch 1` under one load (`benchmarks/serve_batch.py` records,
+    `records`): per batch its throughput, latency, whether every request ended well, and the
+    throughput ratio against the record's target."""
+    from sparsedecode.textfile import read_json
+
+    lines = ["| record | --batch | tokens/s | p50 latency s | p95 latency s | all answered | × batch 1 | target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rel in _list(t, "records"):
+        r = read_json(root / rel, "serve_batch record")
+        if r.get("kind") != "serve_batch":
+            raise InputError(f"table {t.get('title')!r}: {rel} is not a benchmarks/serve_batch.py record")
+        tgt = r["target"]
+        for run in r["runs"]:
+            ld, x = run["load"], run["tokens_per_s_over_batch_1"]
+            goal = (f"{tgt['tokens_per_s_over_batch_1']:g}x: {'met' if tgt['met'] else 'missed'}"
+                    if run["batch"] == tgt["batch"] else "")
+            lines.append(f"| {Path(rel).name} | {run['batch']} | {ld['tokens_per_s']:.1f} | {ld['latency_s']['p50']:.1f} | "
+                         f"{ld['latency_s']['p95']:.1f} | {'yes' if ld['ok'] else 'no'} | "
+                         f"{'' if x is None else f'{x:.2f}x'} | {goal} |")
+    return "\n".join(lines), (
+        "Rebuilt by `sparsedecode report results` from " + ", ".join(f"`{f}`" for f in _list(t, "records"))
+        + "; each made by the `command` it records (`benchmarks/serve_batch.py`).")
+
+
 def _list(t: dict, key: str) -> list[str]:
     v = t.get(key)
     if isinstance(v, str):
@@ -347,7 +411,8 @@ KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load":
          "serve_probe": _serve_probe_table, "step_check": _step_check_table,
          "generate": _generate_table, "dense_steps": _dense_steps_table, "step_profile": _step_profile_table,
          "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table,
-         "retrieval": _retrieval_table, "union": _union_table}
+         "retrieval": _retrieval_table, "union": _union_table, "batch": _batch_table,
+         "serve_batch": _serve_batch_table}
 
 
 def render(manifest: str | Path) -> str:
