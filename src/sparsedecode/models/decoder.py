@@ -378,8 +378,9 @@ class Transformer(nn.Module):
 
     def _head_rows(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head of a decode batch (h (B, 1, dim)): on CPU the C kernel reads the weight once
-        for the B rows (`sparse_gemv_union_cpu`, every row kept), 2.7x faster than F.linear's
-        GEMM at B = 4 for smollm2's head on 2 threads; elsewhere the head as it is."""
+        for the B rows (`sparse_gemv_union_cpu`, every row kept), where F.linear's GEMM ran a wide
+        head with few rows slower on two threads (a microbenchmark while building this, not a
+        record: `benchmarks/batch_decode.py` times the whole step); elsewhere the head as it is."""
         from sparsedecode.kernels.cpu_gemv import has_entry, sparse_gemv_union_cpu
 
         w_t = self.lm_head.weight.t()  # (dim, vocab): a contiguous view where column_major_ laid it out
