@@ -5,11 +5,12 @@ For a decode batch of B tokens a sparse projection may read the union of their k
 (F.linear, every row read, time flat in the union). For each B this measures both on the seven
 projection shapes of a model at union fractions 0.1 .. 1.0 (each token keeping its own random
 half of a union of that size), sums the shapes weighted by their calls per layer, and records
-the largest union at which the union kernel is still the faster: `max_union`. The engine reads
-the table (`kernels/tuned/union_choice_cpu.json`) and runs the GEMM above it.
+the largest union at which the union kernel is still the faster: `max_union`. A per-call choice
+made from this table lost in the whole step and was deleted (docs/kernels/union_gemv.md#cpu-choice);
+the tuner stays to measure the kernel-level crossover again (e.g. on another CPU).
 
     PYTHONPATH=src python benchmarks/kernels/union_choice_tune.py --threads 2 \\
-        --out benchmarks/records/cpu/kernels/union_choice --table src/sparsedecode/kernels/tuned/union_choice_cpu.json
+        --out benchmarks/records/cpu/kernels/union_choice [--table FILE]
 """
 
 from __future__ import annotations

@@ -44,26 +44,3 @@ def test_a_prefill_stays_dense_and_one_token_stays_the_one_token_path():
     torch.testing.assert_close(lin(x), F.linear(x, w_t.t()))
     assert torch.count_nonzero(lin(x[:, :1])) == 0
 
-
-@pytest.mark.parametrize("limit", [0.0, 1.0], ids=["masked-gemm", "union-kernel"])
-def test_the_priced_choice_gives_the_same_rows_either_way(monkeypatch, limit):
-    """Above the tuned union (kernels/tuned/union_choice_cpu.json) a CPU batch runs one GEMM of the
-    masked tokens instead of the union kernel: the same products, the union still counted."""
-    from sparsedecode.projection import sparse_linear
-
-    monkeypatch.setattr(sparse_linear, "union_max", lambda B: limit)
-    g = torch.Generator().manual_seed(3)
-    w_t, bias = torch.randn(70, 33, generator=g), torch.randn(33, generator=g)
-    x = torch.randn(9, 1, 70, generator=g)
-    lin = SparseLinear(w_t, bias, 0.8, track=True)
-    torch.testing.assert_close(lin(x)[:, 0], union_gemv_ref(x[:, 0], w_t, 0.8, bias), rtol=1e-5, atol=1e-5)
-    assert lin.realized_union() == pytest.approx(float((x[:, 0].abs() > 0.8).any(0).float().mean()))
-
-
-def test_the_shipped_union_table_is_read():
-    from sparsedecode.kernels.cpu_gemv import UNION_CHOICE, union_max
-
-    assert UNION_CHOICE.is_file()
-    assert union_max(1) == 1.0  # one token reads its own kept rows
-    assert all(0.0 <= union_max(b) <= 1.0 for b in (2, 5, 8, 64))
-    assert union_max(64) <= union_max(2)  # a larger batch leaves the union kernel less room

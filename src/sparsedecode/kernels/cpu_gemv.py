@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -221,23 +220,6 @@ def sparse_gemv_union_cpu(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None
     if n < 0:
         raise MemoryError("sparse_gemv_union_cpu could not allocate its masks or partial sums")
     return y.to(x.dtype), int(n), kept
-
-
-UNION_CHOICE = Path(__file__).parent / "tuned" / "union_choice_cpu.json"
-
-
-@functools.cache
-def union_max(batch: int, path: str = str(UNION_CHOICE)) -> float:
-    """The largest union fraction of kept rows at which `sparse_gemv_union_cpu` beat one GEMM of
-    the masked tokens for a decode batch of `batch` tokens, from the tuned table
-    (`benchmarks/kernels/union_choice_tune.py`; the row of the largest B <= batch). 1.0 (the
-    union kernel always) without a table or a row: a batch of one reads its own kept rows."""
-    p = Path(path)
-    if batch < 2 or not p.exists():
-        return 1.0
-    rows = sorted(json.loads(p.read_text())["rows"], key=lambda r: r["B"])
-    fit = [r for r in rows if r["B"] <= batch]
-    return float(fit[-1]["max_union"]) if fit else 1.0
 
 
 def cats_up_cpu(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None = None) -> Tensor:

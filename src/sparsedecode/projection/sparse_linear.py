@@ -18,9 +18,8 @@ or compiled before the options change keeps the old ones, so capture again.
 
 A decode batch (x of shape (B, 1, in), one token per sequence, B > 1) keeps each token's own
 channels and reads the weight once, in the rows of the union of the kept channels (ByteCross
-§3.3, App. F): `kernels.union_gemv` on CUDA, `sparse_gemv_union_cpu` on CPU, where the union is
-at most the tuned `union_max(B)` (above it one GEMM of the masked tokens is faster: the union
-leaves too little to skip); a dense site (READ_ALL) runs one GEMM. The realized union (union rows over rows, summed over calls) is
+§3.3, App. F): `kernels.union_gemv` on CUDA, `sparse_gemv_union_cpu` on CPU; a dense site
+(READ_ALL) runs one GEMM. The realized union (union rows over rows, summed over calls) is
 counted beside the keep when `track` is on (`realized_union`).
 
 The realized keep, the fraction of projection weight bytes actually read, is
@@ -44,7 +43,6 @@ from sparsedecode.kernels.cpu_gemv import (
     sparse_gemv_cpu,
     sparse_gemv_segs_cpu,
     sparse_gemv_union_cpu,
-    union_max,
 )
 from sparsedecode.kernels.options import GemvOptions
 from sparsedecode.kernels.sparse_gemv import sparse_gemv, sparse_gemv_ref
@@ -237,14 +235,9 @@ class SparseLinear(FixedDtypeBuffers):
                 return y.reshape(B, 1, -1)
             return union_gemv(x2, self.w_t, self.threshold_host, self.bias).reshape(B, 1, -1)
         if cpu_rows(self.w_t):
-            keep = keep_mask(x2, self.threshold_host)  # (B, in)
-            n = int(keep.any(0).sum())
-            if n > union_max(B) * K:  # priced: one GEMM of the masked tokens reads less time here
-                y = F.linear(torch.where(keep, x2, 0.0), self.w_t.t(), self.bias)
-            else:
-                y = sparse_gemv_union_cpu(x2, self.w_t, self.threshold_host, self.bias)[0]
+            y, n, kept = sparse_gemv_union_cpu(x2, self.w_t, self.threshold_host, self.bias)
             if self.track:
-                self.kept_host[0] += float(keep.sum()) / B
+                self.kept_host[0] += float(kept.sum()) / B
                 self.kept_host[1] += K
                 self.union_host[0] += n
                 self.union_host[1] += K
