@@ -43,7 +43,8 @@ from sparsedecode.kernels.decode_attention import (
 )
 from sparsedecode.kernels.options import DEFAULT, AttentionOptions
 
-__all__ = ["BACKENDS", "decode_attention", "get_backend", "merge_lse", "rows_attention", "split_k_lse"]
+__all__ = ["BACKENDS", "decode_attention", "get_backend", "merge_lse", "rows_attention", "rows_split_k",
+           "split_k_lse"]
 
 
 def _in_range(end, start, T: int, device) -> Tensor:
@@ -208,13 +209,7 @@ def rows_attention(q, k_cache, v_cache, pos, compact=None, *, slots=None,
     if q.is_cuda or torch.compiler.is_compiling():
         if slots is not None:
             raise InputError("a captured decode batch reads cache rows 0..B-1: run every slot (slots=None)")
-        if compact is None:
-            return split_k_lse(q, k_cache, v_cache, pos, end_offset=1, options=options)[0]
-        ck, cv, offset, sel = compact
-        zero = torch.zeros_like(pos)
-        o1, l1 = split_k_lse(q, k_cache, v_cache, torch.where(sel, zero, pos + 1), options=options)
-        o2, l2 = split_k_lse(q, ck, cv, torch.where(sel, pos - offset + 1, zero), options=options)
-        return merge_lse([o1, o2], [l1, l2])[0]
+        return rows_split_k(q, k_cache, v_cache, pos, compact, options=options)
     ends = pos.tolist()
     idx = list(range(len(ends))) if slots is None else slots.tolist()
     sel = [False] * k_cache.shape[0] if compact is None else compact[3].tolist()
@@ -226,3 +221,17 @@ def rows_attention(q, k_cache, v_cache, pos, compact=None, *, slots=None,
         else:
             rows.append(_sdpa_slice(q[b:b + 1], k_cache[r:r + 1], v_cache[r:r + 1], 0, e + 1))
     return torch.cat(rows)
+
+
+def rows_split_k(q, k_cache, v_cache, pos, compact=None, *, options: AttentionOptions = DEFAULT.attention):
+    """`rows_attention` with every bound on the device (capturable): split-K over each row's
+    cache entries [0, pos + 1), or, with `compact`, one split-K call over the cache and one over
+    the compact buffers, a row's bound in the source it does not read being 0 (an empty range
+    reads no entry), merged by log-sum-exp. Rows 0..B-1 of the caches and buffers."""
+    if compact is None:
+        return split_k_lse(q, k_cache, v_cache, pos, end_offset=1, options=options)[0]
+    ck, cv, offset, sel = compact
+    zero = torch.zeros_like(pos)
+    o1, l1 = split_k_lse(q, k_cache, v_cache, torch.where(sel, zero, pos + 1), options=options)
+    o2, l2 = split_k_lse(q, ck, cv, torch.where(sel, pos - offset + 1, zero), options=options)
+    return merge_lse([o1, o2], [l1, l2])[0]
