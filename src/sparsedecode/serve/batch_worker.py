@@ -21,12 +21,26 @@ import logging
 import queue
 import time
 import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from sparsedecode.errors import InputError
 from sparsedecode.serve.protocol import RequestError
-from sparsedecode.serve.worker import Answer, Job, Worker
+from sparsedecode.serve.worker import Answer, Job, Worker, report_failure
 
 log = logging.getLogger("sparsedecode.serve")
+
+
+@dataclass
+class _Admission:
+    """The job whose prompt is being prefilled: its prefill's chunks (`admit_chunks`), its slot,
+    when it started, and the prompt tokens still to prefill."""
+
+    job: Job
+    chunks: Iterator[None]
+    slot: int
+    t0: float
+    left: int
 
 
 class BatchWorker(Worker):
@@ -40,9 +54,8 @@ class BatchWorker(Worker):
         self.decoder = BatchDecoder(engine)
         self.chunk = chunk
         self._live: dict[int, tuple[Job, Answer, float]] = {}  # id(job) -> the job, its answer, its start
-        self._admitting = None  # (job, its prefill's chunks, its slot, its start) while a prompt is prefilled
+        self._admitting: _Admission | None = None  # the job whose prompt is being prefilled
         self._ending = False  # the stop sentinel was taken: finish what runs, take nothing more
-        self._prefill_left: dict[int, int] = {}  # prompt tokens of the job being prefilled still to run
 
     @property
     def running(self) -> int:  # jobs decoding or being prefilled
@@ -55,7 +68,7 @@ class BatchWorker(Worker):
     def abort(self, refusal: RequestError) -> None:
         """Stop every running job before the next step; their clients get `refusal`."""
         with self._lock:
-            jobs = [j for j, _, _ in self._live.values()] + ([self._admitting[0]] if self._admitting else [])
+            jobs = [j for j, _, _ in self._live.values()] + ([self._admitting.job] if self._admitting else [])
             for job in jobs:
                 if not job.cancelled.is_set():
                     job.refusal = refusal
@@ -68,6 +81,9 @@ class BatchWorker(Worker):
         from sparsedecode.engine.batch import Request
         from sparsedecode.kv.select import get_selector
 
+        if self.configs.gate is not None:
+            raise InputError("a decode batch runs one configuration: a gate chooses per request; serve "
+                             "with --batch 1 to gate")
         eng, spec = self.engine, self.configs.specs[0]
         kv = eng.kv_config if eng.kv_config is not None and eng.kv_config.keep < 1.0 else None
         n = 16
@@ -85,18 +101,8 @@ class BatchWorker(Worker):
         return out
 
     def _run(self) -> None:
-        try:
-            if self.configs.gate is not None:
-                raise InputError("a decode batch runs one configuration: a gate chooses per request; serve "
-                                 "with --batch 1 to gate")
-            self.warm_s = self._warm()
-            for spec, s in self.warm_s.items():
-                self.metrics.capture_seconds.labels(spec).set(s)
-        except BaseException as e:  # reported by start() on the main thread
-            self.failure = e
-            self._ready.set()
+        if not self._start_up():
             return
-        self._ready.set()
         while not (self._ending and not self.running):
             self._admit()
             self._drop_cancelled()
@@ -116,13 +122,11 @@ class BatchWorker(Worker):
                 self._take(block=not self._live and budget == self.chunk)
                 if self._admitting is None:
                     return
-            job, _, _, _ = self._admitting
-            left = self._prefill_left.get(id(job), len(job.ids))
-            cost = min(self.chunk, left)
+            cost = min(self.chunk, self._admitting.left)
             if cost > budget:
                 return
             budget -= cost
-            self._prefill_left[id(job)] = left - cost
+            self._admitting.left -= cost
             self._admit_chunk()
 
     def _take(self, block: bool) -> None:
@@ -136,15 +140,7 @@ class BatchWorker(Worker):
             if job is None:
                 self._ending = True
                 return
-            with self._lock:
-                self._waiting -= 1
-                self.metrics.queue_depth.set(self._waiting)
-                closed, gone = self._closed, job.cancelled.is_set()
-            if gone:
-                self.metrics.cancelled.inc()
-                continue
-            if closed is not None:
-                self._refuse(job, closed)
+            if not self._claim(job):
                 continue
             self.metrics.queue_wait.observe(time.monotonic() - job.queued_at)
             self._start(job)
@@ -163,17 +159,17 @@ class BatchWorker(Worker):
             self._fail(job, e)
             return
         with self._lock:
-            self._admitting = (job, chunks, b, time.perf_counter())
+            self._admitting = _Admission(job, chunks, b, time.perf_counter(), len(job.ids))
 
     def _admit_chunk(self) -> None:
-        job, chunks, b, t0 = self._admitting
+        a = self._admitting
+        job, b, t0 = a.job, a.slot, a.t0
         try:
-            next(chunks)
+            next(a.chunks)
             return  # more chunks to come: the others decode a step first
         except StopIteration:
-            self._prefill_left.pop(id(job), None)
+            pass
         except Exception as e:
-            self._prefill_left.pop(id(job), None)
             with self._lock:
                 self._admitting = None
             if self.decoder.slots[b] is not None:
@@ -224,16 +220,9 @@ class BatchWorker(Worker):
         gen = self.decoder.generations.pop(key)
         answer.end(gen, self.metrics, t0, {"batch": self.decoder.B})
 
-    def _fail(self, job: Job, e: BaseException) -> None:
+    def _fail(self, job: Job, e: Exception) -> None:
         self.decoder.generations.pop(id(job), None)
-        if isinstance(e, RequestError):
-            job.emit("error", e)
-        elif isinstance(e, InputError):
-            job.emit("error", RequestError(str(e)))
-        else:
-            log.error("request failed:\n%s", "".join(traceback.format_exception(e)))
-            job.emit("error", RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
-                                           kind="server_error"))
+        report_failure(job, e)
 
 
 __all__ = ["BatchWorker"]

@@ -160,45 +160,61 @@ class Worker:
         self._jobs.put(job)
 
     # -- the thread ------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _warm(self) -> dict[str, float]:
+        """Compile and capture every configuration's decode step; seconds each."""
+        return self.configs.warm(self._progress)
+
+    def _start_up(self) -> bool:
+        """Warm up and let `start()` return; False where the warm-up failed (`failure`)."""
         try:
-            self.warm_s = self.configs.warm(self._progress)
+            self.warm_s = self._warm()
             for spec, s in self.warm_s.items():
                 self.metrics.capture_seconds.labels(spec).set(s)
         except BaseException as e:  # reported by start() on the main thread
             self.failure = e
             self._ready.set()
-            return
+            return False
         self._ready.set()
+        return True
+
+    def _claim(self, job: Job, running=None) -> bool:
+        """Take `job` off the queue's count; True where it is to be served. A job whose client
+        went away is counted as cancelled, one taken as the server closed gets the refusal; the
+        decision is made under the lock that `close` takes, where `running` (if given) marks
+        the job as the running one."""
+        with self._lock:
+            self._waiting -= 1
+            self.metrics.queue_depth.set(self._waiting)
+            closed, gone = self._closed, job.cancelled.is_set()
+            if closed is None and not gone and running is not None:
+                running()
+        if gone:
+            self.metrics.cancelled.inc()
+            return False
+        if closed is not None:
+            self._refuse(job, closed)  # taken off the queue as it closed: no work done
+            return False
+        return True
+
+    def _run(self) -> None:
+        if not self._start_up():
+            return
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            with self._lock:
-                self._waiting -= 1
-                self.metrics.queue_depth.set(self._waiting)
-                closed, gone = self._closed, job.cancelled.is_set()
-                if closed is None and not gone:  # decided under the lock that `close` takes
-                    self._current, self.running = job, 1
-            if gone:
-                self.metrics.cancelled.inc()
-                continue
-            if closed is not None:
-                self._refuse(job, closed)  # taken off the queue as it closed: no work done
+            if not self._claim(job, lambda job=job: self._mark_running(job)):
                 continue
             try:
                 self._serve(job)
-            except RequestError as e:
-                job.emit("error", e)
-            except InputError as e:
-                job.emit("error", RequestError(str(e)))
-            except Exception as e:  # a bug: the server keeps serving, the client learns it was ours
-                log.error("request failed:\n%s", traceback.format_exc())
-                job.emit("error", RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
-                                               kind="server_error"))
+            except Exception as e:
+                report_failure(job, e)
             finally:
                 with self._lock:
                     self._current, self.running = None, 0
+
+    def _mark_running(self, job: Job) -> None:
+        self._current, self.running = job, 1
 
     def _serve(self, job: Job) -> None:
         from sparsedecode.engine.engine import Generation
@@ -217,6 +233,20 @@ class Worker:
         finally:
             steps.close()
         answer.end(timing, self.metrics, t0)
+
+
+def report_failure(job: Job, e: Exception) -> None:
+    """Send `job` the error that stopped it: a RequestError as it is, an InputError as a 400, any
+    other exception (a bug: the server keeps serving, the client learns it was ours) logged and
+    answered 500."""
+    if isinstance(e, RequestError):
+        job.emit("error", e)
+    elif isinstance(e, InputError):
+        job.emit("error", RequestError(str(e)))
+    else:
+        log.error("request failed:\n%s", "".join(traceback.format_exception(e)))
+        job.emit("error", RequestError(f"internal error ({type(e).__name__}: {e})", status=500,
+                                       kind="server_error"))
 
 
 class Answer:
