@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import require_embedded
+from quality.test_ppl_protocols import TINY
 
 MODEL = "smollm2-135m"
 STORY = " ".join(["The old harbour town grew slowly over the centuries, and its fishermen"] * 24)
@@ -21,9 +22,6 @@ PROMPTS = [  # different lengths: each slot sits at its own position
 ]
 LONG = [STORY[:k] + " And then" for k in (1000, 1150, 1300, 1500)]  # long enough to select at keep 0.5
 NEW = 8
-TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=6, num_key_value_heads=2, vocab_size=100, max_position_embeddings=1024,
-            rope_theta=10000.0, eos_token_id=None)
 
 
 @pytest.fixture(scope="module")

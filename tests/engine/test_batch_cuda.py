@@ -6,15 +6,8 @@ import pytest
 import torch
 
 import sparsedecode
+from engine.test_cuda_capture import CFG, pytestmark  # noqa: F401 (the same model, the same skips)
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.usefixtures("fresh_dynamo")]
-
-CFG = dict(
-    model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=300,
-    max_position_embeddings=4096, rope_theta=10000.0, eos_token_id=None,
-)
 NEW = 32
 
 

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +56,9 @@ class Request:
             raise InputError("empty prompt: give at least one token")
         if self.kv is not None and not isinstance(self.kv, KVConfig):
             raise InputError(f"a request's kv takes a KVConfig or None, got {type(self.kv).__name__}")
+        if self.kv is not None and self.kv.method == "window" and self.kv.keep < 1.0:
+            raise InputError("window selection in a decode batch is not built: give the batch a scored selector "
+                             "(snapkv, sel0.3) or decode with batch=1")
 
 
 @dataclass
@@ -68,7 +71,6 @@ class _Slot:
     pos: int  # tokens in the slot's cache: the next step writes here
     last: int  # the token the next step feeds
     t0: float = 0.0  # when its decoding started (after its prefill)
-    steps: list = field(default_factory=list)
 
 
 def as_kv(kv) -> KVConfig | None:
@@ -138,9 +140,6 @@ class BatchDecoder:
         from sparsedecode.kv.select import get_selector
 
         eng = self.engine
-        if kv.method == "window":
-            raise InputError("window selection in a decode batch is not built: give the batch a scored selector "
-                             "(snapkv, sel0.3) or decode with batch=1")
         selector = get_selector(kv.method, **kv.params)
         sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
         sync()
@@ -158,6 +157,11 @@ class BatchDecoder:
         sel[b] = True
         sync()
         return time.perf_counter() - t0
+
+    def _check(self, req: Request) -> None:
+        """Refuse a request whose prompt and answer do not fit a slot's cache."""
+        n = len(req.ids)
+        self.engine._check_len(n + req.max_new_tokens, f"the prompt ({n}) plus {req.max_new_tokens} new tokens")
 
     @contextmanager
     def _on_slot(self, b: int):
@@ -186,7 +190,7 @@ class BatchDecoder:
             raise InputError(f"slot {b} holds a sequence: admit into a free slot")
         ids = eng._as_ids(req.ids)
         n = ids.numel()
-        eng._check_len(n + req.max_new_tokens, f"the prompt ({n}) plus {req.max_new_tokens} new tokens")
+        self._check(req)
         out = Generation(prompt_ids=[int(t) for t in req.ids])
         slot = _Slot(index, req, out, None, set(eng.eos_ids if req.stop_ids is None else req.stop_ids), n, 0)
         self.generations[index] = out
@@ -323,13 +327,8 @@ class BatchDecoder:
         """Decode every request, at most B at a time, in one batch: queued requests wait for a
         free slot, which the next one takes before the next step. `on_token(index, token)` is
         called for each new token. Returns one `Generation` per request, in order."""
-        eng = self.engine
         for r in requests:  # every request checked before any is admitted: a bad one leaves no slot taken
-            n = len(r.ids)
-            eng._check_len(n + r.max_new_tokens, f"the prompt ({n}) plus {r.max_new_tokens} new tokens")
-            if r.kv is not None and r.kv.method == "window" and r.kv.keep < 1.0:
-                raise InputError("window selection in a decode batch is not built: give the batch a scored "
-                                 "selector (snapkv, sel0.3) or decode with batch=1")
+            self._check(r)
         self.generations = {}
         queue = deque(enumerate(requests))
         try:

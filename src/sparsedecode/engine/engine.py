@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from sparsedecode.config import SparsityConfig
+from sparsedecode.engine.batch import BatchDecoder
 from sparsedecode.engine.branches import Branches
 from sparsedecode.engine.device import (
     dict_tag_guards_off,
@@ -98,6 +99,8 @@ class Engine(Branches):
         self.kernels_asked = KernelOptions()  # as given (set_kernels); gemv.dense None: see _resolved
         self.linear_needed_by: str | None = None  # what installed needs nn.Linear modules (CATS, the gate)
         self.set_kernels(kernels if kernels is not None else KernelOptions())
+        # the slots of a decode batch (engine/batch.py); None for one sequence
+        self._batch_decoder = BatchDecoder(self) if self.batch > 1 else None
 
     # -- the model calls ----------------------------------------------------
     def _decode_forward(self, host_len: int | None = None) -> torch.Tensor:
@@ -502,7 +505,7 @@ class Engine(Branches):
         the engine's configured one, `kv_config`). The projection configuration is the engine's,
         for the whole batch. `on_token(i, token)` sees each new token of prompt i. Returns one
         `Generation` per prompt, in order."""
-        from sparsedecode.engine.batch import BatchDecoder, Request, as_kv
+        from sparsedecode.engine.batch import Request, as_kv
 
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise InputError("generate_batch takes a list of prompts (strings or token id lists), at least one")
@@ -526,10 +529,7 @@ class Engine(Branches):
                 for p, m, t, tp, sd, k in zip(prompts, each(max_new_tokens, "max_new_tokens"),
                                               each(temperature, "temperature"), each(top_p, "top_p"),
                                               each(seed, "seed"), kvs, strict=True)]
-        dec = getattr(self, "_batch_decoder", None)
-        if dec is None:
-            dec = self._batch_decoder = BatchDecoder(self)
-        return dec.run(reqs, on_token)
+        return self._batch_decoder.run(reqs, on_token)
 
     def __repr__(self) -> str:
         return (f"Engine({self.name!r}, {self.args.model_type}, device={self.device}, "

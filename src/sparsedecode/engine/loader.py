@@ -81,8 +81,7 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
 
 def cache_bytes(args: ModelArgs, max_len: int, batch: int, dtype: torch.dtype) -> int:
     """Bytes of the static KV cache: keys and values of every layer, `batch` rows of `max_len`."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return 2 * args.n_layers * batch * args.n_kv_heads * max_len * args.head_dim * itemsize
+    return 2 * args.n_layers * batch * args.n_kv_heads * max_len * args.head_dim * dtype.itemsize
 
 
 def free_bytes(dev: torch.device) -> int | None:

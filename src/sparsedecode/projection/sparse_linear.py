@@ -190,9 +190,12 @@ class SparseLinear(FixedDtypeBuffers):
         """The (out, in) weight, a view of w_t, for code that expects an nn.Linear."""
         return self.w_t.t()
 
-    def count_kept(self, x: Tensor) -> None:
-        """Add this token's [kept channels, channels] to `kept` (on the device, no sync)."""
-        self.kept[0] += keep_mask(x, self.threshold).sum()
+    def count_kept(self, x: Tensor, keep: Tensor | None = None) -> None:
+        """Add this token's [kept channels, channels] to `kept` (on the device, no sync); for
+        several tokens (a decode batch) the mean token's. `keep`: x's kept mask, where known."""
+        keep = keep_mask(x, self.threshold) if keep is None else keep
+        rows, kept = keep.shape[:-1].numel(), keep.sum()
+        self.kept[0] += kept if rows == 1 else kept / rows
         self.kept[1] += self.in_features
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
@@ -224,16 +227,14 @@ class SparseLinear(FixedDtypeBuffers):
         if x.is_cuda:
             from sparsedecode.kernels.union_gemv import union_gemv
 
-            if self.track:  # counted on the device (capturable): union rows and each token's keep
-                keep = keep_mask(x2, self.threshold)  # (B, in)
-                self.kept[0] += keep.sum() / B
-                self.kept[1] += K
+            if self.track:  # counted on the device (capturable): each token's keep and the union's rows
+                self.count_kept(x2)
                 self.union_n.zero_()
-                y = union_gemv(x2, self.w_t, self.threshold_host, self.bias, union=self.union_n)
+            y = union_gemv(x2, self.w_t, self.threshold_host, self.bias, union=self.union_n if self.track else None)
+            if self.track:
                 self.union_dev[0] += self.union_n[0]
                 self.union_dev[1] += K
-                return y.reshape(B, 1, -1)
-            return union_gemv(x2, self.w_t, self.threshold_host, self.bias).reshape(B, 1, -1)
+            return y.reshape(B, 1, -1)
         if cpu_rows(self.w_t):
             y, n, kept = sparse_gemv_union_cpu(x2, self.w_t, self.threshold_host, self.bias)
             if self.track:
@@ -246,8 +247,7 @@ class SparseLinear(FixedDtypeBuffers):
 
         if self.track:  # masked: every row is read, whatever the union
             keep = keep_mask(x2, self.threshold)
-            self.kept[0] += keep.sum() / B
-            self.kept[1] += K
+            self.count_kept(x2, keep)
             self.union_dev[0] += keep.any(0).sum()
             self.union_dev[1] += K
         return union_gemv_ref(x2, self.w_t, self.threshold, self.bias).reshape(B, 1, -1)
