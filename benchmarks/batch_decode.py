@@ -93,11 +93,12 @@ def select_rows(dec: BatchDecoder, context: int, keep: float, seed: int, text: b
     return budget
 
 
-def text_rows(eng, dec: BatchDecoder, context: int, rows: int, seed: int) -> list[list[int]] | None:
-    """Fill cache row b with a dense prefill of its own WikiText-2 test window (windows `context`
-    + 1 tokens apart, as App. F draws a batch's sequences from the stream); a model without a
-    tokenizer gets seeded normal keys and values instead. Returns each row's ids (None: random)."""
-    if eng.tokenizer is None:
+def fill_rows(eng, dec: BatchDecoder, context: int, rows: int, seed: int, fill: str) -> list[list[int]] | None:
+    """With fill 'prefill', cache row b is a dense prefill of its own WikiText-2 test window
+    (windows `context` + 1 tokens apart, as App. F draws a batch's sequences from the stream);
+    with 'random', or for a model without a tokenizer, every row holds seeded normal keys and
+    values. Returns each row's ids (None: random)."""
+    if fill == "random" or eng.tokenizer is None:
         eng.fill_random_(seed)
         return None
     from sparsedecode.corpus import wikitext_ids
@@ -127,17 +128,16 @@ def measure(a, configs, rows: list, state: dict) -> None:
         cuda = eng.device.type == "cuda"
         gpu = state["gpu"] = torch.cuda.get_device_name(eng.device) if cuda else "CPU"
         dec = BatchDecoder(eng)
-        stream = text_rows(eng, dec, context, bmax, a.seed) if a.fill == "prefill" else None
         dims, size = eng.dims, eng.dtype.itemsize
         thresholds = {}
-        for cfg in configs:
+        for cfg in configs:  # calibrated first: its passes write row 0, which the fill then writes
             k = cfg.proj_keep
             if cfg.projection is not None and k not in thresholds:
                 from sparsedecode.projection.calibrate import own_teal
 
                 with dec._on_slot(0):
                     thresholds[k] = own_teal(eng, k, tokens=a.calib_tokens, seed=a.seed)
-                stream = text_rows(eng, dec, context, bmax, a.seed) if a.fill == "prefill" else None  # calibration wrote row 0
+        stream = fill_rows(eng, dec, context, bmax, a.seed, a.fill)
         for cfg in configs:
             proj = cfg.with_(kv=None)
             th = thresholds.get(cfg.proj_keep)
