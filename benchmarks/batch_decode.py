@@ -21,7 +21,10 @@ their rows say so (`union_source`), and the account's n*_B uses the real-text un
 from __future__ import annotations
 
 import argparse
+import json
+import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -119,14 +122,21 @@ def clear_rows(dec: BatchDecoder) -> None:
         c.rows = None
 
 
-def measure(a, configs, rows: list, state: dict) -> None:
-    """Every (context, mode, batch) row, appended to `rows` as it is measured."""
+def measure(a, configs, rows: list, state: dict, saved) -> None:
+    """Every (context, mode, batch) row not in `rows` yet (a resumed record's), appended to `rows`
+    as it is measured, each followed by `saved()` (the record rewritten)."""
+    done = {(r["context"], r["mode_spec"], r["batch"]) for r in rows}
     for context in a.contexts:
+        if all((context, str(c), B) in done for c in configs for B in a.batches):
+            continue
         bmax = max(a.batches)
         eng = sparsedecode.load(a.model, init=a.init, device=a.device, dtype=a.dtype, max_len=context + 1,
                                 batch=bmax, compile=False, quiet=True)
         cuda = eng.device.type == "cuda"
         gpu = state["gpu"] = torch.cuda.get_device_name(eng.device) if cuda else "CPU"
+        if state.get("resumed_gpu") not in (None, gpu):
+            raise SystemExit(f"--resume: that record was measured on {state['resumed_gpu']}, this is {gpu}: "
+                             "one record is one device (start a new record with --out)")
         dec = BatchDecoder(eng)
         dims, size = eng.dims, eng.dtype.itemsize
         thresholds = {}
@@ -148,6 +158,8 @@ def measure(a, configs, rows: list, state: dict) -> None:
             else:
                 clear_rows(dec)
             for B in sorted(a.batches):
+                if (context, str(cfg), B) in done:
+                    continue
                 if stream is not None:  # each row's own next token of its text
                     tok = torch.tensor([[stream[b][context]] for b in range(B)], device=eng.device)
                 else:
@@ -179,6 +191,7 @@ def measure(a, configs, rows: list, state: dict) -> None:
                 if label in MEASURED_TBPS:
                     row["pct_measured_ceiling"] = 100 * row["achieved_gbps"] / (MEASURED_TBPS[label] * 1e3)
                 rows.append(row)
+                saved()
                 print(f"{label} n={context} {str(cfg):>12} B={B:>3}: {med:8.3f} ms  {row['tokens_per_sec']:9.1f} tok/s  "
                       f"union {union:.3f}  {row['achieved_gbps']:.0f} GB/s", flush=True)
         del dec, eng
@@ -205,19 +218,52 @@ def main() -> None:
                          "normal values")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True, help="folder for the record")
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="a record of this script: its rows are kept and only the missing (context, mode, batch) "
+                         "rows are measured, into the same file")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     rows, t_start = [], time.perf_counter()
-    configs = [SparsityConfig.parse(m) for m in a.modes]
-    state = {"gpu": None, "error": None}
     try:
-        measure(a, configs, rows, state)
+        configs = [SparsityConfig.parse(m) for m in a.modes]
+    except ValueError as e:
+        raise SystemExit(f"error: --modes: {e}") from None
+    state = {"gpu": None, "error": None, "path": None}
+    if a.resume is not None:
+        try:
+            old = json.loads(a.resume.read_text())
+        except (OSError, ValueError) as e:
+            print(f"error: --resume {a.resume}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if old.get("kind") != "batch_decode" or old.get("model") != a.model or old.get("init") != a.init:
+            print(f"error: --resume {a.resume} is not a batch_decode record of {a.model} ({a.init})", file=sys.stderr)
+            raise SystemExit(2)
+        rows, state["path"], state["resumed_gpu"] = old["rows"], a.resume, old.get("gpu")
+
+    def saved() -> Path:
+        rec = record(a, rows, state, t_start)
+        if state["path"] is None:
+            a.out.mkdir(parents=True, exist_ok=True)
+            when = rec["timestamp"].replace(":", "").replace("-", "")[:15]
+            state["path"] = a.out / f"batch_decode_{a.model}_{rec['label'].replace(' ', '_')}_{when}.json"
+        return write_record(state["path"], rec, overwrite=True)
+
+    def stop(signum, frame):  # a timeout's SIGTERM: keep what was measured
+        raise SystemExit(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        measure(a, configs, rows, state, saved)
     except BaseException as e:  # what was measured is kept: the record says where it stopped
         state["error"] = f"{type(e).__name__}: {e}"
         print("stopped:", state["error"], flush=True)
+    print(saved())
+
+
+def record(a, rows: list, state: dict, t_start: float) -> dict:
     gpu = state["gpu"] or "unknown"
-    rec = stamp({
+    return stamp({
         "kind": "batch_decode",
         "model": a.model, "init": a.init, "device": "cuda" if gpu != "CPU" else "cpu", "gpu": gpu,
         "label": gpu.removeprefix("NVIDIA ") if gpu != "CPU" else "CPU",
@@ -235,11 +281,8 @@ def main() -> None:
         "wall_s": time.perf_counter() - t_start,
         "command": "PYTHONPATH=src python benchmarks/batch_decode.py " + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(a).items() if v is not None),
+            for k, v in vars(a).items() if v is not None and k != "resume"),
     })
-    a.out.mkdir(parents=True, exist_ok=True)
-    when = rec["timestamp"].replace(":", "").replace("-", "")[:15]
-    print(write_record(a.out / f"batch_decode_{a.model}_{rec['label'].replace(' ', '_')}_{when}.json", rec))
 
 
 if __name__ == "__main__":
