@@ -75,6 +75,7 @@ def cell(
     kernels: Annotated[str, typer.Option("--kernels", help="Kernel options, e.g. gemv.pdl=false,attention.min_split_keys=256 (default: none changed).")] = "",
     profile: Annotated[int, typer.Option("--profile", help="After the timed steps, this many more under torch.profiler: the record's 'profile' says where the step's time goes (0 = none).")] = 0,
     shared_gpu: Annotated[str, typer.Option("--shared-gpu", help="When other processes hold the GPU: refuse (the default: they skew the step) or allow (time anyway; the record names them).")] = "refuse",
+    batch: Annotated[int, typer.Option("--batch", callback=bounded(1, 4096), help="Sequences a step decodes, each its own stretch of the stream and cache row (issue 44; 1 = one sequence).")] = 1,
     out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(new=True), help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
     campaign: Annotated[str, typer.Option("--campaign", hidden=True)] = "",
     block: Annotated[int, typer.Option("--block", hidden=True)] = 0,
@@ -102,7 +103,8 @@ def cell(
                         mode=mode, attention=attention, warmup=warmup, repeats=repeats, steps=steps,
                         fill=fill, compile_mode=compile_mode, text=text_file,
                         calib_tokens=parse_tokens(calib_tokens, "--calib-tokens"), obs=obs, seed=seed,
-                        kernels=kernels, impl=impl, profile=profile, shared_gpu=shared_gpu, campaign=campaign, block=block, group=group, cell=cell_id, order=order)
+                        kernels=kernels, impl=impl, profile=profile, shared_gpu=shared_gpu, batch=batch, campaign=campaign, block=block, group=group,
+                        cell=cell_id, order=order)
         log = None if json_out else (lambda line: print(line, file=sys.stderr, flush=True))
         rec = run_cell(spec, log=log)
     except Exception as e:  # a campaign keeps the failure beside the cells that worked
@@ -116,7 +118,8 @@ def cell(
     if json_out:
         emit_json(rec)
     else:
-        typer.echo(f"{rec['model_name']} {rec['mode_spec']} n={rec['context']} ({rec['label']}, "
+        batch_ = f" x{rec['batch']}" if rec.get("batch", 1) > 1 else ""
+        typer.echo(f"{rec['model_name']} {rec['mode_spec']}{batch_} n={rec['context']} ({rec['label']}, "
                    f"{rec['attention']}): {rec['ms_per_token']:.3f} ms/token, "
                    f"{rec['tokens_per_sec']:.1f} tok/s, {rec['achieved_gbps']:.3g} GB/s, "
                    f"byte bound {rec['byte_bound']:.3f}x; dense step: {rec.get('dense_step') or 'n/a'}")

@@ -111,7 +111,8 @@ def plan(spec: CampaignSpec) -> list[CellSpec]:
                     mode=mode, attention=g.attention, warmup=spec.warmup, repeats=spec.repeats,
                     steps=spec.steps, fill=spec.fill, compile_mode=spec.compile_mode,
                     text=spec.text or None, calib_tokens=spec.calib_tokens, obs=spec.obs, seed=spec.seed,
-                    kernels=v, impl=g.impl, profile=spec.profile if g.impl == "ours" else 0, shared_gpu=spec.shared_gpu, campaign=spec.name, block=block, group=group, order=len(cells)))
+                    kernels=v, impl=g.impl, profile=spec.profile if g.impl == "ours" and g.batch == 1 else 0,
+                    shared_gpu=spec.shared_gpu, batch=g.batch, campaign=spec.name, block=block, group=group, order=len(cells)))
     return cells
 
 
@@ -158,6 +159,8 @@ def cell_argv(cell: CellSpec, out: Path, python: str | None = None) -> list[str]
         argv += ["--profile", str(cell.profile)]
     if cell.shared_gpu != "refuse":
         argv += ["--shared-gpu", cell.shared_gpu]
+    if cell.batch > 1:
+        argv += ["--batch", str(cell.batch)]
     return argv + ["--out", str(out)]
 
 

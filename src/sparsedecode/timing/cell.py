@@ -84,7 +84,8 @@ class CellSpec:
     calibration tokens; obs: the selection's observation window; kernels: kernel options
     that differ from the defaults, as `--kernels` reads them ('' = the defaults; stored in
     canonical form); impl: 'ours', or a peer (`timing.peer`): 'transformers', 'graph' (hand-written, CUDA graph);
-    profile: steps to run under torch.profiler after the timed ones (0 = none; `timing.profile`). campaign,
+    profile: steps to run under torch.profiler after the timed ones (0 = none; `timing.profile`);
+    batch: sequences a step decodes (> 1: `timing.batch_cell`, the engine's B slots). campaign,
     block, group, cell (default: the mode's cell id) and order are campaign bookkeeping."""
 
     model: str
@@ -107,6 +108,7 @@ class CellSpec:
     impl: str = "ours"
     profile: int = 0
     shared_gpu: str = "refuse"  # timing.neighbors: refuse a GPU other processes hold, or allow and record
+    batch: int = 1
     campaign: str = ""
     block: int = 0
     group: str = ""
@@ -124,8 +126,8 @@ class CellSpec:
                 raise InputError(f"{name} '{getattr(self, name)}' is not one of {', '.join(choices)}")
         for name, low in (("context", 1), ("warmup", 0), ("repeats", 1), ("steps", 1),
                           ("calib_tokens", 1), ("obs", 1), ("seed", 0), ("block", 0), ("order", 0),
-                          ("profile", 0)):
-            v, high = getattr(self, name), 2**63 - 1 if name == "seed" else 10**9  # a typo, not a plan
+                          ("profile", 0), ("batch", 1)):
+            v, high = getattr(self, name), 2**63 - 1 if name == "seed" else 4096 if name == "batch" else 10**9
             if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
                 raise InputError(f"{name} must be an integer in [{low}, {high:,}], got {v!r}")
         check_alone([], self.shared_gpu)  # the policy's own check
@@ -136,6 +138,8 @@ class CellSpec:
             raise InputError(f"profile {self.profile} steps: a cell decodes {self.generated} tokens "
                              "(warmup + repeats x steps) and profiles after one unprofiled step; "
                              f"profile at most {self.generated - 1}")
+        if self.batch > 1:
+            check_batch_cell(self, mode)
         if self.profile and self.impl != "ours":
             raise InputError(f"profile: only our own step is profiled, not the '{self.impl}' peer; "
                              "drop profile from that cell or grid")
@@ -154,6 +158,21 @@ class CellSpec:
     def generated(self) -> int:
         """Tokens the cell decodes: warm-up plus timed steps."""
         return self.warmup + self.repeats * self.steps
+
+
+def check_batch_cell(spec: CellSpec, mode: SparsityConfig) -> None:
+    """InputError unless a cell of `spec.batch` > 1 sequences is one the batch engine runs (issue 44):
+    our own step under split-K attention, TEAL thresholds and scored selection, no profile."""
+    where = f"batch {spec.batch}"
+    if spec.impl != "ours":
+        raise InputError(f"{where}: the '{spec.impl}' peer times one sequence; give impl 'ours' or batch 1")
+    if spec.attention != "split_k":
+        raise InputError(f"{where}: a batch step reads its rows through split_k attention; "
+                         f"attention '{spec.attention}' runs one sequence")
+    if mode.kv_method == "window":
+        raise InputError(f"{where}: window selection in a decode batch is not built; give sel<keep> (SnapKV)")
+    if spec.profile:
+        raise InputError(f"{where}: profile runs on one sequence's step; drop profile or use batch 1")
 
 
 def kernels_text(text: str | None) -> str:
@@ -222,6 +241,10 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     from sparsedecode.engine.device import resolve_device
     from sparsedecode.records import stamp
 
+    if spec.batch > 1:
+        from sparsedecode.timing.batch_cell import run_batch_cell
+
+        return run_batch_cell(spec, log)
     if spec.impl != "ours":
         from sparsedecode.timing.peer import run_peer_cell
 

@@ -54,13 +54,15 @@ _GRID: dict[str, tuple[tuple[type, ...], object]] = {
     "variants": ((list,), [""]),
     "impl": ((str,), "ours"),
     "pairs": ((str,), "dense"),
+    "batch": ((int,), 1),
 }
 
 
 @dataclass(frozen=True)
 class Grid:
     """One [[grid]] table: a group of contexts x modes under one attention path, timed under
-    each of its kernel variants ('' = the default options; else `--kernels` text)."""
+    each of its kernel variants ('' = the default options; else `--kernels` text), each step
+    decoding `batch` sequences (`timing.batch_cell`; 1: the single-sequence protocol)."""
 
     group: str
     contexts: tuple[int, ...]
@@ -68,6 +70,7 @@ class Grid:
     attention: str = "split_k"
     variants: tuple[str, ...] = ("",)
     impl: str = "ours"
+    batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,17 @@ def _grid(g: dict, where: str) -> Grid:
     if g["impl"] != "ours" and (modes != ["dense"] or variants != [""]):
         raise InputError(f"{where}: the {g['impl']} peer times the dense step under its own kernels: "
                          "give modes = ['dense'] and no variants")
-    return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"], tuple(variants), g["impl"])
+    batch = g["batch"]
+    if not 1 <= batch <= 4096:
+        raise InputError(f"{where}: batch {batch} is not a number of sequences in [1, 4096]")
+    if batch > 1:
+        if g["impl"] != "ours" or g["attention"] != "split_k":
+            raise InputError(f"{where}: batch {batch} times our own step under split_k attention (the batch "
+                             "engine's); give impl 'ours' and attention 'split_k', or batch 1")
+        if any(cell_config(m).kv_method == "window" for m in modes):
+            raise InputError(f"{where}: window selection in a decode batch is not built; give sel<keep> (SnapKV) "
+                             "modes, or batch 1")
+    return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"], tuple(variants), g["impl"], batch)
 
 
 def variant_group(group: str, kernels: str) -> str:
