@@ -9,6 +9,7 @@ import json
 import re
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from conftest import require_embedded, run_cli  # noqa: E402
-from serve.test_server import DRAINED, LONG, start  # noqa: E402
+from serve.test_server import DRAINED, LONG, NoCapture, gate_file, start  # noqa: E402
 
 HEADS = ["Notes:", "def add(a, b):", "Water boils at", "Once upon a time", "1, 2, 3,"]
 PROMPTS = [f"{h} {LONG[:k]}" for h, k in zip(HEADS, (900, 1100, 1300, 1500, 1800), strict=True)]  # all can select
@@ -95,8 +96,60 @@ def test_health_says_the_batch(batch_server):
     assert h["batch"] == 4 and h["running"] == 0
 
 
-def test_batch_with_a_gate_is_refused_before_loading(capsys, tmp_path):
-    r = run_cli(capsys, "serve", "--batch", "2", "--gate", str(tmp_path / "g.json"))
-    assert r.returncode == 2 and "--gate chooses a configuration per request" in r.stderr
+def batch_gate(tmp, capsys, batch: int) -> Path:
+    """A gate table of `batch` (synthetic prices): the committed CPU cells' dense curve as the batch's
+    step, sel0.3 at half of it (its selection 0.05 s at 32K), proj0.5 and both0.5/0.3 at twice
+    those, so the batch's projection is dense and each request takes sel0.3 where its prompt can
+    select and dense where it cannot."""
+    table = json.loads(gate_file(tmp, capsys).read_text())
+    table["batch"] = batch
+    dense = table["configs"]["dense"]["curve"]
+    table["configs"]["sel0.3"]["curve"] = {**dense, "ms": [x / 2 for x in dense["ms"]]}
+    table["configs"]["sel0.3"]["select"] = {"kind": "per_token", "seconds_at_32k": 0.05}
+    for proj, base in (("proj0.5", "dense"), ("both0.5/0.3", "sel0.3")):
+        c = json.loads(json.dumps(table["configs"][base]))
+        c["curve"]["ms"] = [2 * x for x in c["curve"]["ms"]]
+        table["configs"][proj] = c
+        table["admissibility"][proj] = {"admitted": True}
+    out = tmp / f"gate_b{batch}.json"
+    out.write_text(json.dumps(table))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gated_batch_server(tmp_path_factory):
+    require_embedded("smollm2-135m")
+    tmp = tmp_path_factory.mktemp("serve_batch_gate")
+    ready, log = tmp / "ready.json", tmp / "server.log"
+    proc = start(["--model", "smollm2-135m", "--batch", "4", "--gate", str(batch_gate(tmp, NoCapture(), 4)),
+                  "--max-len", "1024"], ready, log)
+    info = json.loads(ready.read_text())
+    yield {"url": info["url"], "log": log}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) in DRAINED, log.read_text()[-3000:]
+
+
+def test_a_gated_batch_chooses_its_projection_once_and_each_request_its_selection(gated_batch_server):
+    url = gated_batch_server["url"]
+    h = httpx.get(url + "/health").json()
+    assert h["batch"] == 4 and h["batch_projection"] == "dense" and h["configurations"] == ["dense", "sel0.3"]
+    out = {}
+    jobs = {"short": ("Water boils at", 6), "long": (PROMPTS[4], 6)}
+    threads = [threading.Thread(target=lambda k=k, p=p: out.setdefault(k, _complete(url, p[0], p[1])))
+               for k, p in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    short, long = out["short"]["sparsedecode"], out["long"]["sparsedecode"]
+    assert short["mode"] == "dense" and short["kv_select_ms"] == 0 and short["batch"] == 4
+    assert long["mode"] == "sel0.3" and long["kv_select_ms"] > 0 and long["predicted_ms_per_token"] > 0
+
+
+def test_a_gate_of_another_batch_size_is_refused(capsys, tmp_path):
+    require_embedded("smollm2-135m")
+    gate = batch_gate(tmp_path, capsys, 1)
+    r = run_cli(capsys, "serve", "--batch", "2", "--gate", str(gate), "--port", "0")
+    assert r.returncode == 2 and "prices steps of 1 sequence(s) and the engine decodes 2" in r.stderr
     r = run_cli(capsys, "serve", "--batch", "0")
     assert r.returncode == 2 and "--batch" in r.stderr

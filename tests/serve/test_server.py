@@ -57,16 +57,18 @@ def start(args: list[str], ready: Path, log: Path) -> subprocess.Popen:
     return proc
 
 
+class NoCapture:
+    """run_cli's capsys, outside a test (a module fixture)."""
+
+    def readouterr(self):
+        return type("O", (), {"out": "", "err": ""})()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     require_embedded("smollm2-135m")
     tmp = tmp_path_factory.mktemp("serve")
-
-    class Cap:  # run_cli's capsys, outside a test
-        def readouterr(self):
-            return type("O", (), {"out": "", "err": ""})()
-
-    gate = gate_file(tmp / "gate", Cap())
+    gate = gate_file(tmp / "gate", NoCapture())
     ready, log = tmp / "ready.json", tmp / "server.log"
     proc = start(["--model", "smollm2-135m", "--gate", str(gate), "--max-len", str(MAX_LEN), "--max-queue", "6"],
                  ready, log)

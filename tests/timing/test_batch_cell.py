@@ -120,3 +120,97 @@ def test_bench_cell_batch_out_of_range_exits_2(tiny, capsys):
     r = run_cli(capsys, "bench", "cell", "--model", tiny, "--init", "random", "--context", "64", "--batch", "0",
                 "--device", "cpu")
     assert r.returncode == 2 and "--batch must be >= 1" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def batch_folder(tiny, tmp_path_factory):
+    """A campaign folder of one block: groups b1 and b2 (batch 2), dense, proj0.5 and sel0.3 at two
+    contexts, written where `campaign run` writes its cells."""
+    from sparsedecode.records import write_record
+    from sparsedecode.timing.campaign import record_path
+
+    folder = tmp_path_factory.mktemp("batch_campaign") / "tiny_batch"
+    for group, batch in (("b1", 1), ("b2", 2)):
+        for n in (96, 160):
+            for mode in ("dense", "proj0.5", "sel0.3"):
+                s = spec(tiny, mode, context=n, batch=batch, group=group, campaign="tiny_batch")
+                write_record(record_path(folder, s), run_cell(s))
+    return folder
+
+
+def test_the_report_shows_the_step_against_batch_and_each_batch_crossover(batch_folder):
+    from sparsedecode.account import crossover_batched
+    from sparsedecode.report.timing_report import write_report
+
+    rep, md = write_report(batch_folder, figures=False)
+    assert {g["name"]: g["batch"] for g in rep["groups"]} == {"b1": 1, "b2": 2}
+    b = rep["batches"]
+    assert b["batches"] == [1, 2] and len(b["steps"]) == 6  # three modes at two contexts
+    for r in b["steps"]:
+        one, two = (x for x in r["by_batch"])
+        assert (one["batch"], two["batch"]) == (1, 2)
+        assert two["step_over_b1"] == pytest.approx(two["step_ms"] / one["step_ms"])
+        assert two["tokens_per_sec"] == pytest.approx(2e3 / two["step_ms"])
+    cross = {c["batch"]: c for c in b["crossings"]}
+    assert set(cross) == {1, 2}
+    two = cross[2]
+    dims = next(g for g in rep["groups"] if g["batch"] == 2)
+    union = [r["realized_union"] for r in dims["rows"] if r["mode"] == "proj"]
+    assert two["union"] == pytest.approx(sum(union) / len(union))
+    from sparsedecode.timing.cells import load_cells
+
+    cc = load_cells(batch_folder, batched=True)
+    want = crossover_batched(cc.dims, two["union"], two["kv_read"], 2)
+    assert two["byte_tokens"] == pytest.approx(want)
+    assert "## Batched steps" in md and "| 2 | proj50 | sel30 |" in md
+    assert all(d["group"] == "b1" for d in rep["dense_steps"])  # a batch's step is no dense step of one sequence
+
+
+def test_single_sequence_readers_leave_batch_cells_out(batch_folder):
+    from sparsedecode.timing.cells import load_cells
+
+    cc = load_cells(batch_folder)
+    assert {c.group for c in cc.cells} == {"b1"} and cc.batched == 6
+    assert len(load_cells(batch_folder, batched=True).cells) == 12
+
+
+def test_a_price_table_of_a_batch_prices_its_steps(batch_folder, tiny):
+    import sparsedecode
+    from sparsedecode.dispatch.prices import PriceTable, from_records
+    from sparsedecode.timing.cells import load_cells
+
+    cc = load_cells(batch_folder, batched=True)
+    two = from_records([batch_folder], batch=2)
+    assert two.batch == 2 and set(two.specs) == {"dense", "proj0.5", "sel0.3"}
+    for spec, cell in (("dense", "dense"), ("sel0.3", "sel30")):
+        got = dict(zip(two.configs[spec].curve.contexts, two.configs[spec].curve.ms, strict=True))
+        want = {c.context: 2 * c.ms_per_token for c in cc.cells if c.group == "b2" and c.cell == cell}
+        assert got == pytest.approx(want)  # ms a step: each sequence's ms per token
+    one = from_records([batch_folder])
+    assert one.batch == 1 and one.configs["dense"].curve.ms == tuple(
+        c.ms_per_token for c in sorted(cc.cells, key=lambda c: c.context) if c.group == "b1" and c.cell == "dense")
+    assert PriceTable.from_dict(two.to_dict()).batch == 2
+    with pytest.raises(InputError, match="no cells of batch 3 .*batch sizes timed: 1, 2"):
+        from_records([batch_folder], batch=3)
+    eng = sparsedecode.load(tiny, init="random", device="cpu", dtype="float32", max_len=128)
+    with pytest.raises(InputError, match="prices steps of 2 sequence.* decodes 1 at once.*--batch 1"):
+        two.check_engine(eng)
+
+
+def test_a_batch_runs_the_projection_priced_cheapest_at_its_size():
+    from sparsedecode.dispatch.prices import ConfigPrice, Curve, PriceTable, SelectCost
+    from sparsedecode.dispatch.runtime import batch_projection
+
+    sel = SelectCost("per_token", seconds_at_32k=0.1)
+
+    def table(proj_ms):
+        c = lambda spec, ms: ConfigPrice(spec, Curve.from_points([(1024, ms[0]), (8192, ms[1])]),  # noqa: E731
+                                         sel if "0.3" in spec else None)
+        configs = {"dense": c("dense", (10, 14)), "sel0.3": c("sel0.3", (10.5, 11)),
+                   "proj0.5": c("proj0.5", proj_ms), "both0.5/0.3": c("both0.5/0.3", (proj_ms[0] + 0.5, 10))}
+        return PriceTable("m", None, "CPU", "cpu", None, None, "sparsedecode", (), configs, batch=8)
+
+    specs = ["dense", "sel0.3", "proj0.5", "both0.5/0.3"]
+    assert batch_projection(table((12, 16)), specs) == "dense"  # the union reads every row: proj pays nothing
+    assert batch_projection(table((7, 11)), specs) == "proj0.5"
+    assert batch_projection(table((12, 16)), ["dense", "proj0.5"]) == "dense"

@@ -65,18 +65,26 @@ def _select(text: str | None, record: str | None = None) -> float | None:
     return v
 
 
-def _table(records: list[str], select_seconds: float | None):
-    """A PriceTable from record folders, or from one gate table file."""
+BatchOpt = Annotated[int, typer.Option("--batch", callback=bounded(1, 4096), help="Price steps of this many sequences: the campaign's cells of that batch size (a grid's batch key; issue 44).")]
+
+
+def _table(records: list[str], select_seconds: float | None, batch: int = 1):
+    """A PriceTable from record folders (the cells of `batch` sequences a step), or from one gate
+    table file."""
     from sparsedecode.dispatch.prices import PriceTable, from_records
 
     if len(records) == 1 and Path(records[0]).is_file():
         if select_seconds is not None:
             raise InputError("--select-seconds applies to timing records; a gate table holds its selection costs")
-        return PriceTable.read(records[0])
+        table = PriceTable.read(records[0])
+        if batch != 1 and table.batch != batch:
+            raise InputError(f"--batch {batch}: {records[0]} prices steps of {table.batch} sequences; build a table "
+                             f"of batch {batch} from the timing records")
+        return table
     for r in records:
         if not Path(r).exists():
             raise InputError(f"{r}: no such folder of timing records")
-    return from_records(records, select_seconds)
+    return from_records(records, select_seconds, batch=batch)
 
 
 def _verdicts(paths: list[str] | None) -> list[dict]:
@@ -115,6 +123,7 @@ def price_cmd(
     assume_admissible: AssumeOpt = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the speedup table as markdown (for docs).")] = False,
     plot: Annotated[str | None, typer.Option("--plot", callback=out_file(".png"), help="PNG: the gate's choice by prompt and answer length, and its speedup by prompt-length bucket.")] = None,
+    batch: BatchOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Speedup over always-dense of each policy on the App. I workloads, and its share of requests per configuration.
@@ -128,7 +137,7 @@ def price_cmd(
     sel = _select(select_seconds, select_record)
     plot_path = check_out_file(plot, "--plot", ".png") if plot else None
     chosen = get_mix(mix, seed)  # a bad trace fails before any pricing
-    table = _table(records, sel)
+    table = _table(records, sel, batch)
     ok, why = _admit(table, admit, assume_admissible)
     rows = price_workloads(table, chosen, ok, seed)
     main = {r.policy: r for r in rows[chosen.name]}
@@ -224,6 +233,7 @@ def table_cmd(
     select_record: SelectRecordOpt = None,
     admit: AdmitOpt = None,
     assume_admissible: AssumeOpt = False,
+    batch: BatchOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Write the gate table: dims, device, dtype, attention path, per-configuration step curves
@@ -235,7 +245,7 @@ def table_cmd(
 
     path = check_out_file(out, "--out", ".json")
     sel = _select(select_seconds, select_record)
-    table = _table(records, sel)
+    table = _table(records, sel, batch)
     ok, why = _admit(table, admit, assume_admissible)
     evidence = {s: {"admitted": s in ok, **({"reason": why[s]} if s in why else {})} for s in table.specs}
     table = replace(table, admissibility=evidence)
@@ -247,7 +257,8 @@ def table_cmd(
         emit_json({"kind": "gate_table_written", "path": str(path), "configs": table.specs,
                    "admissible": ok, "excluded": {k: v for k, v in why.items() if k not in ok}, "reasons": why})
         return
-    typer.echo(f"wrote {path}: {table.model} on {table.gpu}, configurations {', '.join(table.specs)}; "
+    typer.echo(f"wrote {path}: {table.model} on {table.gpu}" + (f", steps of {batch} sequences" if batch > 1 else "")
+               + f", configurations {', '.join(table.specs)}; "
                f"the gate may choose {', '.join(ok)}")
     for spec, reason in why.items():
         typer.echo(f"  {spec}: {reason}")

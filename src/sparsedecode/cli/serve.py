@@ -33,7 +33,9 @@ from sparsedecode.cli.common import (
 def serve(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Known name, HF folder, hub id or .gguf file."),
     gate: str = typer.Option(None, "--gate", help="Gate table (sparsedecode dispatch table): every request "
-                             "decodes under the admissible configuration of least predicted cost, or the one it names."),
+                             "decodes under the admissible configuration of least predicted cost, or the one it names. "
+                             "With --batch B a table of batch B (dispatch table --batch B): the batch's projection is "
+                             "the one it prices cheapest at B, and each request chooses its KV selection."),
     thresholds: ThresholdsOpt = None,
     proj_keep: ProjKeepOpt = None,
     kv: KvOpt = None,
@@ -80,9 +82,6 @@ def serve(
                          "ahead of requests; serve with split_k or sdpa_masked")
     if ready_file is not None:
         check_new_file(ready_file, "--ready-file", ".json")
-    if batch > 1 and gate is not None:
-        raise InputError("--gate chooses a configuration per request and a decode batch shares one: drop --gate, "
-                         "or serve with --batch 1")
     if batch > 1 and attention != "split_k":
         raise InputError(f"a decode batch attends with split_k: drop --attention {attention}, or serve with --batch 1")
     config, th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)

@@ -231,7 +231,9 @@ class PriceTable:
 
     `gpu` is the device name of the records ('CPU' for CPU cells); `records` the folders
     they came from; `admissibility` maps a configuration to its evidence (see
-    `dispatch.policies.admissible`)."""
+    `dispatch.policies.admissible`). `batch`: sequences a priced step decodes (issue 44; ByteCross
+    §3.3 'Dispatch and batching'): a table of batch B prices the step of B sequences from the
+    campaign's batch-B cells, its curves in ms a step, which is each sequence's ms per token."""
 
     model: str
     dims: ModelDims | None
@@ -244,8 +246,10 @@ class PriceTable:
     configs: dict[str, ConfigPrice]
     admissibility: dict[str, dict] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    batch: int = 1
 
     def __post_init__(self):
+        require_number(self.batch, "batch", lo=1, hi=4096, integer=True, where="gate table")
         if "dense" not in self.configs:
             raise InputError(
                 f"the price table of {', '.join(self.records) or 'these records'} has no dense curve: "
@@ -276,6 +280,12 @@ class PriceTable:
                 f"the gate table was timed on {self.model} and the engine runs {engine.name}, whose dims "
                 f"differ ({', '.join(diff)}): build a gate table from timing records of "
                 f"{engine.name} (sparsedecode dispatch table RECORDS --out gate.json)")
+        batch = getattr(engine, "batch", 1)
+        if self.batch != batch:
+            raise InputError(
+                f"the gate table prices steps of {self.batch} sequence(s) and the engine decodes {batch} at "
+                f"once: build a table of its batch size (sparsedecode dispatch table RECORDS --batch {batch}) "
+                "from a campaign that timed it (a grid's batch key)")
         here = device_name(engine.device)
         if here.upper() != self.gpu.upper():
             raise InputError(
@@ -288,7 +298,7 @@ class PriceTable:
                 "device": self.device, "dtype": self.dtype, "attention": self.attention,
                 "source": self.source, "records": list(self.records),
                 "configs": {k: c.to_dict() for k, c in self.configs.items()},
-                "admissibility": self.admissibility, "notes": list(self.notes)}
+                "admissibility": self.admissibility, "notes": list(self.notes), "batch": self.batch}
 
     @classmethod
     def read(cls, path: str | Path) -> PriceTable:
@@ -343,7 +353,8 @@ class PriceTable:
                        require_str(d.get("gpu"), "gpu", where=where),
                        require_str(d.get("device", "cuda"), "device", where=where), opt("dtype"), opt("attention"),
                        require_str(d.get("source", "sparsedecode"), "source", choices=SOURCES, where=where),
-                       strings("records"), configs, admissibility, strings("notes"))
+                       strings("records"), configs, admissibility, strings("notes"),
+                       require_number(d.get("batch", 1), "batch", lo=1, hi=4096, integer=True, where=where))
         except InputError as err:
             if str(err).startswith(where):
                 raise
@@ -381,11 +392,13 @@ def cell_spec(cell) -> str:
 
 
 def from_records(folders: list[str | Path], select_seconds: float | None = None,
-                 obs_window: int | None = None) -> PriceTable:
+                 obs_window: int | None = None, batch: int = 1) -> PriceTable:
     """A price table from campaign folders of one model and one device (ours or the paper's).
 
     select_seconds: the selection's time at 32K, charged per prompt token (needed for the
-    paper's records, which hold only the gather); else the cells' `one_time.select_s`."""
+    paper's records, which hold only the gather); else the cells' `one_time.select_s`.
+    batch: price the step of this many sequences from the cells of that batch size (a batch
+    campaign's grid); each curve point is then ms a step, what each of its sequences waits a token."""
     from sparsedecode.timing.cells import load_cells
 
     if not folders:
@@ -393,7 +406,13 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
     if select_seconds is not None:
         if isinstance(select_seconds, bool) or not math.isfinite(select_seconds) or select_seconds < 0:
             raise InputError(f"{option('select_seconds')} must be a finite number of seconds >= 0, got {select_seconds}")
-    loaded = [load_cells(f) for f in folders]
+    require_number(batch, "batch", lo=1, hi=4096, integer=True, where="dispatch table")
+    loaded = [load_cells(f, batched=True) for f in folders]
+    have = sorted({c.batch(x) for c in loaded for x in c.cells})
+    if batch not in have:
+        raise InputError(f"{', '.join(str(c.folder) for c in loaded)} hold no cells of batch {batch} (batch sizes "
+                         f"timed: {', '.join(map(str, have)) or 'none'}); time them with a grid's batch key, or "
+                         "price one of those")
     first = loaded[0]
     for c in loaded[1:]:
         for what, a, b in (("model", first.model, c.model), ("GPU", first.gpu, c.gpu)):
@@ -405,10 +424,10 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
     attention, dtype, obs = set(), set(), set()
     for camp in loaded:
         for cell in camp.cells:
-            if cell.mode == "window":
+            if cell.mode == "window" or camp.batch(cell) != batch:
                 continue  # the paper's window cells have no dense partner here; not a gate choice
             spec = cell_spec(cell)
-            points.setdefault(spec, []).append((cell.context, cell.ms_per_token))
+            points.setdefault(spec, []).append((cell.context, cell.ms_per_token * batch))  # a step's ms
             ex = camp.extra(cell)
             if ex.attention:
                 attention.add(ex.attention)
@@ -448,9 +467,12 @@ def from_records(folders: list[str | Path], select_seconds: float | None = None,
         configs[spec] = ConfigPrice(spec, Curve.from_points(points[spec]), sel, window=window)
     if first.cpu:
         notes.append("CPU timings: the projection branch runs the masked reference, which reads every weight")
+    if batch > 1:
+        notes.append(f"steps of {batch} sequences: each curve is ms a step of the batch (each sequence's ms per "
+                     "token); the projection configuration is the whole batch's")
     return PriceTable(first.model, first.dims, first.gpu, first.device, dtype.pop() if len(dtype) == 1 else None,
                       attention.pop() if attention else None, first.source,
-                      tuple(str(c.folder) for c in loaded), configs, {}, tuple(notes))
+                      tuple(str(c.folder) for c in loaded), configs, {}, tuple(notes), batch)
 
 
 def select_seconds_of(record: dict, where: str = "--select-record") -> float:

@@ -24,6 +24,7 @@ selection's compact buffers are sized once for the longest prompt the cache hold
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,10 @@ class RuntimeGate:
                                  "in place at bounds that change with every prompt (a capture per request)")
             if m.kv_method:
                 get_selector(m.kv_method)
+        self.projection = None  # a batch engine's: the one projection its batch steps read
+        if getattr(engine, "batch", 1) > 1:
+            self.projection = batch_projection(table, self.specs)
+            self.specs = [s for s in self.specs if projection_of(s) == self.projection]
         self.configs = {s: _with_fields(table.configs[s]) for s in self.specs}  # what each name installs
         self._thresholds = {}
         self.current: str | None = None
@@ -87,11 +92,13 @@ class RuntimeGate:
             if given is None:
                 from sparsedecode.projection.calibrate import own_teal
 
-                given, _ = own_teal(engine, keep, tokens=calib_tokens, seed=seed, text_file=text_file,
-                                    progress=progress)
+                with engine._batch_decoder._on_slot(0) if engine.batch > 1 else contextlib.nullcontext():
+                    given, _ = own_teal(engine, keep, tokens=calib_tokens, seed=seed, text_file=text_file,
+                                        progress=progress)
             self._thresholds[keep] = given
-        self._reserve_kv()
-        engine.keep_states("the runtime gate's configurations")  # layouts swapped, graphs kept per state
+        if getattr(engine, "batch", 1) == 1:  # a batch grows its rows' compact regions and captures its own step
+            self._reserve_kv()
+            engine.keep_states("the runtime gate's configurations")  # layouts swapped, graphs kept per state
 
     def _reserve_kv(self) -> None:
         """Size the selection's compact buffers once for the longest prompt the cache holds,
@@ -135,7 +142,7 @@ class RuntimeGate:
         that no request pays it; on CPU there is nothing to capture."""
         out = {}
         eng = self.engine
-        if not eng.cuda_graph:
+        if not eng.cuda_graph or eng.batch > 1:  # a batch server warms its own step (serve.batch_worker)
             return out
         for spec in self.specs:
             t0 = time.perf_counter()
@@ -146,6 +153,29 @@ class RuntimeGate:
             if progress is not None:
                 progress(spec, out[spec])
         return out
+
+
+def projection_of(spec: str) -> str:
+    """The projection part of a configuration's name: 'proj0.5' of 'both0.5/0.3', 'dense' of 'sel0.3'."""
+    from sparsedecode.config import SparsityConfig
+
+    return str(SparsityConfig.parse(spec).with_(kv=None))
+
+
+def batch_projection(table: PriceTable, specs: list[str]) -> str:
+    """The projection configuration a batch engine runs under a gate (ByteCross §3.3 'Dispatch and
+    batching'): one step reads one set of weight rows for all its sequences, so the projection is
+    chosen per batch size, not per request. Each projection among `specs` is priced by the cheapest
+    step of its configurations (with or without selection) at every context the table's curves hold,
+    summed; the cheapest projection is the batch's, and each request then chooses its KV selection
+    among the configurations that share it. The table prices steps of the engine's batch size
+    (`PriceTable.batch`)."""
+    contexts = sorted({n for s in specs for n in table.configs[s].curve.contexts})
+    by: dict[str, list[str]] = {}
+    for s in specs:
+        by.setdefault(projection_of(s), []).append(s)
+    cost = {p: sum(min(table.step_ms(s, n) for s in group) for n in contexts) for p, group in by.items()}
+    return min(cost, key=lambda p: (cost[p], p != "dense"))
 
 
 def warm_step(engine, spec: str, room: int = 0) -> None:

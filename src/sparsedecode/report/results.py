@@ -26,8 +26,10 @@ the timing campaigns that price it, optional `context` and `budgets`) and "retri
 device each; one row per test and configuration led by its context, device and dtype, so a
 4K CPU run and 16K/32K H200 runs share one table); and "union" (Table 14: `records` lists `bench
 union` records, `paper` the paper's batching/union_keep*.json, optional `kv_keep` for n*_B); and
-"batch" (the batched step against B: `records` lists `benchmarks/batch_decode.py` records) and
-"serve_batch" (`records`: `benchmarks/serve_batch.py` records):
+"batch" (the batched step against B: `records` lists `benchmarks/batch_decode.py` records),
+"batch_campaign" (a campaign folder with batch grids: the report's "Batched steps" section, the
+step against B and each batch size's measured crossing beside n*_B) and "serve_batch"
+(`records`: `benchmarks/serve_batch.py` records):
 
     [[table]]
     title = "Long-context retrieval (Table 3), qwen2.5-coder-0.5b"
@@ -373,6 +375,25 @@ def _batch_table(root: Path, t: dict) -> tuple[str, str]:
         + "; each made by the `command` it records (`benchmarks/batch_decode.py`), on the device it names.")
 
 
+def _batch_campaign_table(root: Path, t: dict) -> tuple[str, str]:
+    """The "Batched steps" section of a campaign with batch grids (`timing.batch_report`): the step
+    against B per mode and context, and each batch size's measured crossing beside n*_B."""
+    from sparsedecode.report.timing_markdown import batch_md
+    from sparsedecode.timing.analysis import build_report
+    from sparsedecode.timing.cells import load_cells
+
+    folder = t.get("records")
+    if not isinstance(folder, str):
+        raise InputError(f"table {t.get('title')!r}: 'records' must be one campaign folder")
+    rep = build_report(load_cells(root / folder, batched=True))
+    if not rep["batches"]:
+        raise InputError(f"table {t.get('title')!r}: {folder} holds no cells of several sequences (a grid's batch key)")
+    lines = batch_md(rep["batches"])[4:]  # the tables, without the section's heading and preamble
+    return "\n".join(lines).rstrip(), (
+        f"Rebuilt by `sparsedecode report results` from `{folder}` (`sparsedecode report {folder}` gives the whole "
+        "report, each batch size a group of its own).")
+
+
 def _serve_batch_table(root: Path, t: dict) -> tuple[str, str]:
     """`serve --batch B` against `--batch 1` under one load (`benchmarks/serve_batch.py` records,
     `records`): per batch its throughput, latency, whether every request ended well, and the
@@ -412,7 +433,7 @@ KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load":
          "generate": _generate_table, "dense_steps": _dense_steps_table, "step_profile": _step_profile_table,
          "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table,
          "retrieval": _retrieval_table, "union": _union_table, "batch": _batch_table,
-         "serve_batch": _serve_batch_table}
+         "batch_campaign": _batch_campaign_table, "serve_batch": _serve_batch_table}
 
 
 def render(manifest: str | Path) -> str:

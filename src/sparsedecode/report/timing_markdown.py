@@ -103,6 +103,45 @@ def _crossing_str(m: dict) -> str:
     return f"{fmt_ctx(m['value'])} [{lo}, {hi}]"
 
 
+def batch_md(b: dict | None) -> list[str]:
+    """The batch section (`timing.batch_report`): the step against B per mode and context, and each
+    batch size's measured crossing beside its byte crossover n*_B."""
+    if not b:
+        return []
+    bs = b["batches"]
+    out = ["## Batched steps (§3.3, App. F)", "",
+           "One step decodes B sequences, each at its own position in its own cache row. Each entry: ms a step, "
+           "tokens/s (B a step), and the step over the same mode's at B = 1; `u` the union of kept projection "
+           "rows the step read, `%c` the share of the measured ceiling. " + b["note"] + ".", "",
+           "| context | mode | " + " | ".join(f"B = {x}" for x in bs) + " |", "|---|---|" + "---|" * len(bs)]
+    for r in b["steps"]:
+        per = {x["batch"]: x for x in r["by_batch"]}
+        cells = []
+        for B in bs:
+            x = per.get(B)
+            if x is None:
+                cells.append("")
+                continue
+            extra = [f"{x['step_over_b1']:.2f}× B=1" if x["step_over_b1"] and B != 1 else "",
+                     f"u {x['realized_union']:.3f}" if x["realized_union"] is not None and B != 1 else "",
+                     f"%c {100 * x['fraction_of_ceiling']:.0f}" if x["fraction_of_ceiling"] else ""]
+            cells.append(f"{x['step_ms']:.3f} ms, {x['tokens_per_sec']:.0f} tok/s"
+                         + "".join(f"; {e}" for e in extra if e))
+        out.append(f"| {fmt_ctx(r['context'])} | {r['mode_spec']} | " + " | ".join(cells) + " |")
+    if b["crossings"]:
+        out += ["", "Crossings of each batch size: the measured crossing of its proj and sel cells (App. E) beside "
+                "the byte crossover n*_B = P (1 - u_B) / (2 B h_kv d_h (1 - r_KV)) at the union its proj cells "
+                "realized and the KV read of its sel cells.", "",
+                "| B | proj | sel | union u_B (whose) | KV read | n*_B (bytes) | measured [95%] |",
+                "|---|---|---|---|---|---|---|"]
+        for c in b["crossings"]:
+            m = _crossing_str(c["measured"]) if c["measured"] else (c["note"] or "none")
+            u = "" if c["union"] is None else f"{c['union']:.3f}" + (f" ({c['union_source']})" if c["union_source"] else "")
+            out.append(f"| {c['batch']} | {c['proj']} | {c['sel']} | {u} "
+                       f"| {_f(c['kv_read'], '.3f')} | {_f(c['byte_tokens'] and fmt_ctx(c['byte_tokens']), 's')} | {m} |")
+    return out + [""]
+
+
 def neighbors_md(nb: dict | None) -> list[str]:
     """The report's section on other processes on the GPU (none when no record was probed)."""
     if not nb:
@@ -160,6 +199,7 @@ def render_markdown(rep: dict) -> str:
     out.append("")
     for g in rep["groups"]:
         out += _group_md(g)
+    out += batch_md(rep.get("batches"))
     if rep["attention_paths"]:
         out += ["## Attention paths (§4.4, Figure 5)", ""]
         for cl in rep["attention_paths"]:

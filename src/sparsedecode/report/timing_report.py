@@ -24,7 +24,7 @@ def write_report(
     ``out_dir`` defaults to DIR/report. The report is derived data and is
     rewritten on every run; the records are only read.
     """
-    cc = load_cells(folder)
+    cc = load_cells(folder, batched=True)  # batch cells get their own section
     rep = build_report(cc, peak_gbps, ceiling)
     out = Path(out_dir) if out_dir is not None else Path(folder) / "report"
     out.mkdir(parents=True, exist_ok=True)

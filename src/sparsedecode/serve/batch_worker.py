@@ -9,9 +9,11 @@ Each turn of its loop it
 3. runs one decode step of every live request and hands each its token (`worker.Answer`: text,
    stop strings, cancellation); a request that ends frees its slot, and the next queued one
    takes it before the next step.
-Every request's KV selection is its own (the server's `--kv`, selected after its own prefill
-into its own compact region); the projection configuration is the server's, shared by the whole
-batch (one step reads one set of weight rows: the union of the batch's kept channels).
+Every request's KV selection is its own (the server's `--kv`, or under a gate table of the
+server's batch size the gate's choice for its prompt and max_tokens, selected after its own
+prefill into its own compact region); the projection configuration is the whole batch's (one step
+reads one set of weight rows: the union of the batch's kept channels): the server's, or the one
+the gate prices cheapest at its batch size (`dispatch.runtime.batch_projection`).
 The queue, the refusals and the drain behave as the batch-1 `Worker`'s.
 """
 
@@ -76,28 +78,28 @@ class BatchWorker(Worker):
 
     # -- the thread ------------------------------------------------------------------------
     def _warm(self) -> dict[str, float]:
-        """Prefill, select where the server selects, and decode a few steps of one prompt: on
-        CUDA this captures the B-row step (every occupancy replays it)."""
+        """Per configuration the server runs (its one, or each its gate may choose for a request):
+        prefill, select where it selects, and decode a few steps of one prompt; on CUDA this
+        captures the B-row step (every occupancy replays it)."""
         from sparsedecode.engine.batch import Request
         from sparsedecode.kv.select import get_selector
 
-        if self.configs.gate is not None:
-            raise InputError("a decode batch runs one configuration: a gate chooses per request; serve "
-                             "with --batch 1 to gate")
-        eng, spec = self.engine, self.configs.specs[0]
-        kv = eng.kv_config if eng.kv_config is not None and eng.kv_config.keep < 1.0 else None
-        n = 16
-        if kv is not None:
-            sel = get_selector(kv.method, **kv.params)
-            n = int((sel.sinks + sel.window + 4) / kv.keep) + 1
-        if n + 4 > eng.max_len:
-            raise InputError(f"the cache of {eng.max_len} tokens cannot hold a prompt that {spec} can select from "
-                             f"({n} tokens); load with a larger max_len")
-        t0 = time.perf_counter()
-        self.decoder.run([Request([0] * n, 4, stop_ids=(), kv=kv)])
-        out = {spec: time.perf_counter() - t0}
-        if self._progress is not None:
-            self._progress(spec, out[spec])
+        eng, out = self.engine, {}
+        for spec in self.configs.specs:
+            self.configs.install(spec)  # a gate's configuration; the server's one is in place
+            kv = eng.kv_config if eng.kv_config is not None and eng.kv_config.keep < 1.0 else None
+            n = 16
+            if kv is not None:
+                sel = get_selector(kv.method, **kv.params)
+                n = int((sel.sinks + sel.window + 4) / kv.keep) + 1
+            if n + 4 > eng.max_len:
+                raise InputError(f"the cache of {eng.max_len} tokens cannot hold a prompt that {spec} can select "
+                                 f"from ({n} tokens); load with a larger max_len")
+            t0 = time.perf_counter()
+            self.decoder.run([Request([0] * n, 4, stop_ids=(), kv=kv)])
+            out[spec] = time.perf_counter() - t0
+            if self._progress is not None:
+                self._progress(spec, out[spec])
         return out
 
     def _run(self) -> None:

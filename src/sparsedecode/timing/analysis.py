@@ -36,6 +36,7 @@ import numpy as np
 
 from sparsedecode.errors import InputError
 from sparsedecode.timing import stats
+from sparsedecode.timing.batch_report import batch_summary
 from sparsedecode.timing.ceiling import campaign_ceiling
 from sparsedecode.timing.cells import CampaignCells
 from sparsedecode.timing.costs import bytes_note, cell_bytes, nominal_peak, share
@@ -64,6 +65,9 @@ def _row(cc: CampaignCells, group: str, cell: str, context: int, peak: float | N
         "projection_keep": first.projection_keep,
         "kv_keep": first.kv_keep,
         "realized_projection_keep": stats.mean_of(x.realized_projection_keep for x in xs),
+        "batch": xs[0].batch,
+        "realized_union": stats.mean_of(x.realized_union for x in xs),
+        "step_ms": ms * xs[0].batch,  # one step decodes batch tokens
         "kv_read_fraction": stats.mean_of(x.kv_read_fraction for x in xs),
         "blocks": sorted(c.block for c in mine),
         "ms_per_token": ms,
@@ -114,8 +118,13 @@ def _group(cc: CampaignCells, group: str, peak: float | None, ceiling: float | N
     attention = sorted({a for c in cells if (a := cc.extra(c).attention)})
     runtime = sorted({r for c in cells if (r := cc.extra(c).runtime)})
     sources = {s for r in rows for s in r["bytes_source"]}
+    batches = sorted({cc.batch(c) for c in cells})
+    if len(batches) > 1:
+        raise InputError(f"{cc.folder}: group '{group}' holds cells of batch sizes {batches}; each batch size "
+                         "is a group of its own (a grid's batch key)")
     return {
         "name": group,
+        "batch": batches[0],
         "attention": attention[0] if len(attention) == 1 else (attention or None),
         "runtime": runtime,
         "has_dense": any(c.mode == "dense" for c in cells),
@@ -136,6 +145,7 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None, ceiling=None
         peak, peak_note = nominal_peak(cc.gpu)
     ceiling_gbps, ceiling_note = campaign_ceiling(cc, ceiling)
     groups = [_group(cc, g, peak, ceiling_gbps) for g in sorted({c.group for c in cc.cells})]
+    single = [g for g in groups if g["batch"] == 1]  # the dense steps and paths of one sequence
     no_dense = sorted({m.group for m in cc.missing} - {g["name"] for g in groups if g["has_dense"]})
     return {
         "kind": "timing_report",
@@ -154,7 +164,7 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None, ceiling=None
         "ceiling_gbps": ceiling_gbps,
         "ceiling_note": ceiling_note,
         "groups": groups,
-        "attention_paths": attention_clusters(cc, groups),
+        "attention_paths": attention_clusters(cc, single),
         "dense_steps": dense_steps(cc, peak, ceiling_gbps),
         "step_profiles": step_profiles(cc, ceiling_gbps),
         "failed": [{"path": str(f.path), "group": f.group, "cell": f.cell, "context": f.context,
@@ -165,6 +175,8 @@ def build_report(cc: CampaignCells, peak_gbps: float | None = None, ceiling=None
         "retired": cc.retired,
         "gpu_neighbors": gpu_neighbors(cc),
         "overhead": cell_overhead(cc),
+        "batches": batch_summary(cc, groups, ceiling_gbps),
+        "batched_left_out": cc.batched,
     }
 
 

@@ -77,6 +77,9 @@ _EXTRAS: dict[str, tuple[type, ...]] = {
     "phases": (dict,),
     "gpu_neighbors": (dict,),
     "timestamp": (str,),
+    "batch": (int,),
+    "realized_union": _NUM,
+    "union_source": (str,),
 }
 
 
@@ -111,6 +114,9 @@ class CellExtras:
     phases: dict | None = None  # where load and capture went: {'load': {...}, 'capture': {...}} (seconds)
     timestamp: str | None = None  # when the record was written (ISO 8601)
     timed_steps: int | None = None  # warm-up + repeats x steps of the cell spec, the steps it timed or warmed
+    batch: int = 1  # sequences a step decoded (timing.batch_cell); ms_per_token divides the step by it
+    realized_union: float | None = None  # a batch's union of kept projection rows (what its step reads)
+    union_source: str | None = None  # whose activations gave that union (random weights or the model's own)
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,7 @@ class CampaignCells:
     dims: ModelDims | None = None
     dims_note: str = ""
     retired: int = 0  # failed records the harness moved to DIR/failed/ before retrying the cell
+    batched: int = 0  # cells of several sequences a step left out (load_cells(batched=False))
 
     @property
     def cpu(self) -> bool:
@@ -167,6 +174,10 @@ class CampaignCells:
 
     def extra(self, cell: PaperCell) -> CellExtras:
         return self.extras.get(cell.path, _NO_EXTRAS)
+
+    def batch(self, cell: PaperCell) -> int:
+        """Sequences a step of `cell` decoded (1 for the single-sequence protocol)."""
+        return self.extra(cell).batch
 
     def paired(self) -> list[PaperCell]:
         """Dense cells and the sparse cells that have a dense partner."""
@@ -243,7 +254,12 @@ def check_ok_record(obj: dict, path: Path, campaign: str | None = None) -> tuple
         phases=x["phases"],
         timestamp=x["timestamp"],
         timed_steps=_spec_steps(obj),
+        batch=x["batch"] if x["batch"] is not None else 1,
+        realized_union=floats("realized_union"),
+        union_source=x["union_source"],
     )
+    if extras.batch < 1:
+        raise InputError(f"{path}: field 'batch' is {extras.batch}, expected a number of sequences >= 1")
     return cell, extras
 
 
@@ -319,8 +335,12 @@ def known_dims(name: str) -> tuple[ModelDims | None, str]:
     return None, f"model '{name}' is not in the known-model table and its records carry no dims"
 
 
-def load_cells(folder: str | Path) -> CampaignCells:
+def load_cells(folder: str | Path, batched: bool = False) -> CampaignCells:
     """Read a campaign folder of our 'timing_cell' records or of the paper's records.
+
+    Cells of several sequences a step (`timing.batch_cell`) price another thing than a
+    single-sequence step: they are left out, and counted in `batched`, unless `batched` (the
+    timing report, which shows them per batch size).
 
     InputError for a missing or empty folder, a malformed record (file and field
     named), two records of one cell, and records of several models or GPUs.
@@ -343,7 +363,7 @@ def load_cells(folder: str | Path) -> CampaignCells:
             kind = repr(o["kind"]) if "kind" in o else "missing"
             raise InputError(f"{f}: field 'kind' is {kind}, expected '{KIND}'")
     campaign = folder.name
-    cells, extras, failed = [], {}, []
+    cells, extras, failed, n_batched = [], {}, [], 0
     models, gpus, devices = {}, {}, {}
     model_obj, model_path = None, None
     for path, obj in objs:
@@ -357,6 +377,9 @@ def load_cells(folder: str | Path) -> CampaignCells:
             failed.append(_failed_cell(obj, path))
             continue
         cell, extra = check_ok_record(obj, path, campaign)
+        if extra.batch > 1 and not batched:
+            n_batched += 1
+            continue
         devices.setdefault(obj["device"], path)
         cells.append(cell)
         extras[path] = extra
@@ -370,7 +393,7 @@ def load_cells(folder: str | Path) -> CampaignCells:
                   dims, note)
     retired = folder / "failed"
     n_retired = sum(1 for _ in retired.rglob("*.json")) if retired.is_dir() else 0
-    return replace(out, retired=n_retired)
+    return replace(out, retired=n_retired, batched=n_batched)
 
 
 def _paper_cells(folder: Path) -> CampaignCells:

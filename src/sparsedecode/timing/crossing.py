@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparsedecode.account import crossover
+from sparsedecode.account import crossover, crossover_batched
 from sparsedecode.errors import InputError
 from sparsedecode.timing import stats
 from sparsedecode.timing.cells import CampaignCells
@@ -41,13 +41,16 @@ def _byte_crossover(cc: CampaignCells, rows: list[dict], proj: str, sel: str) ->
     """n* of Eq. 5 at the keeps the cells realized (nominal where the records do not say)."""
     if cc.dims is None:
         return None
-    rp, rp_real = _realized(rows, proj, "realized_projection_keep", "projection_keep")
+    batch = rows[0].get("batch", 1) if rows else 1
+    key = "realized_union" if batch > 1 else "realized_projection_keep"  # a batch reads the union (§3.3)
+    rp, rp_real = _realized(rows, proj, key, "projection_keep")
     rkv, rkv_real = _realized(rows, sel, "kv_read_fraction", "kv_keep")
     try:
-        n = crossover(cc.dims, min(rp, 1.0), min(rkv, 1.0))
+        n = (crossover_batched(cc.dims, min(rp, 1.0), min(rkv, 1.0), batch) if batch > 1
+             else crossover(cc.dims, min(rp, 1.0), min(rkv, 1.0)))
     except InputError:
         return None
-    return {"tokens": None if math.isinf(n) else n, "rp": rp, "rkv": rkv,
+    return {"tokens": None if math.isinf(n) else n, "rp": rp, "rkv": rkv, "batch": batch,
             "keeps": "realized" if (rp_real or rkv_real) else "nominal"}
 
 
@@ -127,7 +130,8 @@ def _prediction(cc: CampaignCells, group: str, cells: list[PaperCell], proj: str
     """Cost-aware crossing from a group with dense cells and the same keeps (App. D)."""
     key = lambda name: next((c.projection_keep, c.kv_keep) for c in cells if c.cell == name)  # noqa: E731
     want = (key(proj), key(sel))
-    candidates = [group] + sorted({c.group for c in cc.cells} - {group})
+    batch = {c.group: cc.batch(c) for c in cc.cells}
+    candidates = [group] + sorted({g for g in batch if batch[g] == batch[group]} - {group})
     reasons = []
     for g in candidates:
         gc = [c for c in cc.paired() if c.group == g]

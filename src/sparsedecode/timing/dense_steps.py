@@ -76,7 +76,7 @@ def dense_steps(cc: CampaignCells, peak: float | None, ceiling: float | None) ->
     step are left out."""
     by: dict[int, dict[tuple[str, str], dict[int, PaperCell]]] = {}
     for c in cc.cells:
-        if c.mode == "dense":
+        if c.mode == "dense" and cc.batch(c) == 1:  # a batch's step is no single-sequence dense step
             by.setdefault(c.context, {}).setdefault((c.group, c.cell), {})[c.block] = c
     rows = []
     for n, steps in sorted(by.items()):
