@@ -153,3 +153,18 @@ def test_a_gate_of_another_batch_size_is_refused(capsys, tmp_path):
     assert r.returncode == 2 and "prices steps of 1 sequence(s) and the engine decodes 2" in r.stderr
     r = run_cli(capsys, "serve", "--batch", "0")
     assert r.returncode == 2 and "--batch" in r.stderr
+
+
+def test_serve_load_and_serve_probe_run_against_a_batch(batch_server, capsys):
+    url = batch_server["url"]
+    r = run_cli(capsys, "serve-load", "--url", url, "--clients", "6", "--requests", "1", "--max-tokens", "4",
+                "--prompt", PROMPTS[0], "--pid", str(batch_server["pid"]), "--json")  # a prompt sel0.5 can select from
+    assert r.returncode == 0, r.stderr
+    load = json.loads(r.stdout)
+    assert load["ok"] and load["status_counts"] == {"200": 6}
+    r = run_cli(capsys, "serve-probe", "--url", url, "--request", "600:4", "--mode", "sel0.5", "--json")
+    assert r.returncode == 0, r.stderr
+    probe = json.loads(r.stdout)
+    row = probe["rows"][0]
+    assert probe["server"]["batch"] == 4 and row["status"] == 200
+    assert row["mode"] == "sel0.5" and row["ms_per_token"] > 0 and row["kv_select_ms"] > 0
