@@ -34,7 +34,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run_load(url: str, *, clients: int = 32, requests: int = 4, max_tokens: int = 8,
-             prompt: str = "The capital of France is", timeout_s: float = 600.0,
+             prompt: str | list[int] = "The capital of France is", timeout_s: float = 600.0,
              pid: int | None = None, progress=None) -> dict:
     """Run the load and return its record (see the module doc)."""
     import httpx
