@@ -187,8 +187,8 @@ def test_a_price_table_of_a_batch_prices_its_steps(batch_folder, tiny):
         want = {c.context: 2 * c.ms_per_token for c in cc.cells if c.group == "b2" and c.cell == cell}
         assert got == pytest.approx(want)  # ms a step: each sequence's ms per token
     one = from_records([batch_folder])
-    assert one.batch == 1 and one.configs["dense"].curve.ms == tuple(
-        c.ms_per_token for c in sorted(cc.cells, key=lambda c: c.context) if c.group == "b1" and c.cell == "dense")
+    assert one.batch == 1 and one.configs["dense"].curve.ms == pytest.approx(tuple(
+        c.ms_per_token for c in sorted(cc.cells, key=lambda c: c.context) if c.group == "b1" and c.cell == "dense"))
     assert PriceTable.from_dict(two.to_dict()).batch == 2
     with pytest.raises(InputError, match="no cells of batch 3 .*batch sizes timed: 1, 2"):
         from_records([batch_folder], batch=3)

@@ -31,7 +31,13 @@ import statistics
 import time
 from dataclasses import asdict
 
-from sparsedecode.timing.cell_fields import bookkeeping, peak_memory
+from sparsedecode.timing.cell_fields import (
+    PREFILL_CHUNK,
+    bookkeeping,
+    calibrate_teal,
+    dense_step_label,
+    peak_memory,
+)
 from sparsedecode.timing.clock import process_age_s
 from sparsedecode.timing.neighbors import check_alone, device_uuid, neighbors, watched
 
@@ -100,7 +106,8 @@ def row_streams(eng, spec, rows: int) -> tuple[list[list[int]], str]:
 
 
 def run_batch_cell(spec, log=None) -> dict:
-    """Run the batch cell `spec` (spec.batch > 1) in this process; its 'timing_cell' record."""
+    """Run the batch cell `spec` (spec.batch > 1, checked by `timing.cell.run_cell`, which calls
+    this) in this process; its 'timing_cell' record."""
     import torch
 
     import sparsedecode
@@ -109,13 +116,11 @@ def run_batch_cell(spec, log=None) -> dict:
     from sparsedecode.engine.device import resolve_device
     from sparsedecode.engine.generation import Generation
     from sparsedecode.records import stamp
-    from sparsedecode.timing.cell import PREFILL_CHUNK, _calibrate, check_fits, dense_step_label
     from sparsedecode.timing.clock import time_blocks
 
     say = log or (lambda line: None)
     started = process_age_s()
     mode = spec.parsed
-    check_fits(spec)
     n, generated, B = spec.context, spec.generated, spec.batch
     dev = resolve_device(spec.device)
     cuda = dev.type == "cuda"
@@ -142,7 +147,7 @@ def run_batch_cell(spec, log=None) -> dict:
     if mode.proj_method:  # before the fill: calibration's passes write slot 0
         t = time.perf_counter()
         with dec._on_slot(0):
-            thresholds, calibration = _calibrate(eng, spec, mode.proj_keep)
+            thresholds, calibration = calibrate_teal(eng, spec, mode.proj_keep)
         sync()
         one_time["calibrate_s"] = time.perf_counter() - t
         say(f"calibrated teal {mode.proj_keep:g} on {calibration['ids']} in {one_time['calibrate_s']:.1f} s")

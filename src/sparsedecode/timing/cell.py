@@ -44,7 +44,14 @@ from pathlib import Path
 from sparsedecode.config import SparsityConfig
 from sparsedecode.errors import InputError
 from sparsedecode.projection.thresholds import MIN_TOKENS
-from sparsedecode.timing.cell_fields import bookkeeping, peak_memory, timed_step_bytes
+from sparsedecode.timing.cell_fields import (
+    PREFILL_CHUNK,
+    bookkeeping,
+    calibrate_teal,
+    dense_step_label,
+    peak_memory,
+    timed_step_bytes,
+)
 from sparsedecode.timing.clock import process_age_s
 from sparsedecode.timing.neighbors import SharedGpu, check_alone, device_uuid, neighbors, watched
 
@@ -52,7 +59,6 @@ ATTENTION = ("split_k", "sdpa_masked", "sdpa_fused")
 FILLS = ("prefill", "random")
 INITS = ("pretrained", "random")
 IMPLS = ("ours", "transformers", "graph")  # whose decode step a cell times (timing.peer)
-PREFILL_CHUNK = 512
 CELL_KINDS = ("dense", "proj", "sel", "window", "both")
 
 
@@ -244,6 +250,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     if spec.batch > 1:
         from sparsedecode.timing.batch_cell import run_batch_cell
 
+        check_fits(spec)
         return run_batch_cell(spec, log)
     if spec.impl != "ours":
         from sparsedecode.timing.peer import run_peer_cell
@@ -283,7 +290,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     thresholds, calibration = None, None
     if mode.proj_method:  # before the fill: calibration runs its own passes over the cache
         t = time.perf_counter()
-        thresholds, calibration = _calibrate(eng, spec, mode.proj_keep)
+        thresholds, calibration = calibrate_teal(eng, spec, mode.proj_keep)
         sync()
         one_time["calibrate_s"] = time.perf_counter() - t
         say(f"calibrated teal {mode.proj_keep:g} on {calibration['ids']} in {one_time['calibrate_s']:.1f} s")
@@ -397,14 +404,6 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     return stamp(rec)
 
 
-def dense_step_label(eng) -> str:
-    """What runs the projections of `eng` that hold no threshold (every one of a dense step):
-    the words a report prints beside the speedups that divide it (issue 26)."""
-    if eng.kernels.gemv.dense:
-        return "our GEMV reading every row"
-    return "F.linear" + (" under inductor" if eng.compile else "")
-
-
 def failed_record(fields: dict, exc: BaseException, lines: int = 20) -> dict:
     """A 'timing_cell' record with status 'failed': the cell's fields as given, the error
     and the last `lines` lines of its traceback."""
@@ -435,15 +434,6 @@ def _stream(eng, spec: CellSpec) -> tuple[list[int], str]:
         ids = (ids * math.ceil(need / len(ids)))[:need]
         what += " (wrapped)"
     return list(ids[:need]), what
-
-
-def _calibrate(eng, spec: CellSpec, keep: float):
-    """Uniform TEAL thresholds at `keep` on the model's own activations (`own_teal`)."""
-    from sparsedecode.projection.calibrate import own_teal
-
-    th, what = own_teal(eng, keep, tokens=spec.calib_tokens, seed=spec.seed, text_file=spec.text)
-    return th, {"method": "teal", "keep": keep, "ids": what, "text": th.calibration.get("text"),
-                "tokens": spec.calib_tokens}
 
 
 def _fill(eng, spec: CellSpec, ids: list[int]) -> None:
