@@ -67,8 +67,12 @@ def time_step(step, cuda: bool, warmup: int, repeats: int, steps: int) -> list[f
     if cuda:
         from sparsedecode.timing.clock import time_graph
 
+        def block():  # one replay is `steps` steps (time_graph divides by per_replay)
+            for _ in range(steps):
+                step()
+
         with torch.inference_mode():
-            secs = time_graph(step, replays=repeats, warmup=warmup, per_replay=steps)
+            secs = time_graph(block, replays=repeats, warmup=warmup, per_replay=steps)
         return [s * 1e3 for s in secs]
     from sparsedecode.timing.clock import time_blocks
 

@@ -22,9 +22,12 @@ def test_a_captured_batch_decodes_as_batch_1(dtype, proj, kvs):
     four = sparsedecode.load(dict(CFG), init="random", device="cuda", dtype=dtype, max_len=700, batch=4)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (260, 310, 420, 380)]
-    if proj:
-        one.configure(proj)
-        four.configure(proj, thresholds=one.thresholds)
+    if proj:  # a random-init model has no tokenizer: thresholds on its own activations to seeded ids
+        from sparsedecode.projection.calibrate import own_teal
+
+        th, _ = own_teal(one, 0.5, tokens=512)
+        one.configure(proj, thresholds=th)
+        four.configure(proj, thresholds=th)
     want = []
     th = one.thresholds
     for p, kv in zip(prompts, kvs, strict=True):
