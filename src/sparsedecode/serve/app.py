@@ -316,7 +316,7 @@ class Server:
             return {"status": "shutting_down" if self.draining else "ok", "model": eng.name,
                     "device": str(eng.device), "configurations": self.configs.specs, "default": self.configs.default,
                     "queue": self.worker.waiting, "running": self.worker.running, "batch": getattr(eng, "batch", 1),
-                    "batch_projection": getattr(self.configs.gate, "projection", None),  # a gated batch's
+                    "batch_projection": getattr(getattr(self.configs, "gate", None), "projection", None),  # a gated batch's
                     "max_len": eng.max_len,
                     "max_prompt_chars": self.max_prompt_chars, "max_body_bytes": self.max_body}
 
