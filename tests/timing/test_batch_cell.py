@@ -109,11 +109,17 @@ def test_a_grid_batch_that_cannot_run_is_refused(tiny, grid, says):
     (dict(batch=0), "batch must be an integer"),
     (dict(mode="window0.3"), "window selection"),
     (dict(attention="sdpa_masked"), "split_k"),
-    (dict(profile=2), "profile"),
 ])
 def test_a_batch_cell_that_cannot_run_is_refused(tiny, kw, says):
     with pytest.raises(InputError, match=says):
         spec(tiny, kw.pop("mode", "dense"), **kw)
+
+
+def test_a_batch_cell_profiles_its_batch_step(tiny):
+    rec = run_cell(spec(tiny, "sel0.3", profile=2))
+    prof = rec["profile"]
+    assert prof is not None and prof["steps"] == 2 and prof["host_us"] > 0
+    assert prof["step_us"] > 0 and prof["clock"].startswith("host time")
 
 
 def test_bench_cell_batch_out_of_range_exits_2(tiny, capsys):

@@ -16,7 +16,8 @@ protocol of `timing.cell` otherwise, row by row:
    the fraction of projection weight rows the step reads, u_B >= r_P; the KV branch selects
    in every row after its own fill (SnapKV on that row's own observation window) into the row's
    compact region, as a served request does (`BatchDecoder._select`);
-4. each timed step feeds every row the next token of its own stretch at its own next position.
+4. each timed step feeds every row the next token of its own stretch at its own next position;
+   with `profile`, that many more steps at the same positions run under torch.profiler.
 
 Bytes a step reads: the projection weights once at the realized union, the head and norms once,
 and B caches (or B selected regions); the byte bound is the dense batch's bytes over those. The
@@ -213,6 +214,18 @@ def run_batch_cell(spec, log=None) -> dict:
     step_ms, seen = watched(dev, spec.shared_gpu,
                             lambda: time_blocks(timed, spec.warmup, spec.repeats, spec.steps, cuda))
     t_after = time.perf_counter()
+    profiled = None
+    if spec.profile:  # the same positions again: the profiled steps read what the timed ones read
+        from sparsedecode.timing.profile import profile_steps
+
+        again = iter(range(generated))
+
+        def profiled_step():
+            feed(next(again))
+            dec.step()
+
+        profiled = profile_steps(profiled_step, spec.profile, cuda, None)
+        say(f"profiled {spec.profile} steps: {profiled['step_us']:.0f} us a step, {profiled['gap_us']:.0f} us of it gaps")
 
     tps = [B * 1e3 / ms for ms in step_ms]
     med = statistics.median(step_ms)
@@ -271,7 +284,7 @@ def run_batch_cell(spec, log=None) -> dict:
         "selection": selection,
         "calibration": calibration,
         "gpu_neighbors": seen,
-        "profile": None,
+        "profile": profiled,  # `timing.profile`: the B-row step's kernels by kind; None unless asked
         "spec": asdict(spec),
     }
     one_time["after_s"] = time.perf_counter() - t_after

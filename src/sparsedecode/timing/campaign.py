@@ -111,7 +111,7 @@ def plan(spec: CampaignSpec) -> list[CellSpec]:
                     mode=mode, attention=g.attention, warmup=spec.warmup, repeats=spec.repeats,
                     steps=spec.steps, fill=spec.fill, compile_mode=spec.compile_mode,
                     text=spec.text or None, calib_tokens=spec.calib_tokens, obs=spec.obs, seed=spec.seed,
-                    kernels=v, impl=g.impl, profile=spec.profile if g.impl == "ours" and g.batch == 1 else 0,
+                    kernels=v, impl=g.impl, profile=spec.profile if g.impl == "ours" else 0,
                     shared_gpu=spec.shared_gpu, batch=g.batch, campaign=spec.name, block=block, group=group, order=len(cells)))
     return cells
 

@@ -168,7 +168,7 @@ class CellSpec:
 
 def check_batch_cell(spec: CellSpec, mode: SparsityConfig) -> None:
     """InputError unless a cell of `spec.batch` > 1 sequences is one the batch engine runs (issue 44):
-    our own step under split-K attention, TEAL thresholds and scored selection, no profile."""
+    our own step under split-K attention, TEAL thresholds and scored selection."""
     where = f"batch {spec.batch}"
     if spec.impl != "ours":
         raise InputError(f"{where}: the '{spec.impl}' peer times one sequence; give impl 'ours' or batch 1")
@@ -177,8 +177,6 @@ def check_batch_cell(spec: CellSpec, mode: SparsityConfig) -> None:
                          f"attention '{spec.attention}' runs one sequence")
     if mode.kv_method == "window":
         raise InputError(f"{where}: window selection in a decode batch is not built; give sel<keep> (SnapKV)")
-    if spec.profile:
-        raise InputError(f"{where}: profile runs on one sequence's step; drop profile or use batch 1")
 
 
 def kernels_text(text: str | None) -> str:
