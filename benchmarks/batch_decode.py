@@ -34,32 +34,10 @@ import sparsedecode
 from sparsedecode.config import SparsityConfig
 from sparsedecode.engine.batch import BatchDecoder
 from sparsedecode.records import stamp, write_record
+from sparsedecode.timing.batch_cell import batch_union
 
 NOMINAL_TBPS = {"H200": 4.8, "H100": 3.35}  # HBM3e / HBM3 (SXM) peaks
 MEASURED_TBPS = {"H200": 4.15}  # bf16 GEMV ceiling measured on the H200 (ByteCross App. A; records/h200)
-
-
-def realized_union(eng, step, steps: int = 4) -> tuple[float, float]:
-    """(union, keep) of the sparse projections over `steps` tracked eager steps, each site weighted
-    by its parameters: the fraction of projection weight rows a batch step reads, and the mean
-    token's keep."""
-    from sparsedecode.projection.sparse_linear import sparse_modules
-
-    mods = sparse_modules(eng.model)
-    for m in mods:
-        m.track = True
-        m.reset_keep()
-    with torch.inference_mode():
-        for _ in range(steps):
-            step()
-    w = [m.in_features * m.out_features for m in mods]
-    u = [m.realized_union() for m in mods]
-    k = [m.realized_keep() for m in mods]
-    for m in mods:
-        m.track = False
-    if any(x != x for x in u):  # B = 1: one token's keep is its union
-        u = k
-    return sum(a * b for a, b in zip(u, w, strict=True)) / sum(w), sum(a * b for a, b in zip(k, w, strict=True)) / sum(w)
 
 
 def time_step(step, cuda: bool, warmup: int, repeats: int, steps: int) -> list[float]:
@@ -174,7 +152,7 @@ def measure(a, configs, rows: list, state: dict, saved) -> None:
                 def step(tok=tok, pos=pos, model=eng.model):
                     return model(tok, pos, None)[:, -1].float()
 
-                union, keep = realized_union(eng, step) if cfg.projection is not None else (1.0, 1.0)
+                union, keep = batch_union(eng.model, lambda i: step(), 4) if cfg.projection is not None else (1.0, 1.0)
                 ms = time_step(step, cuda, a.warmup, a.repeats, a.steps)
                 med = statistics.median(ms)
                 weights = (dims.n_layers * dims.proj_params * union + dims.other_params) * size

@@ -27,17 +27,16 @@ record's `tokens_per_sec` counts the B tokens of a step; `ms_per_token` is 1000 
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict
 
 from sparsedecode.timing.cell_fields import (
     PREFILL_CHUNK,
-    bookkeeping,
     calibrate_teal,
-    dense_step_label,
+    engine_fields,
     peak_memory,
+    stream_ids,
 )
 from sparsedecode.timing.clock import process_age_s
 from sparsedecode.timing.neighbors import check_alone, device_uuid, neighbors, watched
@@ -86,23 +85,10 @@ def batch_step_bytes(dims, n: int, batch: int, union: float, kv_read: float, wei
 
 
 def row_streams(eng, spec, rows: int) -> tuple[list[list[int]], str]:
-    """`rows` stretches of n + generated ids of the stream (WikiText-2 test or the text option
-    with a tokenizer, seeded random ids otherwise), row b starting (n + generated) x b ids in."""
-    import torch
-
+    """`rows` stretches of n + generated ids of the stream (`cell_fields.stream_ids`), row b
+    starting (n + generated) x b ids in."""
     need = spec.context + spec.generated
-    if eng.tokenizer is not None:
-        from sparsedecode.corpus import wikitext_ids, wikitext_path
-
-        ids = list(wikitext_ids(eng.tokenizer, "test", spec.text))
-        what = wikitext_path("test", spec.text).name
-    else:
-        gen = torch.Generator().manual_seed(spec.seed)
-        ids = torch.randint(0, eng.dims.vocab, (need * rows,), generator=gen).tolist()
-        what = f"random ids (seed {spec.seed})"
-    if len(ids) < need * rows:
-        ids = (ids * math.ceil(need * rows / len(ids)))[:need * rows]
-        what += " (wrapped)"
+    ids, what = stream_ids(eng, spec, need * rows)
     return [ids[b * need:(b + 1) * need] for b in range(rows)], what + f", {rows} rows {need} ids apart"
 
 
@@ -233,28 +219,9 @@ def run_batch_cell(spec, log=None) -> dict:
     kv_read = min((budget + generated) / n, 1.0)
     nbytes = batch_step_bytes(eng.dims, n, B, union, kv_read, size, size)
     dense = batch_step_bytes(eng.dims, n, B, 1.0, 1.0, size, size)
-    gpu = torch.cuda.get_device_name(dev) if cuda else "CPU"
     rec = {
-        "kind": "timing_cell",
-        "status": "ok",
-        "impl": "ours",
-        **bookkeeping(spec),
+        **engine_fields(spec, eng, mode, dev),
         "batch": B,
-        "model": {"name": eng.name, "dims": eng.dims.to_dict(), "init": spec.init},
-        "model_name": eng.name,
-        "dtype": str(eng.dtype).removeprefix("torch."),
-        "device": dev.type,
-        "gpu": gpu,
-        "label": gpu.removeprefix("NVIDIA ") if cuda else "CPU",
-        "mode": mode.kind,
-        "mode_spec": str(mode),
-        "projection_keep": mode.proj_keep,
-        "kv_keep": mode.kv_keep,
-        "proj_method": mode.proj_method,
-        "kv_method": mode.kv_method,
-        "attention": spec.attention,
-        "kernels": eng.kernels.to_dict(),
-        "dense_step": dense_step_label(eng),
         "compile_mode": "",
         "compiled": False,
         "runtime": "CUDA graph" if cuda else "eager",

@@ -34,7 +34,6 @@ ids (token ids do not change the bytes a step reads); the KV read fraction is
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import traceback
@@ -46,10 +45,10 @@ from sparsedecode.errors import InputError
 from sparsedecode.projection.thresholds import MIN_TOKENS
 from sparsedecode.timing.cell_fields import (
     PREFILL_CHUNK,
-    bookkeeping,
     calibrate_teal,
-    dense_step_label,
+    engine_fields,
     peak_memory,
+    stream_ids,
     timed_step_bytes,
 )
 from sparsedecode.timing.clock import process_age_s
@@ -348,27 +347,8 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     nbytes = timed_step_bytes(eng.dims, n, realized, kv_read, size, size)
     b = bounds(eng.dims, n, realized, kv_read, weight_bytes=size, kv_bytes=size)
     bound = {"dense": 1.0, "proj": b.projection, "sel": b.kv, "window": b.kv, "both": b.both}[mode.kind]
-    gpu = torch.cuda.get_device_name(dev) if cuda else "CPU"
     rec = {
-        "kind": "timing_cell",
-        "status": "ok",
-        "impl": "ours",
-        **bookkeeping(spec),
-        "model": {"name": eng.name, "dims": eng.dims.to_dict(), "init": spec.init},
-        "model_name": eng.name,
-        "dtype": str(eng.dtype).removeprefix("torch."),
-        "device": dev.type,
-        "gpu": gpu,
-        "label": gpu.removeprefix("NVIDIA ") if cuda else "CPU",
-        "mode": mode.kind,
-        "mode_spec": str(mode),
-        "projection_keep": mode.proj_keep,
-        "kv_keep": mode.kv_keep,
-        "proj_method": mode.proj_method,
-        "kv_method": mode.kv_method,
-        "attention": spec.attention,
-        "kernels": eng.kernels.to_dict(),
-        "dense_step": dense_step_label(eng),
+        **engine_fields(spec, eng, mode, dev),
         "compile_mode": spec.compile_mode,
         "compiled": eng.compile,
         "runtime": "CUDA graph" if eng.cuda_graph else ("compiled" if eng.compile else "eager"),
@@ -414,24 +394,8 @@ def failed_record(fields: dict, exc: BaseException, lines: int = 20) -> dict:
 
 
 def _stream(eng, spec: CellSpec) -> tuple[list[int], str]:
-    """n + generated token ids of the stream (WikiText-2 test, or the text option, when the
-    model has a tokenizer; seeded random ids otherwise), wrapped around when short."""
-    import torch
-
-    need = spec.context + spec.generated
-    if eng.tokenizer is not None:
-        from sparsedecode.corpus import wikitext_ids, wikitext_path
-
-        ids = wikitext_ids(eng.tokenizer, "test", spec.text)
-        what = wikitext_path("test", spec.text).name
-    else:
-        gen = torch.Generator().manual_seed(spec.seed)
-        ids = torch.randint(0, eng.dims.vocab, (need,), generator=gen).tolist()
-        what = f"random ids (seed {spec.seed})"
-    if len(ids) < need:
-        ids = (ids * math.ceil(need / len(ids)))[:need]
-        what += " (wrapped)"
-    return list(ids[:need]), what
+    """n + generated token ids of the stream (`cell_fields.stream_ids`)."""
+    return stream_ids(eng, spec, spec.context + spec.generated)
 
 
 def _fill(eng, spec: CellSpec, ids: list[int]) -> None:

@@ -56,4 +56,58 @@ def dense_step_label(eng) -> str:
     return "F.linear" + (" under inductor" if eng.compile else "")
 
 
-__all__ = ["PREFILL_CHUNK", "bookkeeping", "calibrate_teal", "dense_step_label", "peak_memory", "timed_step_bytes"]
+def stream_ids(eng, spec, count: int) -> tuple[list[int], str]:
+    """The first `count` token ids of a cell's stream (WikiText-2 test, or the text option, when
+    the model has a tokenizer; seeded random ids otherwise), wrapped around when short, and what
+    they are."""
+    import math
+
+    import torch
+
+    if eng.tokenizer is not None:
+        from sparsedecode.corpus import wikitext_ids, wikitext_path
+
+        ids = list(wikitext_ids(eng.tokenizer, "test", spec.text))
+        what = wikitext_path("test", spec.text).name
+    else:
+        gen = torch.Generator().manual_seed(spec.seed)
+        ids = torch.randint(0, eng.dims.vocab, (count,), generator=gen).tolist()
+        what = f"random ids (seed {spec.seed})"
+    if len(ids) < count:
+        ids = (ids * math.ceil(count / len(ids)))[:count]
+        what += " (wrapped)"
+    return ids[:count], what
+
+
+def engine_fields(spec, eng, mode, dev) -> dict:
+    """The fields of an ok 'timing_cell' record that say what ran (`timing.cell` and
+    `timing.batch_cell` alike): the cell's place, the model, device, mode and kernels."""
+    import torch
+
+    cuda = dev.type == "cuda"
+    gpu = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    return {
+        "kind": "timing_cell",
+        "status": "ok",
+        "impl": "ours",
+        **bookkeeping(spec),
+        "model": {"name": eng.name, "dims": eng.dims.to_dict(), "init": spec.init},
+        "model_name": eng.name,
+        "dtype": str(eng.dtype).removeprefix("torch."),
+        "device": dev.type,
+        "gpu": gpu,
+        "label": gpu.removeprefix("NVIDIA ") if cuda else "CPU",
+        "mode": mode.kind,
+        "mode_spec": str(mode),
+        "projection_keep": mode.proj_keep,
+        "kv_keep": mode.kv_keep,
+        "proj_method": mode.proj_method,
+        "kv_method": mode.kv_method,
+        "attention": spec.attention,
+        "kernels": eng.kernels.to_dict(),
+        "dense_step": dense_step_label(eng),
+    }
+
+
+__all__ = ["PREFILL_CHUNK", "bookkeeping", "calibrate_teal", "dense_step_label", "engine_fields", "peak_memory",
+           "stream_ids", "timed_step_bytes"]
