@@ -14,6 +14,12 @@ The peer is what a user would run: `model.generate` with its default dynamic
 cache; the static-cache variant (`cache_implementation="static"`, eager, as
 torch.compile on CPU is not what a user picks by default) is timed too.
 
+`--llama-cpp` adds llama.cpp (through `llama-cpp-python`, where it is installed) as a second peer
+on the same weights: the embedded GGUF re-written by llama.cpp's own quantizer as F32 and F16
+(Q4_1 dequantized: the values our loader dequantizes), flash attention off and on.
+`--dtype-variant bfloat16` also times our dense step and each of `--configs` with half-precision
+weights and cache; a configuration's speedup divides the fastest dense step of its own dtype.
+
     PYTHONPATH=src python benchmarks/cpu_decode.py --out benchmarks/records/cpu/decode
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -65,14 +72,14 @@ def hf_decode(model, ids, new: int, **gen_kwargs) -> tuple[float, float]:
     return len(ids) / (first - t0), (new - 1) / (last - first)
 
 
-def load_ours(a, compile: bool, config: str = "dense", kernels: str | None = None):
+def load_ours(a, compile: bool, config: str = "dense", kernels: str | None = None, dtype: str = "float32"):
     """(engine, prompt ids) of our engine, eager or with a compiled decode step, running `config`
     (a SparsityConfig text: dense, proj0.5, snapkv0.3, ...) with kernel options `kernels` (None:
-    the defaults), warmed up."""
+    the defaults) and weights in `dtype`, warmed up."""
     import sparsedecode
     from sparsedecode.kernels.options import KernelOptions
 
-    eng = sparsedecode.load(a.model, device="cpu", dtype="float32", compile=compile or None, quiet=True,
+    eng = sparsedecode.load(a.model, device="cpu", dtype=dtype, compile=compile or None, quiet=True,
                             kernels=None if kernels is None else KernelOptions.parse(kernels))
     if config != "dense":
         eng.configure(config)
@@ -80,6 +87,39 @@ def load_ours(a, compile: bool, config: str = "dense", kernels: str | None = Non
     assert len(ids) == a.context, "WikiText-2 test split too short for --context"
     ours_decode(eng, ids[:256], 8)  # warm-up (and compilation); long enough for a KV selection's window
     return eng, ids
+
+
+def llama_cpp_models(src: Path, workdir: Path) -> dict[str, Path]:
+    """The embedded GGUF re-written by llama.cpp's quantizer as F32 and F16 (allow_requantize: the
+    Q4_1 blocks dequantized, then stored at that width), cached in `workdir`."""
+    import llama_cpp
+
+    out = {}
+    for name, ftype in (("F32", llama_cpp.LLAMA_FTYPE_ALL_F32), ("F16", llama_cpp.LLAMA_FTYPE_MOSTLY_F16)):
+        path = workdir / f"{src.stem}.{name}.gguf"
+        if not path.is_file():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = ftype
+            params.allow_requantize = True
+            params.nthread = 2
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(path).encode(), ctypes.byref(params))
+            if rc != 0:
+                raise SystemExit(f"llama.cpp could not write {path} (rc {rc})")
+        out[name] = path
+    return out
+
+
+def llama_cpp_decode(llm, ids, new: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of llama.cpp's greedy generation (top-k 1), EOS not stopping it."""
+    llm.reset()
+    times = []
+    t0 = time.perf_counter()
+    for _ in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) == new:
+            break
+    assert len(times) == new
+    return len(ids) / (times[0] - t0), (new - 1) / (times[-1] - times[0])
 
 
 def summary(runs: list, **fields) -> dict:
@@ -103,6 +143,11 @@ def main() -> None:
     ap.add_argument("--dense-variant", action="append", default=None, metavar="KERNELS",
                     help="kernel options of another dense step of ours timed beside the default one (repeatable; "
                          "default: gemv.dense=false, the nn.Linear step); speedups divide the fastest dense step")
+    ap.add_argument("--dtype-variant", action="append", default=[], metavar="DTYPE",
+                    help="also time our dense step and each of --configs with weights and cache in DTYPE "
+                         "(repeatable; e.g. bfloat16)")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="add llama.cpp (llama-cpp-python) on the same weights, F32 and F16, flash attention off/on")
     a = ap.parse_args()
     variants = a.dense_variant if a.dense_variant is not None else ["gemv.dense=false"]
 
@@ -115,7 +160,25 @@ def main() -> None:
     eng_c = load_ours(a, compile=True)[0] if a.compile else None
     dense_v = {v: load_ours(a, compile=False, kernels=v)[0] for v in variants}
     sparse = {c: load_ours(a, compile=False, config=c)[0] for c in filter(None, a.configs.split(","))}
+    # other dtypes: their dense step under "dense@DTYPE", each config under "CONFIG@DTYPE"
+    by_dtype = {}
+    for dt in a.dtype_variant:
+        by_dtype[dt] = load_ours(a, compile=False, dtype=dt)[0]
+        sparse.update({f"{c}@{dt}": load_ours(a, compile=False, config=c, dtype=dt)[0]
+                       for c in filter(None, a.configs.split(","))})
     src = eng.source_path
+    peers = {}
+    if a.llama_cpp:
+        import llama_cpp
+
+        work = ROOT / ".dev" / "llama_cpp"
+        work.mkdir(parents=True, exist_ok=True)
+        for width, path in llama_cpp_models(src, work).items():
+            for fa in (False, True):
+                llm = llama_cpp.Llama(str(path), n_ctx=a.context + a.new + 16, n_batch=512, n_threads=a.threads,
+                                      n_threads_batch=a.threads, flash_attn=fa, verbose=False)
+                llama_cpp_decode(llm, ids[:64], 8)  # warm-up
+                peers[f"llama.cpp {width} fa={'on' if fa else 'off'}"] = llm
     hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32).eval()
     static_kw = dict(cache_implementation="static")
     hf_decode(hf, ids[:64], 8)  # warm-ups
@@ -123,7 +186,8 @@ def main() -> None:
         hf_decode(hf, ids[:64], 8, **static_kw)
     # Interleaved repeats (ours, the peers, ours, ...): a shared machine's drift hits every
     # contender alike instead of whichever ran last.
-    runs = {"ours": [], "ours_c": [], "hf": [], "static": [], **{c: [] for c in sparse}, **{v: [] for v in dense_v}}
+    runs = {"ours": [], "ours_c": [], "hf": [], "static": [], **{c: [] for c in sparse}, **{v: [] for v in dense_v},
+            **{f"dense@{dt}": [] for dt in by_dtype}, **{p: [] for p in peers}}
     # realized keeps from one tracked, untimed run of the same greedy decode (the timed runs are
     # untracked, as the dense ones)
     realized = {}
@@ -133,7 +197,9 @@ def main() -> None:
             realized[c] = None if keep_of is None else keep_of()
     contenders = [("ours", lambda: ours_decode(eng, ids, a.new))]
     contenders += [(v, lambda e=e: ours_decode(e, ids, a.new)) for v, e in dense_v.items()]
+    contenders += [(f"dense@{dt}", lambda e=e: ours_decode(e, ids, a.new)) for dt, e in by_dtype.items()]
     contenders += [(c, lambda e=e: ours_decode(e, ids, a.new)) for c, e in sparse.items()]
+    contenders += [(p, lambda llm=llm: llama_cpp_decode(llm, ids, a.new)) for p, llm in peers.items()]
     if eng_c is not None:
         contenders.append(("ours_c", lambda: ours_decode(eng_c, ids, a.new)))
     contenders.append(("hf", lambda: hf_decode(hf, ids, a.new)))
@@ -157,8 +223,11 @@ def main() -> None:
     print(f"ours (eager): prefill {ours['prefill_tok_s']:.1f} tok/s, decode {ours['decode_tok_s']:.2f} tok/s")
     print(f"transformers (dynamic cache): prefill {peer['prefill_tok_s']:.1f} tok/s, decode {h_dec:.2f} tok/s")
 
-    dense = {"default": {**summary(runs["ours"]), "kernels": eng.kernels.to_dict()},
-             **{v: {**summary(runs[v]), "kernels": e.kernels.to_dict()} for v, e in dense_v.items()}}
+    dense = {"default": {**summary(runs["ours"]), "kernels": eng.kernels.to_dict(), "step": eng.step_runtime},
+             **{v: {**summary(runs[v]), "kernels": e.kernels.to_dict(), "step": e.step_runtime}
+                for v, e in dense_v.items()}}
+    half = {dt: {**summary(runs[f"dense@{dt}"]), "kernels": e.kernels.to_dict(), "step": e.step_runtime}
+            for dt, e in by_dtype.items()}
     fastest = max(dense, key=lambda k: dense[k]["decode_tok_s"])
     for k, row in dense.items():
         print(f"ours dense [{k}]: decode {row['decode_tok_s']:.2f} tok/s, "
@@ -166,7 +235,8 @@ def main() -> None:
     best_runs = runs["ours"] if fastest == "default" else runs[fastest]
     configs = {}
     for c, e in sparse.items():
-        ratios = [x[1] / d[1] for x, d in zip(runs[c], best_runs, strict=True)]
+        dt = c.rpartition("@")[2] if "@" in c else None  # a dtype variant divides its own dtype's dense step
+        ratios = [x[1] / d[1] for x, d in zip(runs[c], best_runs if dt is None else runs[f"dense@{dt}"], strict=True)]
         keep = realized[c]
         bound = None
         kv_keep = e.kv_config.keep if e.kv_config is not None else 1.0
@@ -175,20 +245,32 @@ def main() -> None:
 
             # MLP-only methods (CATS/SATS) track their keep over the MLP sites only
             ff_only = e.thresholds is not None and not set(e.thresholds.sites) - {"gate", "up", "down", "act"}
+            size = e.dtype.itemsize
             bound = bounds(e.dims, a.context, 1.0 if keep is None else keep, kv_keep, ff_only=ff_only,
-                           weight_bytes=4, kv_bytes=4).both
-        configs[c] = {**summary(runs[c], projection_runtime=e.projection_runtime()),
+                           weight_bytes=size, kv_bytes=size).both
+        configs[c] = {**summary(runs[c], projection_runtime=e.projection_runtime(), step=e.step_runtime,
+                                dtype=str(e.dtype).removeprefix("torch.")),
                       "realized_keep": keep,
                       "realized_keep_of": "one tracked untimed run of the same greedy decode before the repeats",
                       "speedup_vs_ours_dense": statistics.median(ratios), "paired_speedups": ratios,
                       "byte_bound": bound,
                       "kv_keep": None if e.kv_config is None else kv_keep,
+                      "speedup_vs": "the fastest dense step of ours (fastest_dense)" if dt is None
+                                    else f"our dense step in {dt} (ours_dtype_variants)",
                       "byte_bound_of": "account.bounds(...).both at the context, the realized projection keep "
-                                       "(over the MLP sites for CATS/SATS), the configured KV keep, float32 "
-                                       "weights and cache; the LM head, embedding row and norms stay dense"}
+                                       "(over the MLP sites for CATS/SATS), the configured KV keep, the config's "
+                                       "weight and cache width; the LM head, embedding row and norms stay dense"}
         print(f"ours {c}: decode {configs[c]['decode_tok_s']:.2f} tok/s, "
               f"{configs[c]['speedup_vs_ours_dense']:.2f}x our fastest dense (byte bound "
               f"{'n/a' if bound is None else f'{bound:.2f}x'}, realized keep {keep}) [{e.projection_runtime()}]")
+    peer_rows = {p: {**summary(runs[p]), "ours_dense_float32_over_it": dense[fastest]["decode_tok_s"]
+                     / statistics.median(r[1] for r in runs[p])} for p in peers}
+    for p, row in peer_rows.items():
+        print(f"{p}: decode {row['decode_tok_s']:.2f} tok/s; our fastest float32 dense step is "
+              f"{row['ours_dense_float32_over_it']:.2f}x it")
+    for dt, row in half.items():
+        print(f"ours dense [{dt}]: decode {row['decode_tok_s']:.2f} tok/s, {row['decode_tok_s'] / h_dec:.2f}x "
+              f"transformers (float32)")
     best = max([ours, dense[fastest]] + ([ours_c] if ours_c else []), key=lambda r: r["decode_tok_s"])
     speedup = best["decode_tok_s"] / h_dec
     print(f"decode speedup over transformers generate (dynamic cache): {speedup:.2f}x "
@@ -208,6 +290,12 @@ def main() -> None:
         "ours_compiled": ours_c,
         "ours_configs": configs,
         "ours_dense_variants": dense,
+        "ours_dtype_variants": half,
+        "llama_cpp": peer_rows or None,
+        "llama_cpp_of": None if not peers else "llama-cpp-python " + __import__("llama_cpp").__version__
+                        + ": the embedded GGUF re-written by llama.cpp's quantizer (F32, F16), greedy (top-k 1), "
+                          "n_batch 512, the same threads; ours_dense_float32_over_it: our fastest float32 dense step's "
+                          "decode tok/s over the peer's",
         "fastest_dense": fastest,
         "speedup_vs_ours_dense_of": "each config's paired decode tok/s over the fastest dense step's (fastest_dense)",
         "transformers": peer,
@@ -215,8 +303,9 @@ def main() -> None:
         "speedup_vs_transformers": speedup,
         "speedup_vs_transformers_eager": ours["decode_tok_s"] / h_dec,
         "paired_speedups_eager": paired,
-        "order": "interleaved repeats of ours, ours in each --dense-variant, ours in each of --configs, ours "
-                 "compiled, transformers, transformers static; repeat r starts at contender r (rotated)",
+        "order": "interleaved repeats of ours, ours in each --dense-variant, ours dense in each --dtype-variant, "
+                 "ours in each of --configs (and each in each dtype variant), llama.cpp's, ours compiled, "
+                 "transformers, transformers static; repeat r starts at contender r (rotated)",
         "speedup_of": "compiled" if best is ours_c else ("eager" if best is ours else f"eager [{fastest}]"),
         "target_speedup": TARGET,
         "target_met": speedup >= TARGET,

@@ -19,6 +19,7 @@ CFG = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_
            num_key_value_heads=2, vocab_size=100, max_position_embeddings=256, rope_theta=10000.0, eos_token_id=None)
 OPTS = KernelOptions.parse("gemv.pdl=false,gemv.programs_per_sm=4,attention.min_split_keys=none")
 CPU_GEMV = has_entry("sd_gemv_rows", torch.float32)  # gemv.dense's default on the CPU: on where it was built
+CPU_STEP = has_entry("sd_step", torch.float32)  # cpu.step's default on a CPU engine of batch 1: on where built
 
 
 def _thresholds(eng, t: float) -> Thresholds:
@@ -34,7 +35,7 @@ def _options(eng):
 
 def test_load_and_set_kernels_reach_every_layer_and_later_projections():
     eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=64, kernels=OPTS)
-    resolved = OPTS.with_(gemv__dense=CPU_GEMV)  # gemv.dense's default: on where the CPU kernel was built
+    resolved = OPTS.with_(gemv__dense=CPU_GEMV, cpu__step=CPU_STEP)  # the defaults: on where the CPU kernel was built
     assert eng.kernels_asked == OPTS and eng.kernels == resolved and _options(eng)[0] == {OPTS.attention}
     eng.sparsify(_thresholds(eng, 0.02))  # sparse modules made after the options were set
     assert _options(eng) == ({OPTS.attention}, {resolved.gemv})
@@ -68,7 +69,7 @@ def test_a_cell_records_its_kernel_options_whole(tmp_path, capsys):
     rec = json.loads(out.read_text())
     # what ran, resolved: gemv.dense's default is on where the CPU kernel was built
     assert KernelOptions.from_dict(rec["kernels"]) == KernelOptions.parse(
-        f"gemv.pdl=false,gemv.dense={str(CPU_GEMV).lower()}")
+        f"gemv.pdl=false,gemv.dense={str(CPU_GEMV).lower()},cpu.step={str(CPU_STEP).lower()}")
     assert rec["spec"]["kernels"] == "gemv.pdl=false"
     label = "our GEMV reading every row" if CPU_GEMV else "F.linear"
     assert rec["dense_step"] == label and f"dense step: {label}" in r.stdout

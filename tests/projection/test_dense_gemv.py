@@ -12,11 +12,13 @@ from test_sparse_linear import DECODE, TINY, run, site_inputs, site_modules
 import sparsedecode
 from interpreted import run_interpreted
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.options import GemvOptions, KernelOptions
+from sparsedecode.kernels.options import CpuOptions, GemvOptions, KernelOptions
 from sparsedecode.projection.thresholds import Thresholds, site_key
 
-DENSE = KernelOptions(gemv=GemvOptions(dense=True))
-LINEAR = KernelOptions(gemv=GemvOptions(dense=False))  # the nn.Linear step: the reference here
+# The PyTorch step, whose per-site calls these tests count (the C step that runs the whole step in
+# one call where it can, cpu.step, is tested against it in tests/engine/test_cpu_step.py)
+DENSE = KernelOptions(gemv=GemvOptions(dense=True), cpu=CpuOptions(step=False))
+LINEAR = KernelOptions(gemv=GemvOptions(dense=False), cpu=CpuOptions(step=False))  # the nn.Linear step: the reference
 
 
 def _worker() -> None:
@@ -102,7 +104,7 @@ def test_dense_gemv_is_refused_where_no_kernel_runs(monkeypatch):
     monkeypatch.setattr(sl, "cpu_rows", lambda w_t: False)  # as on a CPU without a C compiler
     with pytest.raises(InputError, match="gemv.dense=true .* no torch.float32 kernel .* drop gemv.dense=true"):
         sparsedecode.load(dict(TINY), init="random", device="cpu", max_len=64, kernels=DENSE)
-    assert KernelOptions.parse("gemv.dense=true") == DENSE
+    assert KernelOptions.parse("gemv.dense=true,cpu.step=false") == DENSE
     with pytest.raises(InputError, match="gemv.dense must be true, false or none"):
         GemvOptions(dense=1)
     assert KernelOptions.parse("gemv.dense=none") == KernelOptions() and KernelOptions().gemv.dense is None

@@ -143,7 +143,8 @@ def generate(
         typer.echo(json.dumps({
             "model": eng.name, "source": str(eng.source_path), "device": str(eng.device), "threads": n_threads,
             "dtype": str(eng.dtype).removeprefix("torch."), "attention": eng.attention,
-            "max_len": eng.max_len, "load_s": round(load_s, 3),
+            "max_len": eng.max_len, "load_s": round(load_s, 3), "step": eng.step_runtime,
+            "step_refusal": eng.cpu_step_refusal,
             "projection": None if eng.thresholds is None else {
                 "method": eng.thresholds.method, "keep": eng.thresholds.keep,
                 "path": eng.projection_runtime(), "realized_keep": realized},
@@ -157,7 +158,8 @@ def generate(
         return
     show("\n")
     typer.echo(
-        f"[{eng.name} on {eng.device}] prompt {speeds['prompt_tokens']} tokens at "
+        f"[{eng.name} on {eng.device}, step: {eng.step_runtime}"
+        + ("" if eng.cpu_step_refusal is None else f" ({eng.cpu_step_refusal})") + f"] prompt {speeds['prompt_tokens']} tokens at "
         f"{speeds['prompt_tok_s']} tok/s, "
         + (f"decode {speeds['new_tokens']} tokens at {speeds['decode_tok_s']} tok/s"
            if speeds["decode_tok_s"] is not None else

@@ -98,6 +98,10 @@ class Engine(Branches):
         self.kernels = KernelOptions(GemvOptions(dense=False))  # what every kernel launches with, resolved
         self.kernels_asked = KernelOptions()  # as given (set_kernels); gemv.dense None: see _resolved
         self.linear_needed_by: str | None = None  # what installed needs nn.Linear modules (CATS, the gate)
+        # the C decode step's plan for what the step reads now (engine.cpu_step.plan): (key, CpuStep or
+        # None, why not), and whether the last step ran it
+        self._cpu_plan: tuple | None = None
+        self.ran_cpu_step = False
         self.set_kernels(kernels if kernels is not None else KernelOptions())
         # the slots of a decode batch (engine/batch.py); None for one sequence
         self._batch_decoder = BatchDecoder(self) if self.batch > 1 else None
@@ -106,7 +110,43 @@ class Engine(Branches):
     def _decode_forward(self, host_len: int | None = None) -> torch.Tensor:
         if self.router is not None:
             self.router.step()  # this token's path, read by every CatsMLP (a device lookup)
+        # resolved: a CPU engine of batch 1, uncompiled (_resolved); a step traced by hand stays PyTorch's
+        if self.kernels.cpu.step and not torch.compiler.is_compiling():
+            step = self._cpu_step()
+            self.ran_cpu_step = step is not None
+            if step is not None:
+                return step(int(self._tok), int(self._pos))
         return self.model(self._tok, self._pos, None, host_len)[0, -1].float()  # (V,)
+
+    def _cpu_step(self):
+        """The C step for the decode step as it stands (engine.cpu_step), or None where it cannot
+        run it: then the PyTorch step runs, or, where cpu.step=true was asked for, the step is
+        refused with the reason."""
+        from sparsedecode.engine import cpu_step
+
+        self._cpu_plan = cpu_step.plan(self, self._cpu_plan)
+        if self._cpu_plan[1] is None and self.kernels_asked.cpu.step:
+            raise InputError(f"cpu.step=true, and the C step cannot run this decode step: {self._cpu_plan[2]}; "
+                             "drop cpu.step=true (the default runs the PyTorch step here by itself)")
+        return self._cpu_plan[1]
+
+    @property
+    def step_runtime(self) -> str:
+        """What ran the last decode step, for users and records: 'CUDA graph', 'compiled', 'C step'
+        (kernels/cpu_step.c) or 'eager' (then `cpu_step_refusal` says why not the C step)."""
+        if self.cuda_graph:
+            return "CUDA graph"
+        if self.compile:
+            return "compiled"
+        return "C step" if self.ran_cpu_step else "eager"
+
+    @property
+    def cpu_step_refusal(self) -> str | None:
+        """Why the C step did not run the last decode step, where cpu.step is on (None: it ran,
+        or it is off)."""
+        if not self.kernels.cpu.step or self.ran_cpu_step or self._cpu_plan is None:
+            return None
+        return self._cpu_plan[2]
 
     def _check_len(self, n: int, what: str) -> None:
         window = self.args.max_position
@@ -317,6 +357,7 @@ class Engine(Branches):
             if th is not None:
                 self.sparsify(th)
         set_attention_options_(self.model, kernels.attention)
+        self._cpu_plan = None
         self._graph = None
         self._graphs.clear()
 
@@ -340,6 +381,14 @@ class Engine(Branches):
         from sparsedecode.kernels.common import triton
         from sparsedecode.projection import sparse_linear
 
+        if kernels.cpu.step and (self.device.type != "cpu" or self.compile or self.batch > 1):
+            raise InputError("cpu.step=true runs the decode step of a CPU engine of batch 1 without torch.compile; "
+                             "drop cpu.step=true")
+        if kernels.cpu.step is None:
+            from sparsedecode.kernels.cpu_step import step_entry
+
+            kernels = kernels.with_(cpu__step=self.device.type == "cpu" and not self.compile and self.batch == 1
+                                    and step_entry(self.dtype) is not None)
         if kernels.gemv.dense and self.linear_needed_by:
             raise InputError(f"{self.linear_needed_by} run the dense nn.Linear modules, which gemv.dense=true "
                              "replaces: drop gemv.dense=true (the default turns it off here by itself)")

@@ -36,13 +36,16 @@ from sparsedecode.errors import InputError
 from sparsedecode.kernels.common import keep_mask
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
+# built into one library: the GEMVs, and the whole decode step that calls them (kernels.cpu_step)
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_step.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _P, _L = ctypes.c_void_p, ctypes.c_long
 SIGNATURES = {"sd_gemv_rows": (_P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int),
               "sd_gemv_segs": (_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _P, ctypes.c_int),
               "sd_gather_rows": (_P, _P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int),
-              "sd_gemv_union": (_P, _P, _P, _P, _L, _L, _L, _L, ctypes.c_float, _P, ctypes.c_int)}
+              "sd_gemv_union": (_P, _P, _P, _P, _L, _L, _L, _L, ctypes.c_float, _P, ctypes.c_int),
+              "sd_step": (_P, _P, _L, _L, _P, _P, ctypes.c_int)}
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(),
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES), *FLAGS, version, platform.machine(),
                                     platform.node() if "-march=native" in FLAGS else ""]).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"cpu_gemv-{key}.so"
     if out.is_file():
@@ -80,7 +83,7 @@ def _build(cc: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as tmp:
         part = Path(tmp) / out.name
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True,
+        r = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(part), "-lm"], capture_output=True, text=True,
                            timeout=300)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
@@ -98,7 +101,7 @@ def cpu_kernel() -> CpuKernel:
         path = _build(cc)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        return CpuKernel(None, None, f"building {SOURCE.name} failed: {e}")
+        return CpuKernel(None, None, f"building {' and '.join(f.name for f in SOURCES)} failed: {e}")
     fns = {}
     for name, args in SIGNATURES.items():
         for dtype, suffix in SUFFIX.items():

@@ -70,15 +70,35 @@ class AttentionOptions:
 
 
 @dataclass(frozen=True)
+class CpuOptions:
+    """Options of the CPU decode step.
+
+    step: run the whole one-token step as one C call (`kernels/cpu_step.c`, `engine.cpu_step`)
+        rather than the eager PyTorch step. None (the default): wherever it can run (a CPU engine
+        of batch 1, uncompiled, whose sites are the fused GEMVs: the dense step and TEAL's), the
+        PyTorch step elsewhere, and `Engine.step_runtime` says which ran and why; an engine
+        resolves it to true or false and records so. true: asked for, a step it cannot run is
+        refused with the reason; false: the PyTorch step.
+    """
+
+    step: bool | None = None
+
+    def __post_init__(self):
+        if self.step is not None and not isinstance(self.step, bool):
+            raise InputError(f"cpu.step must be true, false or none, got {self.step!r}")
+
+
+@dataclass(frozen=True)
 class KernelOptions:
     """Every kernel option of an engine; `to_dict()` is what records store under 'kernels'."""
 
     gemv: GemvOptions = field(default_factory=GemvOptions)
     attention: AttentionOptions = field(default_factory=AttentionOptions)
+    cpu: CpuOptions = field(default_factory=CpuOptions)
 
     def __post_init__(self):
-        if not isinstance(self.gemv, GemvOptions) or not isinstance(self.attention, AttentionOptions):
-            raise InputError("KernelOptions takes a GemvOptions and an AttentionOptions")
+        if not all(isinstance(getattr(self, g), part) for g, part in GROUPS.items()):
+            raise InputError("KernelOptions takes a GemvOptions, an AttentionOptions and a CpuOptions")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,11 +107,11 @@ class KernelOptions:
     def from_dict(cls, d: dict | None) -> KernelOptions:
         """The inverse of to_dict; a record's missing part (or None) is the default."""
         d = d or {}
-        unknown = sorted(set(d) - {"gemv", "attention"})
+        unknown = sorted(set(d) - set(GROUPS))
         if unknown:
-            raise InputError(f"unknown kernel option group(s) {', '.join(unknown)}: the groups are gemv, attention")
+            raise InputError(f"unknown kernel option group(s) {', '.join(unknown)}: the groups are {', '.join(GROUPS)}")
         try:
-            return cls(GemvOptions(**d.get("gemv", {})), AttentionOptions(**d.get("attention", {})))
+            return cls(**{g: part(**(d.get(g) or {})) for g, part in GROUPS.items()})
         except TypeError as e:
             raise InputError(f"kernel options {d}: {e}") from None
 
@@ -100,7 +120,7 @@ class KernelOptions:
         out = self
         for key, v in values.items():
             group, _, name = key.replace("__", ".").partition(".")
-            part = getattr(out, group, None) if group in ("gemv", "attention") else None
+            part = getattr(out, group, None) if group in GROUPS else None
             if part is None or name not in {f.name for f in fields(part)}:
                 raise InputError(f"unknown kernel option '{key}'; options are {', '.join(option_names())}")
             out = replace(out, **{group: replace(part, **{name: v})})
@@ -133,14 +153,13 @@ class KernelOptions:
 
 
 def option_names() -> list[str]:
-    return [f"{g}.{f.name}" for g, part in (("gemv", GemvOptions), ("attention", AttentionOptions))
-            for f in fields(part)]
+    return [f"{g}.{f.name}" for g, part in GROUPS.items() for f in fields(part)]
 
 
 def _value(raw: str, key: str):
     """raw read as the type of option `key`'s field (bool, int, or int | None)."""
     group, _, name = key.partition(".")
-    part = {"gemv": GemvOptions, "attention": AttentionOptions}.get(group)
+    part = GROUPS.get(group)
     f = next((f for f in fields(part) if f.name == name), None) if part else None
     if f is None:
         raise InputError(f"unknown kernel option '{key}'; options are {', '.join(option_names())}")
@@ -161,6 +180,7 @@ def _text(v) -> str:
     return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
+GROUPS = {"gemv": GemvOptions, "attention": AttentionOptions, "cpu": CpuOptions}
 DEFAULT = KernelOptions()
 
-__all__ = ["DEFAULT", "AttentionOptions", "GemvOptions", "KernelOptions", "option_names"]
+__all__ = ["DEFAULT", "AttentionOptions", "CpuOptions", "GemvOptions", "KernelOptions", "option_names"]

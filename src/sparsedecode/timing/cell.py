@@ -351,7 +351,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         **engine_fields(spec, eng, mode, dev),
         "compile_mode": spec.compile_mode,
         "compiled": eng.compile,
-        "runtime": "CUDA graph" if eng.cuda_graph else ("compiled" if eng.compile else "eager"),
+        "runtime": eng.step_runtime,
         "context": n,
         "generated": generated,
         "fill": spec.fill,
