@@ -79,7 +79,9 @@ def load_ours(a, compile: bool, config: str = "dense", kernels: str | None = Non
     import sparsedecode
     from sparsedecode.kernels.options import KernelOptions
 
-    eng = sparsedecode.load(a.model, device="cpu", dtype=dtype, compile=compile or None, quiet=True,
+    # the default cache (4,096 tokens) where the run fits it, else one that holds the run
+    max_len = None if a.context + a.new <= 4096 else a.context + a.new
+    eng = sparsedecode.load(a.model, device="cpu", dtype=dtype, compile=compile or None, quiet=True, max_len=max_len,
                             kernels=None if kernels is None else KernelOptions.parse(kernels))
     if config != "dense":
         eng.configure(config)
