@@ -182,3 +182,33 @@ def test_a_union_table_sets_each_record_beside_the_papers_and_prices_n_star_b(tm
     (tmp_path / "u.json").write_text(json.dumps({"model": "m"}))
     with pytest.raises(InputError, match="u.json is not a `bench union` record"):
         render(_manifest(tmp_path, head))
+
+
+def test_a_cpu_decode_table_sets_each_contender_beside_what_its_ratio_divides(tmp_path):
+    """The cpu_decode kind: ours dense over transformers, a configuration over our dense step of its
+    dtype beside its byte bound and keep, llama.cpp as ours over it; an older record without the
+    later fields still renders; a file of another kind is named."""
+    import json
+
+    rec = {"kind": "cpu_decode_bench", "context": 1024, "transformers": {"decode_tok_s": 10.0},
+           "ours": {"decode_tok_s": 20.0}, "fastest_dense": "default",
+           "ours_dense_variants": {"default": {"decode_tok_s": 20.0, "step": "C step"},
+                                   "cpu.step=false": {"decode_tok_s": 12.5, "step": "eager"}},
+           "ours_dtype_variants": {"bfloat16": {"decode_tok_s": 35.0, "step": "C step"}},
+           "ours_configs": {"proj0.5": {"decode_tok_s": 26.0, "speedup_vs_ours_dense": 1.3, "byte_bound": 1.58,
+                                        "realized_keep": 0.493, "step": "C step",
+                                        "speedup_vs": "the fastest dense step of ours (fastest_dense)"}},
+           "llama_cpp": {"llama.cpp F32 fa=off": {"decode_tok_s": 25.0, "ours_dense_float32_over_it": 0.8}}}
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    old = {k: rec[k] for k in ("kind", "context", "transformers", "ours")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    head = '[[table]]\ntitle = "t"\nconditions = "c"\nkind = "cpu_decode"\nrecords = ["r.json", "old.json"]\n'
+    page = render(_manifest(tmp_path, head))
+    assert "| 1024 | ours dense float32 [default] (fastest) | C step | 20.00 | 2.00x | transformers generate | | |" in page
+    assert "| 1024 | ours dense bfloat16 | C step | 35.00 | 3.50x | transformers generate (float32) | | |" in page
+    assert "| 1024 | ours proj0.5 | C step | 26.00 | 1.30x | the fastest dense step of ours (fastest_dense) | 1.58x | 0.493 |" in page
+    assert "| 1024 | llama.cpp F32 fa=off | | 25.00 | 0.80x | ours (fastest float32 dense) over it | | |" in page
+    assert page.count("| 1024 | transformers generate (float32, dynamic cache) | | 10.00 |") == 2
+    (tmp_path / "old.json").write_text(json.dumps({"kind": "serve_batch"}))
+    with pytest.raises(InputError, match="old.json is not a benchmarks/cpu_decode.py record"):
+        render(_manifest(tmp_path, head))

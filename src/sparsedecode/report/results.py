@@ -28,8 +28,9 @@ device each; one row per test and configuration led by its context, device and d
 union` records, `paper` the paper's batching/union_keep*.json, optional `kv_keep` for n*_B); and
 "batch" (the batched step against B: `records` lists `benchmarks/batch_decode.py` records),
 "batch_campaign" (a campaign folder with batch grids: the report's "Batched steps" section, the
-step against B and each batch size's measured crossing beside n*_B) and "serve_batch"
-(`records`: `benchmarks/serve_batch.py` records):
+step against B and each batch size's measured crossing beside n*_B), "serve_batch"
+(`records`: `benchmarks/serve_batch.py` records) and "cpu_decode" (`records`:
+`benchmarks/cpu_decode.py` records, ours against transformers and llama.cpp on CPU):
 
     [[table]]
     title = "Long-context retrieval (Table 3), qwen2.5-coder-0.5b"
@@ -394,6 +395,50 @@ def _batch_campaign_table(root: Path, t: dict) -> tuple[str, str]:
         "report, each batch size a group of its own).")
 
 
+def _cpu_decode_table(root: Path, t: dict) -> tuple[str, str]:
+    """Our CPU decode against its peers (`benchmarks/cpu_decode.py` records, `records`): per record
+    (one context) every contender's median decode tok/s, the step that ran, and its ratio: a dense
+    step of ours over transformers `generate`, a sparse configuration over our dense step of its
+    dtype (beside its byte bound and realized keep), a llama.cpp peer as our fastest float32 dense
+    step over it."""
+    from sparsedecode.textfile import read_json
+
+    lines = ["| context | contender | step | decode tok/s | ratio | of | byte bound | realized keep |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def f(v, fmt=".2f", unit=""):
+        return "" if v is None else f"{v:{fmt}}{unit}"
+
+    for rel in _list(t, "records"):
+        r = read_json(root / rel, "cpu_decode record")
+        if r.get("kind") != "cpu_decode_bench":
+            raise InputError(f"table {t.get('title')!r}: {rel} is not a benchmarks/cpu_decode.py record")
+        n, hf = r["context"], r["transformers"]["decode_tok_s"]
+        fastest = r.get("fastest_dense", "default")
+        dense = r.get("ours_dense_variants") or {"default": r["ours"]}
+        for name, row in dense.items():
+            tag = " (fastest)" if name == fastest else ""
+            lines.append(f"| {n} | ours dense float32 [{name}]{tag} | {row.get('step', '')} | {row['decode_tok_s']:.2f} | "
+                         f"{row['decode_tok_s'] / hf:.2f}x | transformers generate | | |")
+        for dt, row in (r.get("ours_dtype_variants") or {}).items():
+            lines.append(f"| {n} | ours dense {dt} | {row.get('step', '')} | {row['decode_tok_s']:.2f} | "
+                         f"{row['decode_tok_s'] / hf:.2f}x | transformers generate (float32) | | |")
+        for name, row in (r.get("ours_configs") or {}).items():
+            of = row.get("speedup_vs") or "our fastest dense step"
+            lines.append(f"| {n} | ours {name} | {row.get('step', '')} | {row['decode_tok_s']:.2f} | "
+                         f"{row['speedup_vs_ours_dense']:.2f}x | {of} | {f(row.get('byte_bound'), '.2f', 'x')} | "
+                         f"{f(row.get('realized_keep'), '.3f')} |")
+        for name, row in (r.get("llama_cpp") or {}).items():
+            lines.append(f"| {n} | {name} | | {row['decode_tok_s']:.2f} | {row['ours_dense_float32_over_it']:.2f}x | "
+                         "ours (fastest float32 dense) over it | | |")
+        lines.append(f"| {n} | transformers generate (float32, dynamic cache) | | {hf:.2f} | | | | |")
+    return "\n".join(lines), (
+        "Rebuilt by `sparsedecode report results` from " + ", ".join(f"`{x}`" for x in _list(t, "records"))
+        + "; each made by `benchmarks/cpu_decode.py` with the arguments its README names (decode tok/s: "
+          "medians of interleaved repeats in one process; ratios: medians of the paired per-repeat ratios for "
+          "configurations, ratios of medians otherwise).")
+
+
 def _serve_batch_table(root: Path, t: dict) -> tuple[str, str]:
     """`serve --batch B` against `--batch 1` under one load (`benchmarks/serve_batch.py` records,
     `records`): per batch its throughput, latency, whether every request ended well, and the
@@ -433,7 +478,8 @@ KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load":
          "generate": _generate_table, "dense_steps": _dense_steps_table, "step_profile": _step_profile_table,
          "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table,
          "retrieval": _retrieval_table, "union": _union_table, "batch": _batch_table,
-         "batch_campaign": _batch_campaign_table, "serve_batch": _serve_batch_table}
+         "batch_campaign": _batch_campaign_table, "serve_batch": _serve_batch_table,
+         "cpu_decode": _cpu_decode_table}
 
 
 def render(manifest: str | Path) -> str:
