@@ -17,8 +17,8 @@ torch.compile on CPU is not what a user picks by default) is timed too.
 `--llama-cpp` adds llama.cpp (through `llama-cpp-python`, where it is installed) as a second peer
 on the same weights: the embedded GGUF re-written by llama.cpp's own quantizer as F32 and F16
 (Q4_1 dequantized: the values our loader dequantizes), flash attention off and on.
-`--dtype-variant bfloat16` also times our dense step and each of `--configs` with half-precision
-weights and cache; a configuration's speedup divides the fastest dense step of its own dtype.
+`--dtype-variant bfloat16` also times our dense step and each of `--dtype-configs` with
+half-precision weights and cache; a configuration's speedup divides the dense step of its own dtype.
 
     PYTHONPATH=src python benchmarks/cpu_decode.py --out benchmarks/records/cpu/decode
 """
@@ -148,6 +148,10 @@ def main() -> None:
     ap.add_argument("--dtype-variant", action="append", default=[], metavar="DTYPE",
                     help="also time our dense step and each of --configs with weights and cache in DTYPE "
                          "(repeatable; e.g. bfloat16)")
+    ap.add_argument("--dtype-configs", default="proj0.5",
+                    help="the configurations also timed in each --dtype-variant, comma-separated ('' for none); "
+                         "each run prefills its prompt in that dtype, which a CPU without native half arithmetic "
+                         "(bf16 GEMMs several times slower than float32's) pays in wall time")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="add llama.cpp (llama-cpp-python) on the same weights, F32 and F16, flash attention off/on")
     a = ap.parse_args()
@@ -167,7 +171,7 @@ def main() -> None:
     for dt in a.dtype_variant:
         by_dtype[dt] = load_ours(a, compile=False, dtype=dt)[0]
         sparse.update({f"{c}@{dt}": load_ours(a, compile=False, config=c, dtype=dt)[0]
-                       for c in filter(None, a.configs.split(","))})
+                       for c in filter(None, a.dtype_configs.split(","))})
     src = eng.source_path
     peers = {}
     if a.llama_cpp:
@@ -306,7 +310,8 @@ def main() -> None:
         "speedup_vs_transformers_eager": ours["decode_tok_s"] / h_dec,
         "paired_speedups_eager": paired,
         "order": "interleaved repeats of ours, ours in each --dense-variant, ours dense in each --dtype-variant, "
-                 "ours in each of --configs (and each in each dtype variant), llama.cpp's, ours compiled, "
+                 "ours in each of --configs (and each of --dtype-configs in each dtype variant), llama.cpp's, "
+                 "ours compiled, "
                  "transformers, transformers static; repeat r starts at contender r (rotated)",
         "speedup_of": "compiled" if best is ours_c else ("eager" if best is ours else f"eager [{fastest}]"),
         "target_speedup": TARGET,
