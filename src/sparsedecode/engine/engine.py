@@ -195,7 +195,7 @@ class Engine(Branches):
             piece = ids[s : s + chunk]  # (l,)
             p0 = start + s
             pos = torch.arange(p0, p0 + piece.numel(), device=self.device)  # (l,)
-            logits = self.model(piece[None], pos, p0)[0]  # (l, V)
+            logits = self.model(piece[None], pos, p0, last=not all_logits)[0]  # (l, V), or (1, V)
             outs.append(logits.float() if all_logits else logits[-1:].float())
         self.pos = start + L
         self.last_prefill = (ids, start)

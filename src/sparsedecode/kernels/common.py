@@ -31,6 +31,28 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_BLOCK = 16  # smallest tile width: workspace() sizes its counters for it
 
 
+@functools.cache
+def cpu_half_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU does `dtype` (bfloat16, float16) GEMMs in hardware (AVX512-BF16, AMX):
+    where it does not, PyTorch's half GEMMs run several times slower than float32's."""
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if dtype == torch.float16:
+        return torch.cpu._is_amx_fp16_supported()
+    return True
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, w, bias), computed in float32 and cast back where x is a half dtype on a CPU that
+    lacks its GEMMs (`cpu_half_native`): a prefill of half weights then runs at float32 speed rather
+    than several times slower, reading the half weights it stores (widened per call)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16) or cpu_half_native(x.dtype) \
+            or torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, w, bias)
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.linear(x.float(), w.float(), b).to(x.dtype)
+
+
 def interpreting() -> bool:
     """Whether Triton runs on CPU under TRITON_INTERPRET=1."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

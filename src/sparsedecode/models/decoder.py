@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsedecode.errors import InputError
+from sparsedecode.kernels.common import linear
 from sparsedecode.kernels.options import AttentionOptions
 from sparsedecode.kernels.rope_attention import rope_attention
 from sparsedecode.kernels.rope_cache import rope_cache
@@ -353,14 +354,16 @@ class Transformer(nn.Module):
         self.max_len = max_len
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor, start: int | None = None,
-                host_len: int | None = None, slots: torch.Tensor | None = None):
+                host_len: int | None = None, slots: torch.Tensor | None = None, last: bool = False):
         """Logits (B, L, vocab) in the model dtype for tokens idx (B, L) at positions pos (L,).
 
         `start` (host int) selects the prefill path and must equal pos[0]; None is
         the decode path (L == 1, position only on the device); a decode batch (idx (B, 1), B > 1,
         or `slots` given) gives each sequence's own position, pos (B,), and `slots` (B,) the cache
         rows its sequences live in (None: rows 0..B-1). `host_len`, decode only,
-        is the valid length pos + 1 as a host int, for backends that slice on the host.
+        is the valid length pos + 1 as a host int, for backends that slice on the host. `last`
+        (prefill): the logits of the chunk's last position only (B, 1, vocab), the LM head run on
+        that row alone (a 1K prompt's full logits are 29 GFLOP of head on smollm2).
         """
         x = self.embed_tokens(idx)  # (B, L, dim)
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (L, D); a decode batch's (B, D)
@@ -374,6 +377,9 @@ class Transformer(nn.Module):
                 x, ss = layer(x, cos, sin, pos, start, host_len, tables, slots), None
         if start is None and x.shape[0] > 1:
             return self._head_rows(self.norm(x))
+        if start is not None:  # prefill: a half head in float32 on a CPU without half GEMMs
+            h = self.norm(x[:, -1:] if last else x)
+            return linear(h, self.lm_head.weight, self.lm_head.bias)  # (B, L or 1, vocab)
         return self.lm_head(self.norm(x))  # (B, L, vocab)
 
     def _head_rows(self, h: torch.Tensor) -> torch.Tensor:

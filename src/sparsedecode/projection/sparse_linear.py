@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.common import interpreting, keep_mask, workspace
+from sparsedecode.kernels.common import interpreting, keep_mask, linear, workspace
 from sparsedecode.kernels.cpu_gemv import (
     has_entry,
     sparse_gemv_cpu,
@@ -206,7 +206,7 @@ class SparseLinear(FixedDtypeBuffers):
         if residual is None and x.dim() == 3 and x.shape[0] > 1 and x.shape[1] == 1:
             return self._forward_rows(x)  # a decode batch: one token per sequence
         if residual is None and x.shape[:-1].numel() != 1:
-            return F.linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
+            return linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
         if residual is None and not x.is_cuda and cpu_rows(self.w_t):
             return sparse_gemv_cpu(x, self.w_t, self.threshold, self.bias, kept=self.kept_buffer())
         if self.track:
