@@ -25,6 +25,8 @@ from collections.abc import Callable
 # Inductor's kernels (triton_poi/red/per_fused_<ops>) are named after the ops they fuse, so the
 # dense GEMV/GEMM fragments come last: a fused norm of `sparse_gemv`'s input is not a GEMV.
 KINDS: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
+    # the CPU step in one C call (kernels/cpu_step.c): one range, its parts unseen by the profiler
+    ("C step", True, ("sparsedecode::cpu_step",)),
     ("sparse GEMV", True, ("_sparse_gemv_kernel", "_cats_up_kernel")),
     ("attention", True, ("_split_kernel", "_merge_kernel", "flash", "fmha", "attention", "sdpa",
                          "aten::bmm", "aten::_scaled_dot_product*", "aten::_softmax", "softmax")),
