@@ -168,10 +168,23 @@ def test_what_the_c_step_cannot_run_falls_back_in_words_or_is_refused():
     assert batch.kernels.cpu.step is False  # resolved off: a batch runs its own step
 
 
+def test_without_a_built_c_step_the_default_is_off_and_asking_for_it_is_refused(monkeypatch):
+    import sparsedecode.kernels.cpu_step as ks
+
+    monkeypatch.setattr(ks, "step_entry", lambda dtype: None)  # as on a CPU without a C compiler
+    off = sparsedecode.load(dict(LLAMA), init="random", device="cpu", max_len=400, quiet=True)
+    assert off.kernels.cpu.step is False
+    off.generate(PROMPT, 3, stop_ids=())
+    assert off.step_runtime == "eager" and off.cpu_step_refusal is None
+    with pytest.raises(InputError, match="cpu.step=true, and there is no torch.float32 C step"):
+        sparsedecode.load(dict(LLAMA), init="random", device="cpu", max_len=400, quiet=True,
+                          kernels=KernelOptions.parse("cpu.step=true"))
+
+
 def test_a_position_past_the_cache_is_refused():
-    from sparsedecode.engine.cpu_step import CpuStep, _key
+    from sparsedecode.engine.cpu_step import CpuStep
 
     c, _ = _pair(LLAMA, max_len=200)
-    step = CpuStep(c.model, _key(c.model))
+    step = CpuStep(c.model)
     with pytest.raises(InputError, match="position 200 is outside"):
         step(5, 200)

@@ -7,8 +7,8 @@ benchmarks/records/cpu/decode/cpu_step_split_*). `CpuStep` describes the model t
 one call: the dense step and TEAL's (every site a `SparseLinear`, q|k|v and gate|up fused), with or
 without a KV selection's compact buffer. What it cannot run is refused by `refusal` in words, and
 the engine runs the PyTorch step there: CATS/SATS and routing (their MLP is not a GEMV chain), a
-window selection, another attention backend, torch.compile, a batch, forward hooks on the step's
-modules (calibration and tests read each site's input through them).
+window selection, another attention backend, forward hooks on the step's modules (calibration and
+tests read each site's input through them); torch.compile and a batch resolve cpu.step off.
 
 The plan is keyed by what the step reads (`_key`: each layer's modules, the compact buffer, the
 track flags, hooks) and built again when that changes; thresholds are read through pointers to the
@@ -27,17 +27,9 @@ SITES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 
 def refusal(engine) -> str | None:
-    """Why the C step cannot run `engine`'s decode step (None: it can), in words for users and records."""
-    if engine.device.type != "cpu":
-        return "not a CPU engine"
-    if engine.compile:
-        return "the step is compiled (torch.compile)"
-    if engine.batch > 1:
-        return "a decode batch (engine/batch.py)"
-    if step_entry(engine.dtype) is None:
-        from sparsedecode.kernels.cpu_gemv import cpu_kernel
-
-        return f"no {engine.dtype} C step ({cpu_kernel().reason or 'not built for it'})"
+    """Why the C step cannot run `engine`'s decode step as it stands now (None: it can), in words for
+    users and records. What never changes for an engine (its device, torch.compile, its batch, a
+    built kernel) was settled when its cpu.step option was resolved (`Engine._resolved`)."""
     if engine.router is not None:
         return "token routing runs CATS MLPs"
     return model_refusal(engine.model)
@@ -65,11 +57,9 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _watched(layer) -> list:
-    """The modules of a layer whose forward hooks the C step would skip."""
-    a, m = layer.self_attn, layer.mlp  # m may be a CATS MLP: no gate_up (the plan refuses it)
-    return [layer, a, m, layer.input_layernorm, layer.post_attention_layernorm, a.qkv, getattr(m, "gate_up", None),
-            *(getattr(a, s, None) for s in SITES[:4]), *(getattr(m, s, None) for s in SITES[4:])]
+def _hooked(mods) -> bool:
+    """Whether any of `mods` (None skipped) holds a forward hook the C step would skip."""
+    return any(x is not None and (x._forward_hooks or x._forward_pre_hooks) for x in mods)
 
 
 def plan(engine, previous):
@@ -83,20 +73,26 @@ def plan(engine, previous):
         reason = "a forward hook on a module of the step (calibration, a test reading a site's input)"
     if reason is None and not all(k[6] for k in key[0]):
         reason = "a KV selection is observing its window"
-    return key, (None if reason else CpuStep(engine.model, key[0])), reason
+    return key, (None if reason else CpuStep(engine.model)), reason
 
 
 def _key(model) -> tuple:
     """What a plan read: each layer's fused and site modules, track flags, compact buffer, window,
-    observation list and whether any module of the step holds a forward hook."""
+    observation list and whether any module of the step holds a forward hook. Read per decode step,
+    so through the modules' own dicts (`_modules`, `__dict__`) rather than nn.Module's attribute
+    fallback, which cost the key about a millisecond a step on smollm2's 30 layers."""
     out = []
     for layer in model.layers:
-        a, m = layer.self_attn, layer.mlp
-        c = a.cache.compact
-        out.append((id(a.qkv), id(a.o_proj), id(getattr(m, "gate_up", None)), id(getattr(m, "down_proj", None)),
-                    None if c is None else (id(c[0]), id(c[2])), a.cache.window is None, a.observe is None,
-                    a.o_proj.track if isinstance(a.o_proj, SparseLinear) else None,
-                    any(x._forward_hooks or x._forward_pre_hooks for x in _watched(layer) if x is not None)))
+        lm = layer._modules
+        a, m = lm["self_attn"], lm["mlp"]
+        am, mm = a._modules, m._modules  # m may be a CATS MLP: no gate_up (the plan refuses it)
+        cache = am["cache"].__dict__
+        c, o = cache["compact"], am["o_proj"]
+        out.append((id(am.get("qkv")), id(o), id(mm.get("gate_up")), id(mm.get("down_proj")),
+                    None if c is None else (id(c[0]), id(c[2])), cache["window"] is None,
+                    a.__dict__["observe"] is None, o.track if isinstance(o, SparseLinear) else None,
+                    _hooked((layer, a, m, lm["input_layernorm"], lm["post_attention_layernorm"], am.get("qkv"),
+                             mm.get("gate_up"), *(am.get(s) for s in SITES[:4]), *(mm.get(s) for s in SITES[4:])))))
     return tuple(out)
 
 
@@ -104,10 +100,9 @@ class CpuStep:
     """The C description of one model's decode step, and the call (`plan` builds it where
     `refusal` says None); `__call__(token, pos)` returns the float32 logits (V,)."""
 
-    def __init__(self, model, key: tuple):
+    def __init__(self, model):
         args = model.args
         self.model = model
-        self.key = key
         w = model.embed_tokens.weight
         self.dtype = w.dtype
         self.fn = step_entry(self.dtype)

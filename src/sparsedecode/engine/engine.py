@@ -110,7 +110,8 @@ class Engine(Branches):
     def _decode_forward(self, host_len: int | None = None) -> torch.Tensor:
         if self.router is not None:
             self.router.step()  # this token's path, read by every CatsMLP (a device lookup)
-        # resolved: a CPU engine of batch 1, uncompiled (_resolved); a step traced by hand stays PyTorch's
+        # resolved: a CPU engine of batch 1, uncompiled, the C step built (_resolved); a step traced by
+        # hand stays PyTorch's
         if self.kernels.cpu.step and not torch.compiler.is_compiling():
             step = self._cpu_step()
             self.ran_cpu_step = step is not None
@@ -208,8 +209,8 @@ class Engine(Branches):
     @torch.inference_mode()
     def decode_step(self, token) -> torch.Tensor:
         """Feed one token (int or (1,) device tensor) at the next position; return its
-        float32 logits (V,). On CUDA the result is the graph's static output buffer:
-        read it before the next step."""
+        float32 logits (V,). On CUDA the result is the graph's static output buffer, and on CPU
+        the C step's (engine.cpu_step): read it before the next step."""
         self._one_sequence("decode_step")
         if self.pos >= self.max_len:
             raise InputError(
@@ -381,14 +382,19 @@ class Engine(Branches):
         from sparsedecode.kernels.common import triton
         from sparsedecode.projection import sparse_linear
 
-        if kernels.cpu.step and (self.device.type != "cpu" or self.compile or self.batch > 1):
-            raise InputError("cpu.step=true runs the decode step of a CPU engine of batch 1 without torch.compile; "
-                             "drop cpu.step=true")
-        if kernels.cpu.step is None:
+        if kernels.cpu.step is not False:  # what never changes for this engine is settled here, once
+            from sparsedecode.kernels.cpu_gemv import cpu_kernel
             from sparsedecode.kernels.cpu_step import step_entry
 
+            if kernels.cpu.step and (self.device.type != "cpu" or self.compile or self.batch > 1):
+                raise InputError("cpu.step=true runs the decode step of a CPU engine of batch 1 without "
+                                 "torch.compile; drop cpu.step=true")
+            built = self.device.type != "cpu" or step_entry(self.dtype) is not None
+            if kernels.cpu.step and not built:
+                raise InputError(f"cpu.step=true, and there is no {self.dtype} C step "
+                                 f"({cpu_kernel().reason or 'not built for it'}); drop cpu.step=true")
             kernels = kernels.with_(cpu__step=self.device.type == "cpu" and not self.compile and self.batch == 1
-                                    and step_entry(self.dtype) is not None)
+                                    and built)
         if kernels.gemv.dense and self.linear_needed_by:
             raise InputError(f"{self.linear_needed_by} run the dense nn.Linear modules, which gemv.dense=true "
                              "replaces: drop gemv.dense=true (the default turns it off here by itself)")
