@@ -62,7 +62,8 @@ def finetune(
     validation, or of --text-file (a folder's wiki.valid.raw). Weights train in float32. The
     adapter runs with --adapter on generate, eval ppl, eval grid, serve and bench cell."""
     import sparsedecode
-    from sparsedecode.corpus import text_ids, wikitext_path
+    from sparsedecode.corpus import require_tokens, text_ids, wikitext_path
+    from sparsedecode.models.load import load_tokenizer, resolve
     from sparsedecode.projection.thresholds import Thresholds
     from sparsedecode.quality.finetune import (
         FinetuneOptions,
@@ -83,13 +84,20 @@ def finetune(
     check_text_file(path)
     check_engine_args(device, "float32")
 
-    eng = sparsedecode.load(model, device=device, dtype="float32", max_len=seq_len, quiet=json_out)
-    ids = text_ids(eng.tokenizer, path)
+    ckpt = resolve(model, quiet=json_out)  # the text is counted before the model loads
+    tokenizer = load_tokenizer(ckpt)
+    if tokenizer is None:
+        raise InputError(f"'{model}' has no tokenizer files; fine-tuning reads text: give a model with one")
+    ids = text_ids(tokenizer, path)
+    require_tokens(ids, tokens, path)
+    eng = sparsedecode.load(ckpt, device=device, dtype="float32", max_len=seq_len, quiet=json_out)
+    th.validate(eng.dims)
     desc = f"{path.name}[:{tokens}]"
-    if not json_out:
-        typer.echo(f"fine-tuning {eng.name} under {th.method} keep {th.keep:g} ({thresholds}): LoRA r={rank}, "
-                   f"alpha={alpha:g} on {targets}, {steps} steps of {batch} x {seq_len} tokens from {desc}", err=True)
-    with stop_on_signals() as stop:
+    with stop_on_signals() as stop:  # from here on a SIGTERM or Ctrl-C checkpoints the run
+        if not json_out:
+            typer.echo(f"fine-tuning {eng.name} under {th.method} keep {th.keep:g} ({thresholds}): LoRA r={rank}, "
+                       f"alpha={alpha:g} on {targets}, {steps} steps of {batch} x {seq_len} tokens from {desc}",
+                       err=True)
         try:
             rec = finetune(eng, ids, th, opts, out, text=desc, thresholds_file=thresholds, progress=not json_out,
                            stop=stop)

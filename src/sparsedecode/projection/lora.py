@@ -56,12 +56,12 @@ class LoraSpec:
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise InputError(f"LoRA {option('rank')} must be a whole number >= 1, got {self.rank!r}")
+            raise InputError(f"{option('rank', self.rank)}: the LoRA rank must be a whole number >= 1")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) \
                 or not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise InputError(f"LoRA {option('alpha')} must be a number > 0, got {self.alpha!r}")
+            raise InputError(f"{option('alpha', self.alpha)}: LoRA alpha must be a number > 0")
         if self.targets not in TARGETS:
-            raise InputError(f"LoRA {option('targets')} {self.targets!r}: use one of {', '.join(TARGETS)}")
+            raise InputError(f"{option('targets', self.targets)}: LoRA targets are one of {', '.join(TARGETS)}")
         object.__setattr__(self, "alpha", float(self.alpha))
 
     @property
@@ -127,6 +127,8 @@ class Adapter:
         if not isinstance(meta, dict):
             raise InputError(f"{path / CONFIG_FILE}: the sparsedecode block is not a JSON object")
         rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise InputError(f"{path / CONFIG_FILE}: r is {rank!r}; a LoRA rank is a whole number >= 1")
         modules = sorted(set(_modules(cfg.get("target_modules"), path)))
         targets = next((k for k, v in TARGETS.items() if set(v) == set(modules)), None)
         try:

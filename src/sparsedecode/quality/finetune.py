@@ -70,14 +70,14 @@ class FinetuneOptions:
         for name in ("tokens", "seq_len", "batch", "steps", "checkpoint_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InputError(f"{option(name)} must be a whole number >= 1, got {v!r}")
+                raise InputError(f"{option(name, v)}: must be a whole number >= 1")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise InputError(f"{option('warmup')} must be a whole number >= 0, got {self.warmup!r}")
+            raise InputError(f"{option('warmup', self.warmup)}: must be a whole number >= 0")
         if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or not math.isfinite(self.lr) \
                 or not 0 < self.lr < 1:
-            raise InputError(f"{option('lr')} must be a number in (0, 1), got {self.lr!r}")
+            raise InputError(f"{option('lr', self.lr)}: the learning rate must be a number in (0, 1)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise InputError(f"{option('seed')} must be a whole number >= 0, got {self.seed!r}")
+            raise InputError(f"{option('seed', self.seed)}: must be a whole number >= 0")
         if self.tokens < self.seq_len * self.batch + 1:
             raise InputError(f"{option('tokens', self.tokens)} holds less than one step of {self.batch} window(s) "
                              f"of {option('seq_len', self.seq_len)} (+1) tokens; give more tokens or shorter windows")
