@@ -17,7 +17,6 @@ timed (ByteCross App. A: bytes per step do not depend on the values).
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import struct
