@@ -10,7 +10,7 @@ import pytest
 from conftest import cli_commands
 
 CLI = Path(__file__).resolve().parents[2] / "src/sparsedecode/cli"
-SHARED = ["--proj-keep", "--kv", "--kv-keep", "--thresholds", "--method", "--device", "--dtype", "--threads",
+SHARED = ["--proj-keep", "--kv", "--kv-keep", "--thresholds", "--adapter", "--method", "--device", "--dtype", "--threads",
           "--max-len", "--text-file", "--json", "--obs"]
 
 

@@ -20,6 +20,7 @@ from sparsedecode.cli import engine as _engine  # noqa: F401
 from sparsedecode.cli import eval as _eval  # noqa: F401
 from sparsedecode.cli import eval_grid as _eval_grid  # noqa: F401
 from sparsedecode.cli import eval_retrieval as _eval_retrieval  # noqa: F401
+from sparsedecode.cli import finetune as _finetune  # noqa: F401
 from sparsedecode.cli import report as _report  # noqa: F401
 from sparsedecode.cli import route as _route  # noqa: F401
 from sparsedecode.cli import serve as _serve  # noqa: F401

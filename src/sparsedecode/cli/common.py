@@ -92,6 +92,10 @@ ThresholdsOpt = Annotated[str | None, typer.Option(
     "--thresholds", metavar="FILE",
     help="Projection thresholds file written by `sparsedecode calibrate` (for routing: a cats or "
          "sats one).")]
+AdapterOpt = Annotated[str | None, typer.Option(
+    "--adapter", metavar="DIR",
+    help="LoRA adapter folder written by `sparsedecode finetune`, merged into the weights at load: base + "
+         "adapter on every path (prefill and decode, sparse and dense). One made for another model is refused.")]
 MethodOpt = Annotated[str, typer.Option(
     "--method", metavar="METHOD", help="Projection calibration method: teal, cats or sats.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
@@ -234,6 +238,16 @@ def _check_writable(where, path: str, flag: str) -> None:
         raise InputError(f"{flag} {path}: {probe} is a file, not a folder; pick another path")
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         raise InputError(f"{flag} {path}: cannot write under {probe}; pick a writable place")
+
+
+def check_adapter(adapter: str | None):
+    """--adapter read before the model loads (a bad folder fails first): its `projection.lora.Adapter`,
+    or None. The model's dims are checked against it when it merges (`sparsedecode.load(adapter=)`)."""
+    if adapter is None:
+        return None
+    from sparsedecode.projection.lora import Adapter
+
+    return Adapter.load(adapter)
 
 
 def check_engine_args(device: str, dtype: str, max_len: int | None = None, attention: str = "split_k") -> None:

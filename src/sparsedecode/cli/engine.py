@@ -15,6 +15,7 @@ import typer
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
     TOKENS,
+    AdapterOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -51,6 +52,7 @@ def generate(
                                 "--thresholds by its token id."),
     kv: KvOpt = None,
     kv_keep: KvKeepOpt = None,
+    adapter: AdapterOpt = None,
     gate: str = typer.Option(None, "--gate", help="Gate table (sparsedecode dispatch table): decode under "
                              "the admissible configuration of least predicted cost for this prompt and "
                              "--max-new-tokens."),
@@ -67,6 +69,7 @@ def generate(
     import sparsedecode
     from sparsedecode.cli.common import (
         apply_sparsity,
+        check_adapter,
         check_calibration_text,
         check_engine_args,
         check_sparsity_args,
@@ -85,6 +88,7 @@ def generate(
     check_engine_args(device, dtype, max_len, attention)
     config, th, table = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate, routing)
     check_calibration_text(text_file, calibrates=proj_keep is not None or gate is not None)
+    lora = check_adapter(adapter)
     import time
 
     from sparsedecode.engine.generation import encode
@@ -102,7 +106,7 @@ def generate(
     ids = encode(tokenizer, prompt, chat, ckpt.name)
     max_len = cache_length(ModelArgs.from_config(ckpt.config, name=ckpt.name), len(ids), max_new_tokens, max_len)
     eng = sparsedecode.load(ckpt, device=device, dtype=dtype, max_len=max_len,
-                            attention=attention, quiet=as_json)
+                            attention=attention, quiet=as_json, adapter=lora)
     gate_obj = None  # a gate of another model is refused before anything is printed
     if gate is not None:
         from sparsedecode.dispatch.runtime import load_gate
@@ -152,6 +156,7 @@ def generate(
                 "method": eng.kv.method, "keep": eng.kv.keep, "mode": eng.kv.mode, "prompt_tokens": eng.kv.n,
                 "budget": eng.kv.budget, "select_s": round(eng.kv.select_s, 4)},
             "routing": eng.routing_summary(routing),
+            "adapter": None if eng.adapter is None else eng.adapter.summary(),
             "gate": None if picked is None else {"table": gate, **picked},
             "text": out.text, "ids": out.ids, "stopped_at_eos": out.stopped_at_eos, **speeds,
         }))
@@ -172,7 +177,8 @@ def generate(
             f"; kv {eng.kv.method} keep {eng.kv.keep:g}: {eng.kv.budget} of {eng.kv.n} prompt entries "
             f"per KV head, selected in {eng.kv.select_s:.3f} s")) + ("" if eng.routing is None else (
             f"; routing tau {eng.routing.tau:.4g} (target {eng.routing.target:g}): "
-            f"{_pct(eng.routed_fraction())} of decode steps sparse")),
+            f"{_pct(eng.routed_fraction())} of decode steps sparse")) + ("" if eng.adapter is None else (
+            f"; adapter {eng.adapter.path} (LoRA r={eng.adapter.spec.rank}, merged)")),
         err=True,
     )
     if picked is not None:

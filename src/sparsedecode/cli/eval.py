@@ -26,6 +26,7 @@ from sparsedecode.cli.common import (
     COUNT_MAX,
     SEED_MAX,
     TOKENS,
+    AdapterOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -76,6 +77,7 @@ def ppl(
     kv_keep: KvKeepOpt = None,
     obs: ObsOpt = 64,
     kv_param: KvParamOpt = None,
+    adapter: AdapterOpt = None,
     text_file: TextFileOpt = None,
     resamples: ResamplesOpt = 20000,
     seed: SeedOpt = 0,
@@ -100,14 +102,15 @@ def ppl(
     _check_run(protocol, kv_config, chunks=chunks, windows=windows, length=length, scored=scored,
                resamples=resamples, level=level)
     path = wikitext_path("test", text_file)
-    from sparsedecode.cli.common import check_engine_args, check_text_file
+    from sparsedecode.cli.common import check_adapter, check_engine_args, check_text_file
 
     check_text_file(path)
     check_engine_args(device, dtype)
+    lora = check_adapter(adapter)
     need = CHUNK if protocol == "chunked" else length
 
     t0 = time.perf_counter()
-    eng = _load(model, need, protocol, device=device, dtype=dtype, quiet=json_out)
+    eng = _load(model, need, protocol, device=device, dtype=dtype, quiet=json_out, adapter=lora)
     rec = _run(eng, path, protocol, thresholds, keep, kv_config, text_file, chunks=chunks,
                windows=windows, length=length, scored=scored, resamples=resamples, seed=seed,
                level=level, progress=not json_out)
@@ -254,7 +257,9 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
     same = config.mode == "dense"  # every branch off: the dense run is the configuration's
     if progress and not same:
         typer.echo(f"configuration: {config.mode}", err=True)
-    configured = dense if same else evaluate(eng, ids, protocol, config, thresholds=th, progress=progress, **args)
+    counts = {} if protocol == "chunked" and th is not None else None  # the realized keep of the scored positions
+    configured = dense if same else evaluate(eng, ids, protocol, config, thresholds=th, progress=progress,
+                                             counts=counts, **args)
     bs = paired_bootstrap(dense.nll, configured.nll, dense.targets, resamples, seed, level)
 
     from sparsedecode.projection.sparse_linear import runtime
@@ -262,6 +267,12 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
     proj = None if th is None else {**th.header(), "source": str(thresholds) if thresholds else "cached_teal",
                                     "runtime": "masked reference" if protocol == "chunked"
                                     else runtime(th, eng.device, eng.dtype)}
+    if counts:
+        from sparsedecode.projection.calibrate import keeps_of
+
+        k = keeps_of(counts, eng.dims, th.keep_metric)
+        proj["realized"] = {"text": "the scored positions", **{f: k[f] for f in (
+            "keep", "param_keep", "ff_keep", "act_keep", "sites")}}
     kvd = None if kv_config is None else {"method": kv_config.method, "keep": kv_config.keep,
                                           "params": dict(kv_config.params)}
     shape = ({"chunks": chunks, "chunk": CHUNK, "dense_prefix": DENSE, "scored": CHUNK - DENSE}
@@ -274,7 +285,8 @@ def _run(eng, path, protocol, thresholds, keep, kv_config, text_file, *, chunks,
         "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."),
         "attention": eng.attention, "max_len": eng.max_len,
         "text": {"file": str(path), "tokens": len(ids)},
-        "config": {"mode": config.mode, "projection": proj, "kv": kvd, "same_as_dense": same},
+        "config": {"mode": config.mode, "projection": proj, "kv": kvd, "same_as_dense": same,
+                   "adapter": None if eng.adapter is None else eng.adapter.summary()},
         "dense": dense.to_dict(), "configured": configured.to_dict(),
         "bootstrap": bs.to_dict(),
     }

@@ -25,6 +25,7 @@ import typer
 
 from sparsedecode.cli import eval as ev
 from sparsedecode.cli.common import (
+    AdapterOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -53,6 +54,7 @@ def grid(
     length: ev.LengthOpt = 4096,
     scored: ev.ScoredOpt = 512,
     obs: ObsOpt = 64,
+    adapter: AdapterOpt = None,
     text_file: TextFileOpt = None,
     resamples: ev.ResamplesOpt = 20000,
     seed: ev.SeedOpt = 0,
@@ -86,9 +88,14 @@ def grid(
     folder = Path(out)
     g.check_folder(folder, want)
     path = wikitext_path("test", text_file)
+    from sparsedecode.cli.common import check_adapter
+
+    lora = check_adapter(adapter)
+    want["config.adapter.path"] = None if lora is None else str(lora.path)
+    g.check_folder(folder, want)  # again: a folder of another adapter fails before the model loads
 
     eng = ev._load(model, CHUNK if protocol == "chunked" else length, protocol, device=device,
-                   dtype=dtype, quiet=json_out)
+                   dtype=dtype, quiet=json_out, adapter=lora)
     want.update({"model.name": eng.name, "model.init": eng.init, "model.dims": eng.dims.to_dict(),
                  "dtype": str(eng.dtype).removeprefix("torch."), "device": eng.device.type,
                  "text.file": path.name, "text.tokens": len(text_ids(eng.tokenizer, path))})

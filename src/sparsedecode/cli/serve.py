@@ -14,6 +14,7 @@ from sparsedecode.cli.common import (
     SEED_MAX,
     TOKENS,
     TOKENS_MAX,
+    AdapterOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -40,6 +41,7 @@ def serve(
     proj_keep: ProjKeepOpt = None,
     kv: KvOpt = None,
     kv_keep: KvKeepOpt = None,
+    adapter: AdapterOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", callback=bounded(0, 65535), help="TCP port (0: any free port, printed at start)."),
     batch: int = typer.Option(1, "--batch", callback=bounded(1, 1024), help="Requests decoded together in one step "
@@ -62,6 +64,7 @@ def serve(
     from sparsedecode.cli.common import (
         apply_sparsity,
         apply_threads,
+        check_adapter,
         check_calibration_text,
         check_engine_args,
         check_new_file,
@@ -86,6 +89,7 @@ def serve(
         raise InputError(f"a decode batch attends with split_k: drop --attention {attention}, or serve with --batch 1")
     config, th, _ = check_sparsity_args(thresholds, proj_keep, kv, kv_keep, gate)
     check_calibration_text(text_file, calibrates=proj_keep is not None or gate is not None, init=init)
+    lora = check_adapter(adapter)
 
     import socket
 
@@ -101,7 +105,7 @@ def serve(
         raise InputError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
     t0 = time.perf_counter()
     eng = sparsedecode.load(model, device=device, dtype=dtype, max_len=max_len, attention=attention, init=init,
-                            batch=batch)
+                            batch=batch, adapter=lora)
     apply_sparsity(eng, config, th, text_file=text_file)
     gate_obj = None
     if gate is not None:  # the server asks it per request itself (auto or named)

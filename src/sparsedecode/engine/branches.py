@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from sparsedecode.errors import InputError
+from sparsedecode.errors import InputError, option
 
 
 class Branches:
@@ -125,15 +125,16 @@ class Branches:
         likewise (`routing`, a `RoutingTable`, or the config's table file). The KV branch runs
         after each prompt's prefill (`tokens`). Under `keep_states` (the runtime gate) a layout of
         projection modules built once is swapped back by reference and its thresholds refilled
-        in place, never rebuilt."""
+        in place, never rebuilt.
+
+        An adapter (lora[DIR]) is merged into the weights at load and fixed for the engine's
+        life: a config without one runs the loaded one (and says so: `self.config` holds it), one
+        naming another adapter is refused (load again with it)."""
         from sparsedecode.config import SparsityConfig
         from sparsedecode.projection.routing import RoutingTable
         from sparsedecode.projection.thresholds import Thresholds
 
-        config = SparsityConfig.parse(config if config is not None else "dense")
-        if config.adapter is not None:
-            raise InputError(f"{config}: adapters come with the LoRA setting, which this engine does not run yet; "
-                             "drop the lora[...] part")
+        config = self._with_adapter(SparsityConfig.parse(config if config is not None else "dense"))
         if config.kv is not None:
             from sparsedecode.kv.select import get_selector
 
@@ -164,6 +165,22 @@ class Branches:
         self.kv_config = config.kv
         self.config = config
         return config
+
+    def _with_adapter(self, config):
+        """`config` with the loaded adapter's lora[DIR] part; another adapter is refused."""
+        from sparsedecode.projection.lora import same_adapter
+
+        loaded = None if self.adapter is None else str(self.adapter.path)
+        if config.adapter is None:
+            return config if loaded is None else config.with_(adapter=loaded)
+        if loaded is None:
+            raise InputError(f"{config}: an adapter is merged into the weights when the model loads, and this "
+                             f"engine loaded none; load with {option('adapter', config.adapter)} (or the "
+                             "lora[...] part in the load's config)")
+        if not same_adapter(config.adapter, loaded):
+            raise InputError(f"{config}: this engine merged adapter {loaded} at load and runs it for its life; "
+                             f"load the model again with {option('adapter', config.adapter)}")
+        return config.with_(adapter=loaded)
 
     def _thresholds_of(self, p, progress: bool):
         """Thresholds for a ProjectionConfig: its file, or cached TEAL at its keep."""

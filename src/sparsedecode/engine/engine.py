@@ -89,6 +89,7 @@ class Engine(Branches):
         self._kv_offset: torch.Tensor | None = None
         self._layouts: dict | None = None  # keep_states: projection-module layouts by their sites
         self.config = SparsityConfig()  # what `configure` installed last
+        self.adapter = None  # a projection.lora.Adapter merged into the weights at load (fixed for life)
         self.thresholds = None  # set by sparsify
         self.kv = None  # a kv.apply.KVSelection while decoding reads selected entries
         self.kv_config = None  # a config.KVConfig: selected after every prompt's prefill

@@ -17,7 +17,7 @@ from sparsedecode.models.load import Checkpoint
 
 def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int | None = None,
          attention: str = "split_k", compile: bool | str | None = None, seed: int | None = 0,
-         quiet: bool = False, config=None, kernels=None, batch: int = 1) -> Engine:
+         quiet: bool = False, config=None, kernels=None, batch: int = 1, adapter=None) -> Engine:
     """Load `ref` (known name, HF folder, hub id, .gguf file, a config dict with
     init='random', or a `models.load.Checkpoint` already resolved) into an Engine whose static cache holds `max_len` tokens
     (default min(model window, 4096)). `compile` defaults to True on CUDA; a string
@@ -30,7 +30,10 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     (`kv.apply.warm_selection`: Triton's setup, the score and sort kernels' first launch).
     `batch`: the sequences one decode step runs (ByteCross App. F; `Engine.generate_batch`),
     the cache holding `max_len` tokens for each; refused before allocation where the cache would
-    not fit the device's free memory."""
+    not fit the device's free memory. `adapter` (a LoRA folder written by `sparsedecode finetune`, or
+    the config's lora[DIR] part) is merged into the base weights here, before any projection
+    branch: the engine runs base + adapter on every path for its lifetime (`projection.lora`);
+    one made for another model is refused."""
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
 
     get_backend(attention)  # an unknown backend fails before any download
@@ -50,9 +53,14 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
         raise InputError(f"{option('batch')} must be a whole number >= 1 (sequences per decode step), got {batch!r}")
     if batch > 1 and attention != "split_k":
         raise InputError(f"a decode batch attends with split_k; drop {option('attention', attention)} or load with batch=1")
+    adapter = _adapter_of(adapter, config)  # a bad folder fails before the model loads
     ckpt = ref if isinstance(ref, Checkpoint) else resolve(ref, init=init, quiet=quiet)
     mark("resolve_s")
     model, args = build_model(ckpt, dev, dt, seed=seed)
+    if adapter is not None:
+        from sparsedecode.projection.lora import merge_
+
+        merge_(model, adapter, args.dims())  # into the dense weights, before any layout
     mark("build_s")
     max_len = max_len or min(args.window, DEFAULT_MAX_LEN)
     args.check_length(max_len)
@@ -67,6 +75,9 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
         eos.append(tokenizer.eos_token_id)
     eng = Engine(model, args, tokenizer=tokenizer, source_path=ckpt.source, device=dev, dtype=dt,
                  attention=attention, name=ckpt.name, init=init, eos_ids=eos, compile=compile, kernels=kernels)
+    if adapter is not None:
+        eng.adapter = adapter
+        eng.config = eng.config.with_(adapter=str(adapter.path))
     mark("engine_s")  # with the tokenizer and the kernels' weight layout
     if dev.type == "cuda":  # a CUDA process's first selection would pay Triton's setup and kernel loads
         from sparsedecode.kv.apply import warm_selection
@@ -77,6 +88,21 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     if config is not None:
         eng.configure(config, progress=not quiet)
     return eng
+
+
+def _adapter_of(adapter, config):
+    """The `projection.lora.Adapter` to merge: `adapter` (a folder or an Adapter), or the lora[DIR]
+    part of `config`; both given and naming other folders is refused."""
+    from sparsedecode.config import SparsityConfig
+    from sparsedecode.projection.lora import adapter_of, same_adapter
+
+    named = None if config is None else SparsityConfig.parse(config).adapter
+    if adapter is None and named is None:
+        return None
+    if adapter is not None and named is not None and not same_adapter(adapter, named):
+        raise InputError(f"{option('adapter', str(getattr(adapter, 'path', adapter)))} and the configuration's "
+                         f"lora[{named}] name different adapters; give one")
+    return adapter_of(adapter if adapter is not None else named)
 
 
 def cache_bytes(args: ModelArgs, max_len: int, batch: int, dtype: torch.dtype) -> int:

@@ -425,6 +425,32 @@ class Transformer(nn.Module):
                 yield i, site, layer.mlp
 
 
+def forward_uncached(model: Transformer, idx: torch.Tensor) -> torch.Tensor:
+    """Logits (B, L, vocab) of tokens idx (B, L) at positions 0..L-1 without the KV cache: causal
+    SDPA over the sequence itself, every op differentiable, for fine-tuning (`quality.finetune`).
+    It calls the same modules as `forward` (the projections, norms and MLP), so hooks on them
+    (the masks of `projection.calibrate.masks`) and wrappers around them (LoRA) apply as in
+    prefill; the cache is neither read nor written."""
+    B, L = idx.shape
+    cos, sin = model.rope_cos[:L], model.rope_sin[:L]  # (L, D)
+    x = model.embed_tokens(idx)  # (B, L, dim)
+    for layer in model.layers:
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(B, L, a.n_heads, a.head_dim)  # (B, L, Hq, D)
+        k = a.k_proj(h).view(B, L, a.n_kv_heads, a.head_dim)  # (B, L, Hkv, D)
+        v = a.v_proj(h).view(B, L, a.n_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, L, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, L, D)
+        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=a.n_heads != a.n_kv_heads)  # (B, Hq, L, D)
+        x = x + a.o_proj(y.transpose(1, 2).reshape(B, L, a.n_heads * a.head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.norm(x))  # (B, L, vocab)
+
+
 def set_attention_options_(model: nn.Module, opts: AttentionOptions) -> int:
     """Set the split-K kernel's launch options on every attention layer of `model`; returns how
     many layers were set. A step compiled or captured before keeps the options it was traced
@@ -452,4 +478,4 @@ def init_random_(model: Transformer, std: float = 0.02, seed: int | None = 0) ->
                 p.normal_(0.0, std, generator=gen)
 
 
-__all__ = ["SITES", "KVCache", "ModelArgs", "Transformer", "init_random_", "set_attention_options_"]
+__all__ = ["SITES", "KVCache", "ModelArgs", "Transformer", "forward_uncached", "init_random_", "set_attention_options_"]

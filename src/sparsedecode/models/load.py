@@ -16,6 +16,7 @@ timed (ByteCross App. A: bytes per step do not depend on the values).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -273,13 +274,29 @@ def _read_tokenizer(ckpt: Checkpoint):
         cached = ckpt.converted / "tokenizer" if ckpt.converted is not None else None
         if cached is not None and (cached / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(str(cached))
-        tok = AutoTokenizer.from_pretrained(str(ckpt.source.parent), gguf_file=ckpt.source.name)
+        with _no_transformers_bars():  # its "Converting GGUF tensors" bar would break --json's one-line errors
+            tok = AutoTokenizer.from_pretrained(str(ckpt.source.parent), gguf_file=ckpt.source.name)
         if cached is not None:
             _save_tokenizer(tok, cached)
         return tok
     if ckpt.source is not None and any(ckpt.source.glob("tokenizer*")):
         return AutoTokenizer.from_pretrained(str(ckpt.source))
     return None
+
+
+@contextlib.contextmanager
+def _no_transformers_bars():
+    """transformers' progress bars off for the block (reading a GGUF's tokenizer draws one per
+    tensor it converts), back to what they were after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _save_tokenizer(tok, folder: Path) -> None:

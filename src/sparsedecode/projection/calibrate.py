@@ -279,8 +279,16 @@ def measure_keep(engine, thresholds: Thresholds, ids, ff_only: bool = False, *,
                 run_layers(engine.model, chunk)
     finally:
         engine.reset()
+    return {"tokens": len(ids), "masked": True, "ff_only": ff_only,
+            **keeps_of(counts, engine.dims, thresholds.keep_metric)}
+
+
+def keeps_of(counts: dict, dims, keep_metric: str) -> dict:
+    """The realized keeps of `masks`' counts ({key: [kept, seen]}): 'param_keep' (the fraction of
+    the weights of all seven projections read, each site weighted by its parameter count),
+    'ff_keep' (the same over gate/up/down), 'act_keep' (SiLU(gate) channels kept; None without
+    CATS sites), per site ('sites') and per key ('layers'), and 'keep', the one `keep_metric` names."""
     per_key = {k: float(c[0]) / c[1] for k, c in counts.items()}
-    dims = engine.dims
     sites: dict[str, float] = {}
     for s in (*INPUT_SITES, ACT_SITE):
         seen = [counts[site_key(i, s)] for i in range(dims.n_layers) if site_key(i, s) in counts]
@@ -302,16 +310,13 @@ def measure_keep(engine, thresholds: Thresholds, ids, ff_only: bool = False, *,
 
     act = sites.get(ACT_SITE)
     out = {
-        "tokens": len(ids),
-        "masked": True,
-        "ff_only": ff_only,
         "param_keep": weighted(INPUT_SITES),
         "ff_keep": weighted(("gate", "up", "down")),
         "act_keep": act,
         "sites": sites,
         "layers": per_key,
     }
-    out["keep"] = out.get(thresholds.keep_metric)
+    out["keep"] = out.get(keep_metric)
     return out
 
 

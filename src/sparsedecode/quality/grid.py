@@ -50,7 +50,7 @@ DENSE_FILE = "dense.json"
 # expanded per key, text.file is compared by file name, device by its type).
 IDENTITY = ("model.name", "model.init", "model.dims", "protocol", "protocol_params", "text.file",
             "text.tokens", "dtype", "device", "bootstrap.resamples", "bootstrap.seed",
-            "bootstrap.level")
+            "bootstrap.level", "config.adapter.path")  # a merged LoRA adapter (None: the base weights)
 
 
 @dataclass(frozen=True)

@@ -107,11 +107,14 @@ def resolve_projection(engine, projection, thresholds=None):
 # -- chunked ------------------------------------------------------------------
 @torch.inference_mode()
 def chunked_nll(engine, ids, chunks: int = 128, table: dict | None = None,
-                progress: bool = False, *, config=None, thresholds=None, routing=None) -> list[float]:
+                progress: bool = False, *, config=None, thresholds=None, routing=None,
+                counts: dict | None = None) -> list[float]:
     """Summed next-token NLL (nats) of each chunk's scored targets; `table` maps threshold
     keys to thresholds (input sites and CATS `act`), or `config` (a `config.SparsityConfig`
     without a KV branch, possibly routed; `thresholds`/`routing`: its calibrated artefacts, as
-    `Engine.configure` takes them) names them; neither is dense."""
+    `Engine.configure` takes them) names them; neither is dense. `counts` (a dict) receives the
+    kept and seen channels of every thresholded key over the scored positions
+    (`projection.calibrate.masks`; `keeps_of` turns them into the realized keep)."""
     if config is not None:
         if table is not None:
             raise InputError("give a threshold table or a configuration, not both")
@@ -121,8 +124,8 @@ def chunked_nll(engine, ids, chunks: int = 128, table: dict | None = None,
         routing = _routing_of(config, routing)
         if th is not None and routing is not None:
             return chunked_nll_many(engine, ids, chunks, [(table, _sparse_of(engine, routing))],
-                                    progress)[0]
-    return chunked_nll_many(engine, ids, chunks, [(table, None)], progress)[0]
+                                    progress, counts=counts)[0]
+    return chunked_nll_many(engine, ids, chunks, [(table, None)], progress, counts=counts)[0]
 
 
 def _routing_of(config, routing):
@@ -144,7 +147,8 @@ def _sparse_of(engine, routing) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def chunked_nll_many(engine, ids, chunks: int, settings, progress: bool = False) -> list[list[float]]:
+def chunked_nll_many(engine, ids, chunks: int, settings, progress: bool = False, *,
+                     counts: dict | None = None) -> list[list[float]]:
     """`chunked_nll` of several settings from one dense prefill of each chunk's first half.
 
     settings: (table, sparse_of) pairs; table maps threshold keys to thresholds (None:
@@ -152,7 +156,8 @@ def chunked_nll_many(engine, ids, chunks: int, settings, progress: bool = False)
     position applies the thresholds only where its current token id routes sparse and is
     dense elsewhere, as the routed decode step does. Returns per setting the summed NLL
     of each chunk. Each setting rewrites the cache past position DENSE with its own pass,
-    so the first half is prefilled once per chunk for all of them."""
+    so the first half is prefilled once per chunk for all of them. `counts`: see `chunked_nll`
+    (pooled over the settings)."""
     from sparsedecode.projection.calibrate import masks
 
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # (N,)
@@ -180,7 +185,7 @@ def chunked_nll_many(engine, ids, chunks: int, settings, progress: bool = False)
                 if table and sparse_of is not None:  # per position: the threshold, or keep all
                     on = sparse_of.to(piece.device)[piece][None, :, None].to(engine.device)  # (1, l, 1)
                     t = {key: torch.where(on, float(v), -1.0) for key, v in table.items()}
-                with masks(engine.model, t or {}):
+                with masks(engine.model, t or {}, counts):
                     logits.append(engine.prefill(piece, chunk=PREFILL_CHUNK, start=s, all_logits=True))
                 bar.update(len(piece))
             logits = torch.cat(logits)  # (1024, V)
@@ -298,13 +303,14 @@ def decode_nll(engine, ids, windows: int = 8, length: int | None = None, config=
 
 def evaluate(engine, ids, protocol: str, config=None, *, thresholds=None, routing=None, chunks: int = 128,
              windows: int = 8, length: int | None = None, scored: int = SCORED,
-             progress: bool = False) -> WindowNLL:
+             progress: bool = False, counts: dict | None = None) -> WindowNLL:
     """Per-window NLL of `protocol` ('chunked' or 'decode') under `config` (None is dense;
-    `thresholds`/`routing`: its calibrated artefacts)."""
+    `thresholds`/`routing`: its calibrated artefacts). chunked: `counts` receives the channels
+    the masks kept (`chunked_nll`)."""
     check_config(protocol, config)
     if protocol == "chunked":
         nll = chunked_nll(engine, ids, chunks, progress=progress, config=config, thresholds=thresholds,
-                          routing=routing)
+                          routing=routing, counts=counts)
         return WindowNLL("chunked", nll, [CHUNK - DENSE] * chunks, [k * CHUNK for k in range(chunks)])
     return decode_nll(engine, ids, windows, length, config, thresholds=thresholds, routing=routing, scored=scored,
                       progress=progress)

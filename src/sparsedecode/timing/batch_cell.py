@@ -121,7 +121,7 @@ def run_batch_cell(spec, log=None) -> dict:
     # the batch step is captured whole in a CUDA graph of the eager model (BatchDecoder), not compiled
     eng = sparsedecode.load(spec.model, device=dev, dtype=spec.dtype, init=spec.init, max_len=n + generated,
                             attention=spec.attention, compile=False, seed=spec.seed, quiet=True,
-                            kernels=spec.kernel_options, batch=B)
+                            kernels=spec.kernel_options, batch=B, adapter=spec.adapter or None)
     sync()
     one_time = {"start_s": started, "cuda_init_s": cuda_init_s, "load_s": time.perf_counter() - t,
                 "calibrate_s": 0.0, "prefill_s": 0.0, "select_s": 0.0, "select_warm_s": 0.0,

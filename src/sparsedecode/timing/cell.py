@@ -114,6 +114,7 @@ class CellSpec:
     profile: int = 0
     shared_gpu: str = "refuse"  # timing.neighbors: refuse a GPU other processes hold, or allow and record
     batch: int = 1
+    adapter: str = ""  # a LoRA adapter folder merged at load ('' = the base weights; projection.lora)
     campaign: str = ""
     block: int = 0
     group: str = ""
@@ -145,6 +146,13 @@ class CellSpec:
                              f"profile at most {self.generated - 1}")
         if self.batch > 1:
             check_batch_cell(self, mode)
+        if self.adapter and self.impl != "ours":
+            raise InputError(f"adapter: a LoRA adapter merges into our engine's weights, not the '{self.impl}' "
+                             "peer's; drop the adapter from that cell")
+        if self.adapter:
+            from sparsedecode.projection.lora import Adapter
+
+            Adapter.load(self.adapter)  # a bad folder fails before the model loads
         if self.profile and self.impl != "ours":
             raise InputError(f"profile: only our own step is profiled, not the '{self.impl}' peer; "
                              "drop profile from that cell or grid")
@@ -274,7 +282,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     t = time.perf_counter()
     eng = sparsedecode.load(spec.model, device=dev, dtype=spec.dtype, init=spec.init, max_len=n + generated,
                             attention=spec.attention, compile=compile_, seed=spec.seed, quiet=True,
-                            kernels=spec.kernel_options)
+                            kernels=spec.kernel_options, adapter=spec.adapter or None)
     sync()
     # where a cell's time goes, in run order (timing.run_conditions): process start to here, the CUDA
     # context and the neighbor probe, then each stage; after_s is the end (bounds, the record)
