@@ -4,7 +4,8 @@ decode kernel; issue 46 item 1).
 `sparse_gemv_cpu(x, w_t, threshold, bias)` (TEAL's input sites, and CATS's down) computes what `kernels.sparse_gemv.sparse_gemv_ref`
 computes, sum over kept i of x_i * w_t[i, :] (+ bias) with |x_i| > threshold in float32, but reads
 only the rows of kept channels of the (in, out) weight: at keep 0.5 the projection reads half its
-bytes. `cats_up_cpu` is CATS's up on CPU: only the rows of the up weight whose SiLU(gate) channel
+bytes; `sparse_gemv_lora_cpu` adds a LoRA adapter's s * B (A x_m) in the same call, reading A only in
+the kept rows too (kernels/lora_gemv.py). `cats_up_cpu` is CATS's up on CPU: only the rows of the up weight whose SiLU(gate) channel
 is kept (`kernels.gather_gemv.cats_up` on CUDA). The kernel is `cpu_gemv.c`, built at first use with the host's C compiler (`$CC`, else `cc`
 or `gcc`; `-O3 -march=native -fopenmp`) into the sparsedecode cache, keyed by the source, the flags,
 the compiler and the machine, and loaded with ctypes beside the OpenMP runtime torch has loaded
