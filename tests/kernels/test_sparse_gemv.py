@@ -293,7 +293,7 @@ def test_triton_kernel_under_interpreter():
 
 
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, bits=False,
-                        stride=0):
+                        stride=0, lora=False):
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -307,9 +307,11 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, DBUF=dbuf, GLU=glu, PDL=pdl, BITS=bits, COLS=block_n // 2 if bits else block_n,
                   RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride,
-                  FIN_LOAD=sg.finish_mode(1) == "load")  # the split-K finish as launched
+                  FIN_LOAD=sg.finish_mode(1) == "load",  # the split-K finish as launched
+                  LORA=lora, BLOCK_R=16)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
-                 Count="*i32", thr_f="fp32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32")
+                 Count="*i32", thr_f="fp32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32",
+                 At=ty, Bt=ty, Ub="*fp32", lora_s="fp32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})

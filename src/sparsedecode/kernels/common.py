@@ -98,6 +98,13 @@ def workspace(N: int, device, block_n: int = MIN_BLOCK) -> tuple[Tensor, Tensor]
             torch.zeros(-(-N // block_n), device=device, dtype=torch.int32))
 
 
+def lora_workspace(N: int, rank: int, device) -> tuple[Tensor, Tensor]:
+    """`workspace` of a call that carries an adapter of `rank` (kernels/lora_gemv.py): N + rank
+    partial sums (the adapter's u after the outputs) and one more arrival counter (its column)."""
+    return (torch.zeros(N + rank, device=device, dtype=torch.float32),
+            torch.zeros(-(-N // MIN_BLOCK) + 1, device=device, dtype=torch.int32))
+
+
 def check_threshold(threshold, device) -> None:
     """A threshold is a float or a 1-element float tensor on the operands' device."""
     if isinstance(threshold, Tensor):

@@ -46,11 +46,17 @@ static inline float bf16_f32(uint16_t h) {
     }                                                                                          \
   }
 
-/* The entry: returns the number of kept rows; -1 when the partial sums could not be allocated. */
-#define GEMV_FN(NAME, ROWS, ELEM_T)                                                            \
-  long NAME(const float *x, const ELEM_T *w, const float *bias, float *y, long K, long N,     \
-            long ldw, float t, int nthreads) {                                                 \
-    int32_t *idx = malloc((K > 0 ? K : 1) * sizeof(int32_t));                                  \
+/* The entry: returns the number of kept rows; -1 when memory could not be allocated.
+ * With an adapter (a != NULL: a LoRA update of the same site, kernels/lora_gemv.py) it adds
+ * s * B (A x_m): A^T (K, r) row-major is read only in the rows of kept channels, as W is (each thread
+ * adds its share of them into its own u partial of r floats), then the r rows of B^T (r, N) are
+ * streamed into y, weighted by s * u, the threads splitting the columns. */
+#define GEMV_FN(NAME, LORA_NAME, ROWS, ELEM_T)                                                 \
+  long LORA_NAME(const float *x, const ELEM_T *w, const float *bias, float *y, long K, long N, \
+                 long ldw, float t, const ELEM_T *a, const ELEM_T *b, long r, float s,         \
+                 int nthreads) {                                                               \
+    long most = K > r ? K : r;                                                                 \
+    int32_t *idx = malloc((most > 0 ? most : 1) * sizeof(int32_t));                            \
     if (!idx) return -1;                                                                       \
     long n = 0;                                                                                \
     for (long i = 0; i < K; i++)                                                               \
@@ -58,20 +64,43 @@ static inline float bf16_f32(uint16_t h) {
     long nth = nthreads > 0 ? nthreads : 1;                                                    \
     if (nth > n / 8) nth = n / 8 > 0 ? n / 8 : 1; /* a thread streams at least 8 rows */       \
     float *part = nth > 1 ? malloc((nth - 1) * N * sizeof(float)) : NULL;                      \
-    if (nth > 1 && !part) { free(idx); return -1; }                                            \
+    float *u = a ? calloc((nth + 1) * r, sizeof(float)) : NULL; /* nth partials, then u */    \
+    if ((nth > 1 && !part) || (a && !u)) { free(u); free(part); free(idx); return -1; }        \
     _Pragma("omp parallel for num_threads(nth) schedule(static)")                              \
     for (long tid = 0; tid < nth; tid++) {                                                     \
       float *acc = tid == 0 ? y : part + (tid - 1) * N;                                        \
       for (long j = 0; j < N; j++) acc[j] = (tid == 0 && bias) ? bias[j] : 0.0f;              \
       ROWS(acc, w, ldw, idx, x, n * tid / nth, n * (tid + 1) / nth, N);                        \
+      if (a) ROWS(u + tid * r, a, r, idx, x, n * tid / nth, n * (tid + 1) / nth, r);           \
     }                                                                                          \
     for (long p = 0; p + 1 < nth; p++) {                                                       \
-      const float *restrict s = part + p * N;                                                  \
-      _Pragma("omp simd") for (long j = 0; j < N; j++) y[j] += s[j];                           \
+      const float *restrict ps = part + p * N;                                                 \
+      _Pragma("omp simd") for (long j = 0; j < N; j++) y[j] += ps[j];                          \
     }                                                                                          \
+    if (a) {                                                                                   \
+      float *us = u + nth * r;                                                                 \
+      for (long k = 0; k < r; k++) {                                                           \
+        float sum = 0.0f;                                                                      \
+        for (long p = 0; p < nth; p++) sum += u[p * r + k];                                    \
+        us[k] = s * sum;                                                                       \
+        idx[k] = (int32_t)k;                                                                   \
+      }                                                                                        \
+      long cth = nthreads > 0 ? nthreads : 1;                                                  \
+      if (cth > N / 256) cth = N / 256 > 0 ? N / 256 : 1;                                      \
+      _Pragma("omp parallel for num_threads(cth) schedule(static)")                            \
+      for (long tid = 0; tid < cth; tid++) {                                                   \
+        long lo = N * tid / cth, hi = N * (tid + 1) / cth;                                     \
+        ROWS(y + lo, b + lo, N, idx, us, 0, r, hi - lo);                                       \
+      }                                                                                        \
+    }                                                                                          \
+    free(u);                                                                                   \
     free(part);                                                                                \
     free(idx);                                                                                 \
     return n;                                                                                  \
+  }                                                                                            \
+  long NAME(const float *x, const ELEM_T *w, const float *bias, float *y, long K, long N,     \
+            long ldw, float t, int nthreads) {                                                 \
+    return LORA_NAME(x, w, bias, y, K, N, ldw, t, NULL, NULL, 0, 0.0f, nthreads);              \
   }
 
 /* Segmented: the columns of W are nseg sites side by side (q|k|v or gate|up, one fused weight),
@@ -117,15 +146,15 @@ static inline float bf16_f32(uint16_t h) {
   }
 
 ROWS_FN(rows_f32, float, AS_IS)
-GEMV_FN(sd_gemv_rows_f32, rows_f32, float)
+GEMV_FN(sd_gemv_rows_f32, sd_gemv_lora_f32, rows_f32, float)
 SEGS_FN(sd_gemv_segs_f32, rows_f32, float)
 ROWS_FN(rows_bf16, uint16_t, bf16_f32)
-GEMV_FN(sd_gemv_rows_bf16, rows_bf16, uint16_t)
+GEMV_FN(sd_gemv_rows_bf16, sd_gemv_lora_bf16, rows_bf16, uint16_t)
 SEGS_FN(sd_gemv_segs_bf16, rows_bf16, uint16_t)
 #ifdef __FLT16_MAX__
 #define F16_F32(v) ((float)(v))
 ROWS_FN(rows_f16, _Float16, F16_F32)
-GEMV_FN(sd_gemv_rows_f16, rows_f16, _Float16)
+GEMV_FN(sd_gemv_rows_f16, sd_gemv_lora_f16, rows_f16, _Float16)
 SEGS_FN(sd_gemv_segs_f16, rows_f16, _Float16)
 #endif
 

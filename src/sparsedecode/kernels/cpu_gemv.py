@@ -4,7 +4,8 @@ decode kernel; issue 46 item 1).
 `sparse_gemv_cpu(x, w_t, threshold, bias)` (TEAL's input sites, and CATS's down) computes what `kernels.sparse_gemv.sparse_gemv_ref`
 computes, sum over kept i of x_i * w_t[i, :] (+ bias) with |x_i| > threshold in float32, but reads
 only the rows of kept channels of the (in, out) weight: at keep 0.5 the projection reads half its
-bytes. `cats_up_cpu` is CATS's up on CPU: only the rows of the up weight whose SiLU(gate) channel
+bytes; `sparse_gemv_lora_cpu` adds a LoRA adapter's s * B (A x_m) in the same call, reading A only in
+the kept rows too (kernels/lora_gemv.py). `cats_up_cpu` is CATS's up on CPU: only the rows of the up weight whose SiLU(gate) channel
 is kept (`kernels.gather_gemv.cats_up` on CUDA). The kernel is `cpu_gemv.c`, built at first use with the host's C compiler (`$CC`, else `cc`
 or `gcc`; `-O3 -march=native -fopenmp`) into the sparsedecode cache, keyed by the source, the flags,
 the compiler and the machine, and loaded with ctypes beside the OpenMP runtime torch has loaded
@@ -42,6 +43,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _P, _L = ctypes.c_void_p, ctypes.c_long
 SIGNATURES = {"sd_gemv_rows": (_P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int),
+              "sd_gemv_lora": (_P, _P, _P, _P, _L, _L, _L, ctypes.c_float, _P, _P, _L, ctypes.c_float, ctypes.c_int),
               "sd_gemv_segs": (_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _P, ctypes.c_int),
               "sd_gather_rows": (_P, _P, _P, _P, _P, _L, _L, _L, ctypes.c_float, ctypes.c_int),
               "sd_gemv_union": (_P, _P, _P, _P, _L, _L, _L, _L, ctypes.c_float, _P, ctypes.c_int),
@@ -149,27 +151,56 @@ def sparse_gemv_cpu(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = Non
     float64 buffer of 2 to which [kept channels, K] is added (the realized keep). Under
     torch.compile it is the custom op `sparsedecode::cpu_sparse_gemv` (traced whole)."""
     if torch.compiler.is_compiling():
-        thr = torch.as_tensor(threshold, dtype=torch.float32)
-        if kept is not None:
-            kept[0] += keep_mask(x, thr).sum()
-            kept[1] += w_t.shape[0]
-        return _sparse_gemv_op(x, w_t, thr, bias)
+        return _sparse_gemv_op(x, w_t, _traced_threshold(x, w_t, threshold, kept), bias)
     return _gemv_rows(x, w_t, threshold, bias, kept)
 
 
-def _gemv_rows(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None, kept: Tensor | None) -> Tensor:
+def _traced_threshold(x: Tensor, w_t: Tensor, threshold, kept) -> Tensor:
+    """The threshold as a tensor for a traced call, its [kept channels, K] added to `kept` there."""
+    thr = torch.as_tensor(threshold, dtype=torch.float32)
+    if kept is not None:
+        kept[0] += keep_mask(x, thr).sum()
+        kept[1] += w_t.shape[0]
+    return thr
+
+
+def _gemv_rows(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None, kept, lora=None) -> Tensor:
+    """The C call of `sparse_gemv_cpu`, or with `lora` = (a_t, b_t, scale) of `sparse_gemv_lora_cpu`."""
     K, N = w_t.shape
-    fn = _entry("sparse_gemv_cpu", "sd_gemv_rows", x, w_t, K, bias, N)
+    what = "sparse_gemv_cpu" if lora is None else "sparse_gemv_lora_cpu"
+    fn = _entry(what, "sd_gemv_rows" if lora is None else "sd_gemv_lora", x, w_t, K, bias, N)
+    adapter = () if lora is None else _lora_args(w_t, *lora)
     y = torch.empty(N, dtype=torch.float32)
     xf, b = _f32(x, K), _f32(bias, N)  # held here: the C call reads their memory
-    n = fn(xf.data_ptr(), w_t.data_ptr(), _ptr(b), y.data_ptr(), K, N, w_t.stride(0), float(threshold),
+    n = fn(xf.data_ptr(), w_t.data_ptr(), _ptr(b), y.data_ptr(), K, N, w_t.stride(0), float(threshold), *adapter,
            torch.get_num_threads())
     if n < 0:
-        raise MemoryError("sparse_gemv_cpu could not allocate its partial sums")
+        raise MemoryError(f"{what} could not allocate its partial sums")
     if kept is not None:
         kept[0] += n
         kept[1] += K
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def _lora_args(w_t: Tensor, a_t: Tensor, b_t: Tensor, scale: float) -> tuple:
+    """The adapter's C arguments (A^T, B^T, r, scale), checked against the (K, N) weight w_t."""
+    (K, N), r = w_t.shape, a_t.shape[-1]
+    for name, t, shape in (("a_t", a_t, (K, r)), ("b_t", b_t, (r, N))):
+        if t.shape != shape or t.dtype != w_t.dtype or t.device.type != "cpu" or not t.is_contiguous():
+            raise InputError(f"the adapter's {name} must be contiguous {shape} in {w_t.dtype} on CPU; got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    return a_t.data_ptr(), b_t.data_ptr(), r, float(scale)
+
+
+def sparse_gemv_lora_cpu(x: Tensor, w_t: Tensor, threshold, a_t: Tensor, b_t: Tensor, scale: float,
+                         bias: Tensor | None = None, kept: Tensor | list | None = None) -> Tensor:
+    """`sparse_gemv_cpu` plus an adapter's s * B (A x_m) (kernels/lora_gemv.py) in the same call: a_t
+    (K, r) is read only in the rows of kept channels, as w_t is, b_t (r, N) whole (the expand);
+    both in w_t's dtype. What `kernels.lora_gemv.lora_gemv_ref` computes, accumulated in float32.
+    Under torch.compile it is the custom op `sparsedecode::cpu_lora_gemv`."""
+    if torch.compiler.is_compiling():
+        return _lora_gemv_op(x, w_t, _traced_threshold(x, w_t, threshold, kept), a_t, b_t, float(scale), bias)
+    return _gemv_rows(x, w_t, threshold, bias, kept, (a_t, b_t, scale))
 
 
 def sparse_gemv_segs_cpu(x: Tensor, w_t: Tensor, thresholds, widths, bias: Tensor | None = None,
@@ -258,6 +289,17 @@ def _(x, w_t, threshold, bias):
     return x.new_empty(*x.shape[:-1], w_t.shape[1])
 
 
+@torch.library.custom_op("sparsedecode::cpu_lora_gemv", mutates_args=())
+def _lora_gemv_op(x: Tensor, w_t: Tensor, threshold: Tensor, a_t: Tensor, b_t: Tensor, scale: float,
+                  bias: Tensor | None) -> Tensor:
+    return _gemv_rows(x, w_t, threshold, bias, None, (a_t, b_t, scale))
+
+
+@_lora_gemv_op.register_fake
+def _(x, w_t, threshold, a_t, b_t, scale, bias):
+    return x.new_empty(*x.shape[:-1], w_t.shape[1])
+
+
 @torch.library.custom_op("sparsedecode::cpu_cats_up", mutates_args=())
 def _cats_up_op(x: Tensor, w_up: Tensor, gate_act: Tensor, threshold: Tensor, bias: Tensor | None) -> Tensor:
     return _gather_rows(x, w_up, gate_act, threshold, bias)
@@ -268,4 +310,5 @@ def _(x, w_up, gate_act, threshold, bias):
     return x.new_empty(*x.shape[:-1], w_up.shape[0])
 
 
-__all__ = ["CpuKernel", "cats_up_cpu", "cpu_kernel", "has_entry", "sparse_gemv_cpu", "sparse_gemv_segs_cpu"]
+__all__ = ["CpuKernel", "cats_up_cpu", "cpu_kernel", "has_entry", "sparse_gemv_cpu", "sparse_gemv_lora_cpu",
+           "sparse_gemv_segs_cpu"]

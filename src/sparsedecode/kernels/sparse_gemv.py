@@ -35,6 +35,7 @@ from sparsedecode.kernels.common import (  # noqa: F401 (check_threshold, keep_m
     check_threshold,
     finish_mode,
     keep_mask,
+    lora_workspace,
     workspace,
 )
 from sparsedecode.kernels.common import interpreting as _interpreting
@@ -169,24 +170,82 @@ if triton is not None:
 
     @triton.jit
     def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
-                       Res, SsOut, RESID: tl.constexpr, FIN_LOAD: tl.constexpr):
-        """Add this split's fp32 partial of a column tile; the last split to arrive writes the
-        sum (+ bias) to Y (`kernels.common`'s split-K finish). With RESID, Y is the residual
-        stream: the sum rounded to Y's dtype plus the residual at Res, rounded again (as eager
-        `x + proj(h)`), and the tile's sum of squares of it goes to SsOut[tile] for the next norm."""
+                       Res, SsOut, RESID: tl.constexpr, FIN_LOAD: tl.constexpr,
+                       Bt, Ub, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Add this split's fp32 partial of a column tile; the last to arrive writes the sum
+        (+ bias) to Y (`kernels.common`'s split-K finish). With LORA the adapter's column of
+        programs arrives at every tile once more, after u = A x_m is complete, so the last
+        arrival may be either (`_adapter_program`)."""
         tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
-        if split_arrive(Count, tile, num_splits):
-            if RESID:  # issued before the sum is taken, so the two trips to L2 overlap
-                res = tl.load(Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            total = split_take(Acc, offs_n, mask_n, FIN_LOAD)
-            if HAS_BIAS:
-                total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            if RESID:
-                total = total.to(Y.dtype.element_ty).to(tl.float32) + res
-                sq = total.to(Y.dtype.element_ty).to(tl.float32)
-                tl.store(SsOut + tile, tl.sum(tl.where(mask_n, sq * sq, 0.0), axis=0))
-            tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=mask_n)
-            split_reset(Count, tile, FIN_LOAD)
+        if LORA:
+            arrivals = num_splits + 1
+        else:
+            arrivals = num_splits
+        if split_arrive(Count, tile, arrivals):
+            _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
+                         Bt, Ub, N, rank, lora_s, LORA, BLOCK_R)
+
+    @triton.jit
+    def _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS: tl.constexpr, Res, SsOut,
+                     RESID: tl.constexpr, FIN_LOAD: tl.constexpr,
+                     Bt, Ub, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+        """The sum of a tile whose partials have all arrived (+ s * B u, + bias) to Y. With RESID,
+        Y is the residual stream: the sum rounded to Y's dtype plus the residual at Res, rounded
+        again (as eager `x + proj(h)`), and the tile's sum of squares of it goes to SsOut[tile]
+        for the next norm. With LORA the tile's columns of B^T (rank, N) and u (rank,) float32 at
+        Ub add s * B u (kernels/lora_gemv.py)."""
+        if RESID:  # issued before the sum is taken, so the two trips to L2 overlap
+            res = tl.load(Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if LORA:  # likewise: u from L2 (written by another program) and the tile's B^T columns
+            offs_r = tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank
+            u = tl.load(Ub + offs_r, mask=mask_r, other=0.0, cache_modifier=".cg")
+            bt = tl.load(Bt + offs_r[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :],
+                         other=0.0)
+        total = split_take(Acc, offs_n, mask_n, FIN_LOAD)
+        if LORA:  # summed over the rank in-thread, as the weight tile's rows are
+            total += lora_s * tl.sum(bt.to(tl.float32) * u[:, None], axis=0)
+        if HAS_BIAS:
+            total += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if RESID:
+            total = total.to(Y.dtype.element_ty).to(tl.float32) + res
+            sq = total.to(Y.dtype.element_ty).to(tl.float32)
+            tl.store(SsOut + tile, tl.sum(tl.where(mask_n, sq * sq, 0.0), axis=0))
+        tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=mask_n)
+        split_reset(Count, tile, FIN_LOAD)
+
+    @triton.jit
+    def _adapter_program(X, U, At, Bt, Ub, Acc, Count, Bias, Y, Res, SsOut, t, r_norm, k_lo, k_hi, N, n_tiles,
+                         rank, lora_s, num_splits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_R: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         RESID: tl.constexpr, FIN_LOAD: tl.constexpr):
+        """A program of the adapter's column (one per K split; kernels/lora_gemv.py): its split's
+        partial of u = A x_m from the rows of A^T (K, rank) whose channel is kept (the input-sparse
+        shrink: a dropped channel's row of A is never loaded), added into Acc[N:N + rank]. The last
+        split to arrive holds u whole: it stores u at Ub, then arrives once more at every column
+        tile, finishing those whose splits all came before it."""
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            in_k = offs_k < k_hi
+            x = _load_x(X + offs_k, U + offs_k, in_k, GLU, r_norm, NORM)
+            keep = (tl.abs(x) > t) & in_k  # the base tiles' threshold test
+            a = tl.load(At + offs_k[:, None] * rank + offs_r[None, :], mask=keep[:, None] & mask_r[None, :],
+                        other=0.0)
+            acc += tl.sum(a.to(tl.float32) * x[:, None], axis=0)
+        tl.atomic_add(Acc + N + offs_r, acc, mask=mask_r, sem="relaxed")
+        if split_arrive(Count, n_tiles, num_splits):
+            u = split_take(Acc + N, offs_r, mask_r, FIN_LOAD)
+            tl.store(Ub + offs_r, u, mask=mask_r)
+            split_reset(Count, n_tiles, FIN_LOAD)
+            for tile in range(0, n_tiles):  # split_arrive's barrier orders the stores of u before it
+                offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < N
+                if split_arrive(Count, tile, num_splits + 1):
+                    _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
+                                 Bt, Ub, N, rank, lora_s, True, BLOCK_R)
 
     @triton.jit
     def _load_x(Xp, Up, mask, GLU: tl.constexpr, r, NORM: tl.constexpr):
@@ -274,6 +333,7 @@ if triton is not None:
         U, GLU: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
         STRIDE: tl.constexpr, FIN_LOAD: tl.constexpr,
+        At, Bt, Ub, rank, lora_s, n_tiles, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the next one may launch now (docs/kernels/sparse_gemv.md#pdl-trigger)
@@ -294,6 +354,12 @@ if triton is not None:
             t0 = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
         k_lo = pid_k * rows_per_split
         k_hi = tl.minimum(k_lo + rows_per_split, K)
+        if LORA:  # one segment only (the launcher refuses others)
+            if pid_n == n_tiles:  # the adapter's column of programs, after the n_tiles column tiles
+                _adapter_program(X, U, At, Bt, Ub, Acc, Count, Bias, Y, Res, SsOut, t0, r_norm, k_lo, k_hi, N,
+                                 n_tiles, rank, lora_s, num_splits, BLOCK_N, BLOCK_K, BLOCK_R, GLU, NORM, HAS_BIAS,
+                                 RESID, FIN_LOAD)
+                return
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues tile i + 1's weight loads (its x already
@@ -322,7 +388,8 @@ if triton is not None:
                 acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
-                           mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD)
+                           mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
+                           Bt, Ub, N, rank, lora_s, LORA, BLOCK_R)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -342,7 +409,7 @@ if triton is not None:
             # columns, so this is in-thread adds and the accumulator costs 8 registers.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
         _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID,
-                       FIN_LOAD)
+                       FIN_LOAD, Bt, Ub, N, rank, lora_s, LORA, BLOCK_R)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -351,7 +418,8 @@ def _sparse_gemv_op(
     ws_acc: Tensor | None, ws_count: Tensor | None,
     block_n: int, block_k: int, splits: int, num_warps: int, stages: int, up: Tensor | None,
     residual: Tensor | None, norm_w: Tensor | None, ss_in: Tensor | None, eps: float,
-    pdl: bool, programs_per_sm: int,
+    pdl: bool, programs_per_sm: int, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
+    lora_u: Tensor | None = None, lora_scale: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
@@ -367,8 +435,11 @@ def _sparse_gemv_op(
     # with a residual, each column tile's sum of squares of the new residual stream (else empty)
     ss = torch.empty(triton.cdiv(N, block_n) if residual is not None else 0, device=x.device, dtype=torch.float32)
     splits = common.splits(K, block_k, splits)
-    if ws_acc is None or ws_count is None:
-        ws_acc, ws_count = workspace(N, x.device, block_n)  # a memset: capturable, but a node more
+    lora, rank = lora_a is not None, 0 if lora_a is None else lora_a.shape[1]
+    if ws_acc is None or ws_count is None:  # a memset: capturable, but a node more
+        ws_acc, ws_count = lora_workspace(N, rank, x.device) if lora else workspace(N, x.device, block_n)
+    if lora and lora_u is None:
+        lora_u = torch.empty(rank, device=x.device, dtype=torch.float32)
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(N, block_n)
     thr = list(thr_ts) + [ws_acc] * (3 - len(thr_ts))  # unused pointer slots
@@ -380,8 +451,8 @@ def _sparse_gemv_op(
             and w_t.stride(0) % 2 == 0 and w_t.data_ptr() % 4 == 0)
     on_gpu = x.is_cuda and not _interpreting()
     pdl = pdl and on_gpu
-    cap = {"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)} if on_gpu else {}
-    _sparse_gemv_kernel[(n_tiles, splits)](
+    cap = {"maxnreg": max_registers((n_tiles + lora) * splits, num_warps, x.device)} if on_gpu else {}
+    _sparse_gemv_kernel[(n_tiles + lora, splits)](  # with an adapter, one more column: its programs
         *args, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
         SEG_ALIGNED=all(b % block_n == 0 for b in bounds), HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0,
         DBUF=stages == 4, U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
@@ -391,13 +462,15 @@ def _sparse_gemv_op(
         RESID=residual is not None, NORM=norm_w is not None,
         SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
         STRIDE=w_t.stride(0) if stages == 4 else 0, FIN_LOAD=finish_mode(num_warps) == "load",
+        At=lora_a if lora else x, Bt=lora_b if lora else x, Ub=lora_u if lora else ws_acc, rank=rank,
+        lora_s=float(lora_scale), n_tiles=n_tiles, LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)),
         num_warps=num_warps, num_stages=1, **cap, **({"launch_pdl": True} if pdl else {}))
     return y, ss
 
 
 @_sparse_gemv_op.register_fake
 def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, block_n, block_k, splits, num_warps, stages,
-      up, residual, norm_w, ss_in, eps, pdl, programs_per_sm):
+      up, residual, norm_w, ss_in, eps, pdl, programs_per_sm, lora_a=None, lora_b=None, lora_u=None, lora_scale=0.0):
     K, N = w_t.shape
     if not block_n:
         block_n = default_config(K, N, x.dtype, x.device, programs_per_sm)[0]
@@ -414,7 +487,7 @@ def sparse_gemv(
     ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
     segments: list[int] | None = None, up: Tensor | None = None, *,
     residual: Tensor | None = None, norm: tuple[Tensor, Tensor, float] | None = None,
-    options: GemvOptions = DEFAULT.gemv,
+    options: GemvOptions = DEFAULT.gemv, lora: tuple[Tensor, Tensor, float, Tensor | None] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Input-sparse GEMV of one token with the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -442,6 +515,11 @@ def sparse_gemv(
     `x + proj(h)`, and ss (float32, one per column tile) the tiles' sums of squares of that new
     stream. With `norm` = (weight (K,) in x's dtype, ss, eps) x is such a stream and the input
     is RMSNorm(x), rounded as `models.decoder.RMSNorm`, formed in the x loads.
+
+    With `lora` = (a_t (K, r), b_t (r, N), s, u (r,) float32 scratch or None), both in x's dtype and
+    contiguous, the call adds an adapter's s * B (A x_m) in the same launch (one segment only;
+    `kernels.lora_gemv.lora_gemv` is the public call, with its checks and its reference); `ws`
+    must then be `lora_workspace(N, r, device)`.
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -460,6 +538,8 @@ def sparse_gemv(
             raise InputError("segment thresholds must be 1-element float tensors on x's device")
     for t in thresholds:
         K, N = check_inputs(x, w_t, t, bias)
+    if lora is not None:
+        _check_lora(lora, x, K, N, segments, ws)
     if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.device != x.device):
         raise InputError(f"up must match the gate x: {tuple(x.shape)} {x.dtype} on {x.device}; got "
                          f"{tuple(up.shape)} {up.dtype} on {up.device}")
@@ -509,9 +589,28 @@ def sparse_gemv(
     y, ss = _sparse_gemv_op(x.reshape(K), w_t, thr_ts, thr_f, bounds, bias, *(ws or (None, None)),
                             *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K),
                             None if residual is None else residual.reshape(N), norm_w, ss_in, float(eps),
-                            options.pdl, options.programs_per_sm)
+                            options.pdl, options.programs_per_sm, *(lora[:2] if lora else (None, None)),
+                            None if lora is None else lora[3], 0.0 if lora is None else float(lora[2]))
     y = y.reshape(*x.shape[:-1], N)
     return y if residual is None else (y, ss)
+
+
+def _check_lora(lora, x: Tensor, K: int, N: int, segments, ws) -> None:
+    """The adapter operands of `sparse_gemv(lora=...)`: (a_t (K, r), b_t (r, N), scale, u (r,) fp32 or None)."""
+    if not isinstance(lora, (tuple, list)) or len(lora) != 4:
+        raise InputError("lora= is (a_t (K, r), b_t (r, N), scale, u (r,) float32 or None)")
+    a_t, b_t, _, u = lora
+    r = a_t.shape[-1] if a_t.dim() == 2 else -1
+    for name, t, shape in (("a_t", a_t, (K, r)), ("b_t", b_t, (r, N))):
+        if t.shape != shape or r < 1 or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
+            raise InputError(f"the adapter's {name} must be contiguous {shape} in {x.dtype} on {x.device}; got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if u is not None and (u.shape != (r,) or u.dtype != torch.float32 or u.device != x.device):
+        raise InputError(f"the adapter's scratch u must be float32 ({r},) on {x.device}")
+    if segments is not None:
+        raise InputError("an adapter runs on a one-site launch: a segmented (q|k|v, gate|up) call takes none")
+    if ws is not None and (ws[0].numel() < N + r or ws[1].numel() < -(-N // MIN_BLOCK) + 1):
+        raise InputError(f"with an adapter ws must be lora_workspace({N}, {r}, device)")
 
 
 def sumsq(x: Tensor) -> Tensor:

@@ -118,7 +118,7 @@ class CatsMLP(FixedDtypeBuffers):
             return self.down_proj(h)  # zeros: down skips those rows
         if _cpu_up(self.up_proj.weight):  # the CPU kernels read only kept rows of up and down
             if flag is not None and not torch.compiler.is_compiling() and not bool(flag):
-                return self.down_dense(act * self.up_proj(x))  # dense-routed: the original MLP's ops
+                return self._down_dense(act * self.up_proj(x))  # dense-routed: the original MLP's ops
             # (traced: a dense-routed step keeps every channel through the kernels, `thr`)
             h = cats_up_cpu(x, self.up_proj.weight, act, thr, self.up_proj.bias)
             return self.down_proj(h)  # zeros: down skips those rows (kernels.cpu_gemv)
@@ -127,7 +127,12 @@ class CatsMLP(FixedDtypeBuffers):
         sparse = self.down_proj(h)  # (..., d)
         if flag is None:
             return sparse
-        return torch.where(flag, sparse, self.down_dense(act * up))  # the original MLP's ops
+        return torch.where(flag, sparse, self._down_dense(act * up))  # the original MLP's ops
+
+    def _down_dense(self, h: Tensor) -> Tensor:
+        """The original MLP's down of h (CPU routing), plus down's adapter where it holds one."""
+        y = self.down_dense(h)
+        return self.down_proj._plus_lora(y, h) if isinstance(self.down_proj, SparseLinear) else y
 
     def realized_keep(self) -> float:
         """Kept SiLU(gate) channels over channels seen by tracked one-token calls (a

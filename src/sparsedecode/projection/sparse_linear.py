@@ -41,11 +41,14 @@ from sparsedecode.kernels.common import interpreting, keep_mask, linear, workspa
 from sparsedecode.kernels.cpu_gemv import (
     has_entry,
     sparse_gemv_cpu,
+    sparse_gemv_lora_cpu,
     sparse_gemv_segs_cpu,
     sparse_gemv_union_cpu,
 )
+from sparsedecode.kernels.lora_gemv import lora_gemv_ref
 from sparsedecode.kernels.options import GemvOptions
 from sparsedecode.kernels.sparse_gemv import sparse_gemv, sparse_gemv_ref
+from sparsedecode.projection.lora_site import LoraSite
 from sparsedecode.projection.thresholds import MODULE_OF
 from sparsedecode.projection.thresholds import site_key as threshold_key
 
@@ -105,7 +108,7 @@ class FixedDtypeBuffers(nn.Module):
         super()._apply(fn, recurse)
         dev = next(self.parameters()).device
         for name, buf in fixed.items():
-            self._buffers[name] = buf.to(dev)
+            self._buffers[name] = None if buf is None else buf.to(dev)
         return self
 
 
@@ -116,15 +119,19 @@ def site_key(layer: int, site: str) -> str:
     return threshold_key(layer, SITE_KEYS[site])
 
 
-class SparseLinear(FixedDtypeBuffers):
+class SparseLinear(LoraSite, FixedDtypeBuffers):
     """A projection whose one-token calls read only the weight rows of kept input channels.
 
     Holds w_t (in, out), the weight transposed (the only copy), the bias as given,
     `threshold`, a 0-d float32 buffer (update it in place and a captured graph follows), and
     `options`, the GemvOptions its kernel launches with.
+
+    An adapter (`attach_lora_`) adds s * B (A x_m) to every call, A read only in the rows of kept
+    channels where one token runs a kernel (`kernels.lora_gemv`): `lora_a_t` (in, r) and
+    `lora_b_t` (r, out) in the weight's dtype, `lora_scale` = s.
     """
 
-    FIXED_DTYPE = ("threshold", "kept", "union_dev", "union_n", "ws_acc")
+    FIXED_DTYPE = ("threshold", "kept", "union_dev", "union_n", "ws_acc", *LoraSite.LORA_FIXED)
 
     def __init__(self, w_t: Tensor, bias: Tensor | None, threshold: float, site: str = "",
                  track: bool = False, column_major: bool = False, options: GemvOptions | None = None):
@@ -156,6 +163,7 @@ class SparseLinear(FixedDtypeBuffers):
         acc, count = workspace(w_t.shape[1], dev)
         self.register_buffer("ws_acc", acc, persistent=False)  # (out,) fp32, zero between calls
         self.register_buffer("ws_count", count, persistent=False)
+        self._init_lora()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, threshold: float, site: str = "", track: bool = False,
@@ -206,15 +214,21 @@ class SparseLinear(FixedDtypeBuffers):
         if residual is None and x.dim() == 3 and x.shape[0] > 1 and x.shape[1] == 1:
             return self._forward_rows(x)  # a decode batch: one token per sequence
         if residual is None and x.shape[:-1].numel() != 1:
-            return linear(x, self.w_t.t(), self.bias)  # prefill stays dense (§3.2)
+            # prefill stays dense (§3.2), the adapter's term too
+            return self._plus_lora(linear(x, self.w_t.t(), self.bias), x)
+        lora = self.lora
         if residual is None and not x.is_cuda and cpu_rows(self.w_t):
+            if lora is not None:  # A's kept rows only, in the same C call
+                return sparse_gemv_lora_cpu(x, self.w_t, self.threshold, *lora[:3], self.bias, kept=self.kept_buffer())
             return sparse_gemv_cpu(x, self.w_t, self.threshold, self.bias, kept=self.kept_buffer())
         if self.track:
             self.count_kept(x)
-        if residual is None and not x.is_cuda:
-            return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)  # masked: reads every row
-        return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), residual=residual,
-                           options=self.options)
+        if residual is None and not x.is_cuda:  # masked: reads every row
+            if lora is not None:
+                return lora_gemv_ref(x, self.w_t, self.threshold, *lora[:3], self.bias)
+            return sparse_gemv_ref(x, self.w_t, self.threshold, self.bias)
+        return sparse_gemv(x, self.w_t, self.threshold, self.bias, ws=self._ws(), residual=residual,
+                           options=self.options, lora=lora)
 
     def _forward_rows(self, x: Tensor) -> Tensor:
         """x (B, 1, in), one decode token per sequence -> (B, 1, out): each token keeps its own
@@ -222,8 +236,15 @@ class SparseLinear(FixedDtypeBuffers):
         App. F). A dense site (READ_ALL) is one GEMM: its union is every row."""
         B, _, K = x.shape
         if self.threshold_host == READ_ALL:
-            return F.linear(x, self.w_t.t(), self.bias)
+            return self._plus_lora(F.linear(x, self.w_t.t(), self.bias), x)
         x2 = x.reshape(B, K)  # (B, in)
+        if self.lora_a_t is not None:  # the base as below, the adapter's term masked per token (reference)
+            return self._plus_lora(self._rows_base(x, x2), x2, keep_mask(x2, self.threshold))
+        return self._rows_base(x, x2)
+
+    def _rows_base(self, x: Tensor, x2: Tensor) -> Tensor:
+        """The base projection of a decode batch x (B, 1, in), x2 its (B, in) view."""
+        B, _, K = x.shape
         if x.is_cuda:
             from sparsedecode.kernels.union_gemv import union_gemv
 
@@ -261,8 +282,8 @@ class SparseLinear(FixedDtypeBuffers):
             return self(F.silu(gate) * up, residual=residual)
         if self.track:
             self.count_kept(F.silu(gate) * up)
-        return sparse_gemv(gate, self.w_t, self.threshold, self.bias, ws=(self.ws_acc, self.ws_count), up=up,
-                           residual=residual, options=self.options)
+        return sparse_gemv(gate, self.w_t, self.threshold, self.bias, ws=self._ws(), up=up,
+                           residual=residual, options=self.options, lora=self.lora)
 
     def kept_buffer(self):
         """Where a tracked CPU call adds its [kept channels, channels] (None untracked): the host
@@ -295,7 +316,8 @@ class SparseLinear(FixedDtypeBuffers):
 
     def extra_repr(self) -> str:
         return (f"site={self.site!r}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, threshold={self.threshold.item():.4g}, track={self.track}")
+                f"bias={self.bias is not None}, threshold={self.threshold.item():.4g}, track={self.track}"
+                + (f", lora_rank={self.lora_a_t.shape[1]}, lora_scale={self.lora_scale:g}" if self.has_lora else ""))
 
 
 class SparseConcat(FixedDtypeBuffers):
@@ -340,8 +362,14 @@ class SparseConcat(FixedDtypeBuffers):
     @property
     def fuse_norms(self) -> bool:
         """Whether the decoder runs this launch's input norm inside it: where the kernel runs
-        (`kernel_runs`; docs/kernels/sparse_gemv.md#fuse-norms)."""
-        return kernel_runs(self.w_t)
+        (`kernel_runs`; docs/kernels/sparse_gemv.md#fuse-norms) and no site holds an adapter."""
+        return kernel_runs(self.w_t) and not self.has_lora
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether a site holds an adapter: then each site runs its own call (the segmented launch
+        takes no adapter; docs/kernels/lora_gemv.md)."""
+        return any(m.lora_a_t is not None for m in self.sites)
 
     def forward(self, x: Tensor, norm: tuple | None = None) -> list[Tensor]:
         """x (..., in) holding one token -> the sites' outputs [(..., out_j)], one launch.
@@ -349,6 +377,8 @@ class SparseConcat(FixedDtypeBuffers):
         With `norm` = (an `RMSNorm`, sums of squares of x from `SparseLinear(x, residual=...)`),
         x is the residual stream and the sites read the norm of it, formed in the launch."""
         rms, ss = norm if norm is not None else (None, None)
+        if self.has_lora:  # `fuse_norms` is off then: the decoder gives no norm
+            return [m(x if rms is None else rms(x)) for m in self.sites]
         if rms is None and not kernel_runs(x) and cpu_rows(self.w_t):
             return self._forward_cpu(x)
         tracked = [m for m in self.sites if m.track]

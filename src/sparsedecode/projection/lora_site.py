@@ -1,0 +1,85 @@
+"""An adapter on one projection site of the sparse decode step (SATS paper §4.2 'Fine-tuning Methods').
+
+`LoraSite` is the part of `SparseLinear` that holds a LoRA adapter unmerged: y = x_m W^T +
+s * B (A x_m), s = alpha / r. It stores A^T (in, r) and B^T (r, out) in the weight's dtype, the
+layout of `kernels.lora_gemv` (A input-sparse like W: a dropped channel's row of A^T is never read
+by the one-token kernels), the scale, and the kernel's workspace. Where no one-token kernel runs
+(a prefill, a decode batch) the adapter's term is added in PyTorch (`_plus_lora`). The model-level
+calls are in `projection.lora_attach`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.common import lora_workspace
+from sparsedecode.kernels.lora_gemv import lora_delta
+
+BUFFERS = ("lora_a_t", "lora_b_t", "lora_ws_acc", "lora_ws_count", "lora_u")
+
+
+class LoraSite:
+    """Adapter state and math of a projection module with `w_t` (in, out), `in_features`,
+    `out_features` and `site` (mixed into `SparseLinear`, an nn.Module)."""
+
+    LORA_FIXED = ("lora_ws_acc", "lora_u")  # float32 whatever the model's dtype (FixedDtypeBuffers)
+
+    def _init_lora(self) -> None:
+        for name in BUFFERS:
+            self.register_buffer(name, None, persistent=False)  # set by attach_lora_
+        self.lora_scale = 0.0
+
+    def attach_lora_(self, a: Tensor, b: Tensor, scale: float) -> None:
+        """Add an adapter's s * B (A x) to this site's output: a (r, in) and b (out, r) as a PEFT
+        checkpoint holds them, scale = alpha / r. Stored once as A^T (in, r) and B^T (r, out) in
+        the weight's dtype and device; a second call replaces the adapter. A decode step captured
+        or compiled before this call keeps running without it: capture again."""
+        if (a.dim() != 2 or b.dim() != 2 or a.shape[0] < 1 or a.shape[1] != self.in_features
+                or b.shape != (self.out_features, a.shape[0])):
+            raise InputError(f"the adapter of {self.site or 'a site'} must be A (r, {self.in_features}) and "
+                             f"B ({self.out_features}, r); got {tuple(a.shape)} and {tuple(b.shape)}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise InputError(f"the adapter scale of {self.site or 'a site'} must be a finite number; got {scale!r}")
+        r, dev, dtype = a.shape[0], self.w_t.device, self.w_t.dtype
+        self.lora_a_t = a.detach().to(dev, dtype).t().contiguous()  # (in, r)
+        self.lora_b_t = b.detach().to(dev, dtype).t().contiguous()  # (r, out)
+        self.lora_scale = float(scale)
+        self.lora_ws_acc, self.lora_ws_count = lora_workspace(self.out_features, r, dev)  # zero between calls
+        self.lora_u = torch.empty(r, device=dev, dtype=torch.float32)  # the kernel's u = A x_m
+
+    def detach_lora_(self) -> None:
+        """Drop the adapter: the site computes its base projection again."""
+        for name in BUFFERS:
+            setattr(self, name, None)
+        self.lora_scale = 0.0
+
+    @property
+    def has_lora(self) -> bool:
+        return self.lora_a_t is not None
+
+    @property
+    def lora(self) -> tuple[Tensor, Tensor, float, Tensor] | None:
+        """The kernel's adapter operands (a_t, b_t, scale, u scratch), or None."""
+        return None if self.lora_a_t is None else (self.lora_a_t, self.lora_b_t, self.lora_scale, self.lora_u)
+
+    def lora_merged(self) -> Tensor:
+        """W^T + s * A^T B^T (in, out) in float32: the merged weight this site's adapter equals."""
+        w = self.w_t.detach().float()
+        return w if self.lora_a_t is None else w + self.lora_scale * (self.lora_a_t.float() @ self.lora_b_t.float())
+
+    def _ws(self) -> tuple[Tensor, Tensor]:
+        """The kernel's workspace: with an adapter, the one sized for its u and its column."""
+        return (self.ws_acc, self.ws_count) if self.lora_a_t is None else (self.lora_ws_acc, self.lora_ws_count)
+
+    def _plus_lora(self, y: Tensor, x: Tensor, keep: Tensor | None = None) -> Tensor:
+        """y plus the adapter's term of x's rows (each masked by `keep`; None: dense), in PyTorch."""
+        if self.lora_a_t is None:
+            return y
+        return y + lora_delta(x, self.lora_a_t, self.lora_b_t, self.lora_scale, keep).reshape(y.shape)
+
+
+__all__ = ["LoraSite"]

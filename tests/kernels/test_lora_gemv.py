@@ -1,0 +1,305 @@
+"""The LoRA-aware sparse GEMV (kernels/lora_gemv.py, the sparse GEMV's adapter path; CPU:
+kernels/cpu_gemv.c's sd_gemv_lora) against float64: y = x_m W^T + s B (A x_m) (+ bias).
+
+Odd shapes (in 77/130/333, out 45/257, rank 1/7/16), keeps 0.05-1.0 at quantiles of |x|, every
+dtype; the rows of A^T of dropped channels are NaN, so a kernel that read one would return NaN;
+at t = -inf the result is the dense F.linear(x, W) + s B (A x); B = 0 gives the base sparse GEMV's
+output exactly. Tolerances: twice the error of the same product in the operands' precision
+(masked PyTorch ops) plus a floor, as tests/kernels/test_sparse_gemv.py sets them. The Triton
+kernel runs under TRITON_INTERPRET=1 in a subprocess (small shapes), and on CUDA when present.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _compare import mismatch
+from test_cpu_gemv import threads  # noqa: F401 (the 1- and 2-thread fixture)
+from test_sparse_gemv import FLOOR, _compile_for_hopper, _weight_loads, threshold_for
+
+from interpreted import run_interpreted
+from sparsedecode.errors import InputError
+from sparsedecode.kernels.common import keep_mask
+from sparsedecode.kernels.cpu_gemv import cpu_kernel, sparse_gemv_cpu, sparse_gemv_lora_cpu
+from sparsedecode.kernels.lora_gemv import lora_delta, lora_gemv, lora_gemv_ref, lora_workspace
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(77, 45, 1), (130, 257, 7), (333, 45, 16)]  # (in K, out N, rank r)
+KEEPS = [0.05, 0.3, 0.7, 1.0]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+SCALE = 2.0  # alpha / r: large enough that a lost or doubled adapter term shows
+
+
+def make(K, N, r, dtype, device="cpu", seed=0, bias=True):
+    """x (1, K), w_t (K, N), a_t (K, r), b_t (r, N), bias (N,) in dtype: the adapter term about as
+    large as the base output, as a trained adapter's would not be (so its errors show)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, K, generator=gen)
+    w_t = torch.randn(K, N, generator=gen) / math.sqrt(K)
+    a_t = torch.randn(K, r, generator=gen) / math.sqrt(K)
+    b_t = torch.randn(r, N, generator=gen) / math.sqrt(r * SCALE)
+    b = torch.randn(N, generator=gen) if bias else None
+    to = lambda t: None if t is None else t.to(device, dtype)  # noqa: E731
+    return to(x), to(w_t), to(a_t), to(b_t), to(b)
+
+
+def poison(a_t, x, t):
+    """a_t with the rows of channels dropped at threshold t set to NaN (a read one spreads NaN)."""
+    return torch.where(keep_mask(x, t).reshape(-1, 1), a_t, torch.full_like(a_t, math.nan))
+
+
+def check(got, x, w_t, t, a_t, b_t, b, what, slack=0.0) -> list[str]:
+    """Failure messages of one adapter product against float64 (NaN rows of a_t read as 0)."""
+    x, w_t, a_t, b_t = x.cpu(), w_t.cpu(), a_t.cpu().nan_to_num(0.0), b_t.cpu()
+    b = None if b is None else b.cpu()
+    keep = keep_mask(x, t.cpu() if isinstance(t, torch.Tensor) else t)
+    xm = torch.where(keep, x.double(), 0.0)
+    y64 = xm @ w_t.double() + SCALE * (xm @ a_t.double()) @ b_t.double()
+    xs = torch.where(keep, x, torch.zeros_like(x))  # the same product in the operands' precision
+    same = xs @ w_t + SCALE * ((xs @ a_t) @ b_t)
+    if b is not None:
+        y64, same = y64 + b.double(), same + b
+    tol = 2 * (same.double() - y64).abs().max().item() + FLOOR[x.dtype] + slack * y64.abs().max().item()
+    want = (*x.shape[:-1], w_t.shape[1])
+    fails = [] if got.dtype == x.dtype and tuple(got.shape) == want else [
+        f"{what}: got {got.dtype} {tuple(got.shape)}, want {x.dtype} {want}"]
+    return fails + [m for m in [mismatch(got, y64, tol, what)] if m]
+
+
+def thresholds(x):
+    """(keep, threshold) pairs: quantiles of |x|, and -inf (every row read) for keep 1.0."""
+    return [(keep, threshold_for(x, keep) if keep < 1.0 else -math.inf) for keep in KEEPS]
+
+
+# ---- the references on CPU --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K,N,r", SHAPES)
+def test_reference_matches_float64(K, N, r, dtype):
+    x, w_t, a_t, b_t, b = make(K, N, r, dtype, seed=K + r)
+    fails = []
+    for keep, t in thresholds(x):
+        fails += check(lora_gemv_ref(x, w_t, t, a_t, b_t, SCALE, b), x, w_t, t, a_t, b_t, b, f"ref keep={keep}")
+    assert not fails, "\n".join(fails)
+
+
+def test_delta_is_the_adapter_term_of_several_rows():
+    x, w_t, a_t, b_t, _ = make(130, 45, 7, torch.float32, seed=5)
+    xs = torch.cat([x, -2 * x, x.flip(-1)])  # (3, K): a batch, each row its own mask
+    t = threshold_for(x, 0.5)
+    keep = keep_mask(xs, t)
+    want = lora_gemv_ref(xs, w_t, t, a_t, b_t, SCALE) - lora_gemv_ref(xs, w_t, t, a_t, b_t * 0, SCALE)
+    assert torch.allclose(lora_delta(xs, a_t, b_t, SCALE, keep), want, atol=1e-5)
+    dense = SCALE * (xs.double() @ a_t.double()) @ b_t.double()
+    assert torch.allclose(lora_delta(xs, a_t, b_t, SCALE).double(), dense, atol=1e-5)
+
+
+# ---- the CPU kernel (cpu_gemv.c) ------------------------------------------------------------
+
+cpu_built = pytest.mark.skipif(cpu_kernel().lib is None, reason=f"CPU kernel not built: {cpu_kernel().reason}")
+
+
+@cpu_built
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K,N,r", [*SHAPES, (1537, 577, 16)])  # the last: several threads' shares
+def test_cpu_kernel_matches_float64_and_never_reads_a_dropped_row_of_a(K, N, r, dtype, threads):  # noqa: F811
+    x, w_t, a_t, b_t, b = make(K, N, r, dtype, seed=K * N + r)
+    fails = []
+    for keep, t in thresholds(x):
+        bad = poison(a_t, x, t)
+        for bias in (b, None):
+            kept = [0, 0]
+            got = sparse_gemv_lora_cpu(x, w_t, t, bad, b_t, SCALE, bias, kept=kept)
+            fails += check(got, x, w_t, t, a_t, b_t, bias, f"cpu keep={keep} {K}x{N} r={r} threads={threads}")
+            if kept != [keep_mask(x, t).sum().item(), K]:
+                fails.append(f"cpu keep={keep}: kept counts {kept}")
+    assert not fails, "\n".join(fails)
+
+
+@cpu_built
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_kernel_dense_and_zero_b(dtype, threads):  # noqa: F811
+    x, w_t, a_t, b_t, b = make(333, 257, 16, dtype, seed=9)
+    dense = F.linear(x.double(), w_t.double().t(), b.double()) + SCALE * (x.double() @ a_t.double()) @ b_t.double()
+    got = sparse_gemv_lora_cpu(x, w_t, -math.inf, a_t, b_t, SCALE, b)
+    tol = 2 * torch.finfo(dtype).eps * dense.abs().max().item() * (64 if dtype == torch.float32 else 2)
+    assert not (m := mismatch(got, dense, tol, "cpu t=-inf vs dense F.linear + s B A x")), m
+    t = threshold_for(x, 0.4)
+    base = sparse_gemv_cpu(x, w_t, t, b)
+    assert torch.equal(sparse_gemv_lora_cpu(x, w_t, t, poison(a_t, x, t), torch.zeros_like(b_t), SCALE, b), base)
+
+
+@cpu_built
+def test_cpu_kernel_refuses_bad_adapters():
+    x, w_t, a_t, b_t, _ = make(77, 45, 7, torch.float32)
+    with pytest.raises(InputError, match="a_t must be contiguous"):
+        sparse_gemv_lora_cpu(x, w_t, 0.1, a_t.half(), b_t, SCALE)
+    with pytest.raises(InputError, match=r"b_t must be contiguous \(7, 45\)"):
+        sparse_gemv_lora_cpu(x, w_t, 0.1, a_t, b_t.t().contiguous(), SCALE)
+    with pytest.raises(InputError, match="b_t must be contiguous"):
+        sparse_gemv_lora_cpu(x, w_t, 0.1, a_t, torch.zeros(14, 45)[::2], SCALE)
+
+
+@cpu_built
+def test_cpu_kernel_traces_whole_under_compile():
+    x, w_t, a_t, b_t, b = make(130, 45, 7, torch.float32, seed=2)
+    t = torch.tensor(threshold_for(x, 0.5))
+    fn = torch.compile(lambda x, t: sparse_gemv_lora_cpu(x, w_t, t, a_t, b_t, SCALE, b), backend="aot_eager",
+                       fullgraph=True)
+    assert not (fails := check(fn(x, t), x, w_t, t, a_t, b_t, b, "cpu lora under torch.compile")), fails
+
+
+# ---- the Triton kernel: interpreter (subprocess) and CUDA --------------------------------------
+
+
+def _kernel_cases(device, dtypes, shapes, slack) -> tuple[int, list[str]]:
+    """lora_gemv on `device` against float64 and its properties; (cases, failures)."""
+    fails, n = [], 0
+    for dtype in dtypes:
+        for K, N, r in shapes:
+            x, w_t, a_t, b_t, b = make(K, N, r, dtype, device=device, seed=K * 3 + N + r)
+            ws, u = lora_workspace(N, r, device), torch.empty(r, device=device)
+            for i, (keep, t) in enumerate(thresholds(x)):
+                thr = torch.tensor(t, device=device) if i % 2 else t  # float and tensor thresholds
+                bias = b if i != 1 else None
+                what = f"lora_gemv {device} {dtype} {K}x{N} r={r} keep={keep} bias={bias is not None}"
+                y = lora_gemv(x, w_t, thr, poison(a_t, x, t), b_t, SCALE, bias, ws=ws if i < 2 else None,
+                              u=u if i < 3 else None)
+                fails += check(y, x, w_t, t, a_t, b_t, bias, what, slack.get(dtype, 0.0))
+                n += 1
+            if ws[0].abs().sum() != 0 or ws[1].abs().sum() != 0:
+                fails.append(f"{dtype} {K}x{N} r={r}: the workspace is not back at zero after the calls")
+    return n, fails
+
+
+def _finish_cases(device, slack) -> tuple[int, list[str]]:
+    """Every loop and finish of the kernel with an adapter: splits 1, 2 and more splits than
+    tiles of rows (splits whose rows are all dropped), stages 1 and 4, one warp (the finish by
+    loads) and four (by exchanges); B = 0 equals the base kernel bit for bit with one split (the
+    sum of a tile is then one partial, in any order of arrival); the fused forms."""
+    from sparsedecode.kernels.sparse_gemv import sparse_gemv, sumsq
+
+    fails, n = [], 0
+    dtype = torch.float16
+    x, w_t, a_t, b_t, b = make(577, 139, 16, dtype, device=device, seed=3)  # 3 tiles of 64, the last of 11
+    t = threshold_for(x, 0.3)
+    bad = poison(a_t, x, t)
+    for splits in (1, 2, 19):
+        for stages, block_k, warps in ((1, 16, 4), (1, 8, 1), (4, 16, 4), (4, 8, 1)):
+            cfg = (64, block_k, splits, warps, stages)
+            y = lora_gemv(x, w_t, t, bad, b_t, SCALE, b, config=cfg)
+            fails += check(y, x, w_t, t, a_t, b_t, b, f"lora_gemv config={cfg}", slack.get(dtype, 0.0))
+            n += 1
+    for cfg in ((64, 16, 1, 1, 4), (64, 16, 1, 4, 1)):
+        base = sparse_gemv(x, w_t, t, b, config=cfg)
+        if not torch.equal(lora_gemv(x, w_t, t, bad, torch.zeros_like(b_t), SCALE, b, config=cfg), base):
+            fails.append(f"B = 0 must give the base kernel's output exactly (config {cfg})")
+        n += 1
+    # t = -inf reads every row: the dense product plus the adapter's
+    dense = F.linear(x.double(), w_t.double().t(), b.double()) + SCALE * (x.double() @ a_t.double()) @ b_t.double()
+    y = lora_gemv(x, w_t, -math.inf, a_t, b_t, SCALE, b)
+    fails += [m for m in [mismatch(y, dense, 4e-3 * dense.abs().max().item(), "t=-inf vs dense + s B A x")] if m]
+    # fused forms: SwiGLU's product in the load, the residual add, the input norm
+    up = make(577, 1, 1, dtype, device=device, seed=4)[0]
+    h = F.silu(x) * up
+    th = threshold_for(h, 0.4)
+    y = lora_gemv(x, w_t, th, poison(a_t, h, th), b_t, SCALE, b, up=up)
+    fails += check(y, h, w_t, th, a_t, b_t, b, "lora_gemv up=", slack.get(dtype, 0.0))
+    res = make(139, 1, 1, dtype, device=device, seed=6)[0]
+    got, ss = lora_gemv(x, w_t, t, bad, b_t, SCALE, b, residual=res)
+    want = lora_gemv_ref(x, w_t, t, a_t, b_t, SCALE, b) + res
+    fails += [m for m in [mismatch(got, want, 4e-3 * want.abs().max().item(), "lora_gemv residual=")] if m]
+    if abs(ss.sum().item() - sumsq(got).item()) > 1e-3 * sumsq(got).item():
+        fails.append(f"residual=: sums of squares {ss.sum().item()} vs {sumsq(got).item()}")
+    norm_w = make(577, 1, 1, dtype, device=device, seed=7)[0].reshape(-1)
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5)).to(dtype) * norm_w
+    tn = threshold_for(normed, 0.5)
+    y = lora_gemv(x, w_t, tn, poison(a_t, normed, tn), b_t, SCALE, b, norm=(norm_w, sumsq(x), 1e-5))
+    fails += check(y, normed, w_t, tn, a_t, b_t, b, "lora_gemv norm=", 2.0**-9)
+    return n + 4, fails
+
+
+def _interpreter_worker() -> None:
+    """Run with TRITON_INTERPRET=1 (the interpreter truncates float32 to bfloat16 where the GPU
+    rounds, so bfloat16 outputs get one more unit in the last place of slack)."""
+    slack = {torch.bfloat16: 2.0**-7}
+    n, fails = _kernel_cases("cpu", DTYPES, SHAPES, slack)
+    m, more = _finish_cases("cpu", slack)
+    # under the interpreter the programs run in order: B = 0 is bit-exact at any split count
+    from sparsedecode.kernels.sparse_gemv import sparse_gemv
+
+    x, w_t, a_t, b_t, b = make(333, 257, 16, torch.bfloat16, seed=8)
+    t = threshold_for(x, 0.5)
+    if not torch.equal(lora_gemv(x, w_t, t, poison(a_t, x, t), b_t * 0, SCALE, b), sparse_gemv(x, w_t, t, b)):
+        more.append("B = 0 must give the base kernel's output exactly")
+    traced = torch.compile(lambda x, t: lora_gemv(x, w_t, t, a_t, b_t, SCALE, b), backend="aot_eager",
+                           fullgraph=True)
+    more += check(traced(x, torch.tensor(t)), x, w_t, t, a_t, b_t, b, "lora_gemv under torch.compile", 2.0**-7)
+    print(json.dumps({"cases": n + m + 2, "fails": fails + more}))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_lora_kernel_under_interpreter():
+    report = run_interpreted(__file__, "_interpreter_worker")
+    assert report["cases"] >= 50 and not report["fails"], "\n".join(report["fails"])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_bad_adapters_are_refused():
+    x, w_t, a_t, b_t, _ = make(77, 45, 7, torch.float32)
+    with pytest.raises(InputError, match="a_t must be contiguous"):
+        lora_gemv(x, w_t, 0.1, a_t[:40], b_t, SCALE)
+    with pytest.raises(InputError, match="b_t must be contiguous"):
+        lora_gemv(x, w_t, 0.1, a_t, b_t.half(), SCALE)
+    with pytest.raises(InputError, match="one threshold"):
+        lora_gemv(x, w_t, [0.1, 0.2], a_t, b_t, SCALE)
+    with pytest.raises(InputError, match="lora_workspace"):
+        lora_gemv(x, w_t, 0.1, a_t, b_t, SCALE, ws=lora_workspace(40, 7, "cpu"))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_adapter_loads_are_predicated_on_hopper():
+    """Compiled for sm_90 (no GPU needed) with an adapter: the base tiles' weight loads are the
+    same predicated 16-byte vectors as without it, and the adapter's column adds its own
+    predicated loads (the rows of A^T of dropped channels are never read)."""
+    ptx0 = _compile_for_hopper(torch.bfloat16, 256, 16, even_n=True, dbuf=True, stride=4096).asm["ptx"]
+    ptx = _compile_for_hopper(torch.bfloat16, 256, 16, even_n=True, dbuf=True, stride=4096, lora=True).asm["ptx"]
+    assert len(_weight_loads(ptx)) == len(_weight_loads(ptx0)), "the base tiles' vector loads must not change"
+    # the adapter's rows: 2-byte loads of bf16 under a predicate (BLOCK_R = 16 columns of 32 lanes)
+    small = [p for p in __import__("re").findall(r"^\s*(@!?%p\d+ )?ld\.global\.b16", ptx, __import__("re").M)]
+    assert small and all(small), "the adapter's loads of A^T must be predicated"
+    assert ptx.count("atom.global.gpu.acq_rel.add") > ptx0.count("atom.global.gpu.acq_rel.add")
+
+
+gpu = pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
+
+
+@gpu
+def test_lora_kernel_on_cuda():
+    n, fails = _kernel_cases("cuda", DTYPES, [*SHAPES, (4096, 1024, 16), (14336, 4096, 16)], {})
+    m, more = _finish_cases("cuda", {})
+    assert n + m >= 50 and not fails + more, "\n".join(fails + more)
+
+
+@gpu
+def test_lora_kernel_in_cuda_graph_follows_threshold_updates():
+    x, w_t, a_t, b_t, b = make(4096, 4096, 16, torch.bfloat16, device="cuda", seed=11)
+    ws, u = lora_workspace(4096, 16, "cuda"), torch.empty(16, device="cuda")
+    thr = torch.tensor(threshold_for(x, 0.5), device="cuda")
+    lora_gemv(x, w_t, thr, a_t, b_t, SCALE, b, ws=ws, u=u)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = lora_gemv(x, w_t, thr, a_t, b_t, SCALE, b, ws=ws, u=u)
+    fails = []
+    for keep in (0.2, 0.7):
+        thr.fill_(threshold_for(x, keep))
+        graph.replay()
+        fails += check(y, x, w_t, thr, a_t, b_t, b, f"graph replay keep={keep}")
+    assert not fails, "\n".join(fails)
