@@ -212,3 +212,58 @@ def test_a_cpu_decode_table_sets_each_contender_beside_what_its_ratio_divides(tm
     (tmp_path / "old.json").write_text(json.dumps({"kind": "serve_batch"}))
     with pytest.raises(InputError, match="old.json is not a benchmarks/cpu_decode.py record"):
         render(_manifest(tmp_path, head))
+
+
+def _ft_record(name, label, method, nll, *, free=None, route=None, keep=0.5):
+    """An mlp_sparsity_eval record of benchmarks/finetune_sparse.py's shape, 4 chunks."""
+    return {"kind": "mlp_sparsity_eval", "name": name, "label": label, "method": method, "model": "m",
+            "chunks": 4, "text": {"ppl": "t"}, "targets_per_chunk": 100, "nll": nll,
+            "target_keep": None if method == "dense" else keep, "routing_target": route,
+            "realized_keep": None if method == "dense" else 0.49, "routed": None if route is None else 0.3,
+            "bound": 1.2, "adapter": None if free is None else {"training_free": free, "final_loss": 3.0}}
+
+
+def test_a_finetune_table_pairs_each_tuned_setting_with_its_training_free_one(tmp_path):
+    import json
+
+    from sparsedecode.report.finetune_table import load, rows
+
+    d = tmp_path / "ft"
+    d.mkdir()
+    dense = [200.0, 210.0, 190.0, 205.0]
+    recs = [_ft_record("dense", "dense", "dense", dense),
+            _ft_record("sats0.5", "SATS 0.5", "sats", [x + 40 for x in dense]),  # +40 nats a chunk
+            _ft_record("sats0.5_ft", "SATS 0.5 + LoRA", "sats", [x + 10 for x in dense], free="sats0.5"),
+            _ft_record("sats0.5_ft_route0.5", "SATS 0.5 + LoRA + routing 50%", "sats", [x + 5 for x in dense],
+                       free="sats0.5", route=0.5)]
+    for r in recs:
+        (d / f"{r['name']}.json").write_text(json.dumps(r))
+    got = {w["name"]: w for w in rows(load(d), resamples=500)}
+    assert list(got) == ["dense", "sats0.5", "sats0.5_ft", "sats0.5_ft_route0.5"]
+    ft = got["sats0.5_ft"]
+    assert ft["free"] == "SATS 0.5" and ft["vs_free"].high < 0  # every chunk better: the interval excludes 0
+    p = {k: w["ppl"].point for k, w in got.items()}
+    assert ft["gap_closed"] == pytest.approx((p["sats0.5"] - p["sats0.5_ft"]) / (p["sats0.5"] - p["dense"]))
+    assert 0.7 < ft["gap_closed"] < 0.8  # 30 of 40 nats a chunk recovered, in PPL terms
+    assert got["sats0.5_ft_route0.5"]["gap_closed"] is None  # routing and tuning mixed: no gap share
+    assert got["sats0.5"]["vs_free"] is None and got["dense"]["vs_dense"] is None
+    m = _manifest(tmp_path, '[[table]]\ntitle = "t"\nconditions = "c"\nkind = "finetune"\nrecords = "ft"\n')
+    page = render(m)
+    assert "| SATS 0.5 + LoRA | 0.490 |" in page and "vs SATS 0.5 |" in page
+
+
+def test_a_finetune_table_refuses_records_of_another_run(tmp_path):
+    import json
+
+    from sparsedecode.report.finetune_table import load, rows
+
+    d = tmp_path / "ft"
+    d.mkdir()
+    a = _ft_record("dense", "dense", "dense", [1.0, 2.0, 3.0, 4.0])
+    b = {**_ft_record("cats0.5", "CATS 0.5", "cats", [1.0, 2.0, 3.0, 4.0]), "chunks": 8}
+    for r in (a, b):
+        (d / f"{r['name']}.json").write_text(json.dumps(r))
+    with pytest.raises(InputError, match="differs from dense in 'chunks'"):
+        rows(load(d), resamples=10)
+    with pytest.raises(InputError, match="no mlp_sparsity_eval records"):
+        load(tmp_path)

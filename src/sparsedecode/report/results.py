@@ -464,6 +464,19 @@ def _serve_batch_table(root: Path, t: dict) -> tuple[str, str]:
         + "; each made by the `command` it records (`benchmarks/serve_batch.py`).")
 
 
+def _finetune_table(root: Path, t: dict) -> tuple[str, str]:
+    """SATS Tables 3, 4 and 7 on our records: training-free against fine-tuned sparse settings,
+    one run's `mlp_sparsity_eval` records (`benchmarks/finetune_sparse.py`, `records`: its folder)."""
+    from sparsedecode.report import finetune_table
+
+    folder = _list(t, "records")
+    if len(folder) != 1:
+        raise InputError(f"table {t.get('title')!r}: a fine-tuning table is one run's folder")
+    return finetune_table.markdown(finetune_table.load(root / folder[0])), (
+        f"Rebuilt by `sparsedecode report results` from the records in `{folder[0]}` (made by the command "
+        "its README gives); intervals: paired bootstrap over the chunks, 20,000 resamples, seed 0.")
+
+
 def _list(t: dict, key: str) -> list[str]:
     v = t.get(key)
     if isinstance(v, str):
@@ -479,7 +492,7 @@ KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load":
          "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table,
          "retrieval": _retrieval_table, "union": _union_table, "batch": _batch_table,
          "batch_campaign": _batch_campaign_table, "serve_batch": _serve_batch_table,
-         "cpu_decode": _cpu_decode_table}
+         "cpu_decode": _cpu_decode_table, "finetune": _finetune_table}
 
 
 def render(manifest: str | Path) -> str:
