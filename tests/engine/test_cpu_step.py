@@ -188,3 +188,25 @@ def test_a_position_past_the_cache_is_refused():
     step = CpuStep(c.model)
     with pytest.raises(InputError, match="position 200 is outside"):
         step(5, 200)
+
+
+def test_an_unmerged_adapter_runs_the_pytorch_step_with_it_not_the_c_step_without_it():
+    """The C step reads the base weights only: with an adapter attached to a site (projection.lora_attach)
+    the step falls back in words, and its logits are the PyTorch step's with the adapter."""
+    from sparsedecode.projection.lora_attach import attach_lora_, detach_lora_
+
+    c, ref = _pair(LLAMA)
+    _teacher_forced(c, ref, 1)
+    assert c.step_runtime == "C step"  # a plan made before the adapter came: it must not be reused
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(4, LLAMA["intermediate_size"], generator=gen) * 0.1  # (r, in) of down
+    b = torch.randn(LLAMA["hidden_size"], 4, generator=gen) * 0.1  # (out, r)
+    for eng in (c, ref):
+        attach_lora_(eng.model, {"layers.1.down": (a, b)}, 2.0)
+    (x, y), = _teacher_forced(c, ref, 1)
+    assert c.step_runtime == "eager" and "unmerged LoRA adapter" in c.cpu_step_refusal
+    torch.testing.assert_close(x, y)
+    for eng in (c, ref):
+        detach_lora_(eng.model)
+    (x, _), = _teacher_forced(c, ref, 1)
+    assert c.step_runtime == "C step", c.cpu_step_refusal

@@ -46,6 +46,9 @@ def model_refusal(model) -> str | None:
                 and isinstance(getattr(m, "down_proj", None), SparseLinear)):
             return (f"layer {i}'s projections are not the fused GEMV sites (nn.Linear under gemv.dense=false, "
                     "or CATS/SATS)")
+        if a.qkv.has_lora or m.gate_up.has_lora or a.o_proj.has_lora or m.down_proj.has_lora:
+            return (f"layer {i} holds an unmerged LoRA adapter (projection.lora_attach); the C step reads "
+                    "the base weights only")
         if a.cache.window is not None:
             return "a window selection reads its cache in place"
         if a.cache.k.shape[0] != 1:
@@ -60,6 +63,11 @@ def _ptr(t: Tensor | None) -> int | None:
 def _hooked(mods) -> bool:
     """Whether any of `mods` (None skipped) holds a forward hook the C step would skip."""
     return any(x is not None and (x._forward_hooks or x._forward_pre_hooks) for x in mods)
+
+
+def _adapted(mods) -> bool:
+    """Whether any of `mods` (None skipped) holds an unmerged LoRA adapter (a registered buffer)."""
+    return any(x is not None and x._buffers.get("lora_a_t") is not None for x in mods)
 
 
 def plan(engine, previous):
@@ -78,7 +86,8 @@ def plan(engine, previous):
 
 def _key(model) -> tuple:
     """What a plan read: each layer's fused and site modules, track flags, compact buffer, window,
-    observation list and whether any module of the step holds a forward hook. Read per decode step,
+    observation list, whether a site holds an unmerged adapter and whether any module of the step
+    holds a forward hook. Read per decode step,
     so through the modules' own dicts (`_modules`, `__dict__`) rather than nn.Module's attribute
     fallback, which cost the key about a millisecond a step on smollm2's 30 layers."""
     out = []
@@ -91,6 +100,7 @@ def _key(model) -> tuple:
         out.append((id(am.get("qkv")), id(o), id(mm.get("gate_up")), id(mm.get("down_proj")),
                     None if c is None else (id(c[0]), id(c[2])), cache["window"] is None,
                     a.__dict__["observe"] is None, o.track if isinstance(o, SparseLinear) else None,
+                    _adapted((*(am.get(s) for s in SITES[:4]), *(mm.get(s) for s in SITES[4:]))),
                     _hooked((layer, a, m, lm["input_layernorm"], lm["post_attention_layernorm"], am.get("qkv"),
                              mm.get("gate_up"), *(am.get(s) for s in SITES[:4]), *(mm.get(s) for s in SITES[4:])))))
     return tuple(out)
