@@ -126,3 +126,14 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path):
     rec = json.loads((out / "finetune.json").read_text())
     assert len(rec["loss"]) == 4 and rec["loss"][:1] == [round(x, 6) for x in first]
     assert not (out / ".finetune_checkpoint.pt").exists()
+
+
+def test_a_rank_above_the_projections_width_is_refused_before_the_model_loads(capsys, tmp_path):
+    """r = 100,000 on smollm2-135m once asked peft for tens of GB and was killed by the OOM killer."""
+    require_embedded("smollm2-135m")
+    th = _smollm2_thresholds(tmp_path / "t.safetensors")
+    r = run_cli(capsys, "finetune", "--thresholds", str(th), "--out", str(tmp_path / "a"), "--rank", "100000",
+                "--targets", "all")
+    _one_line_error(r, "--rank 100000 is above 192", "give a rank of at most 192")
+    r = run_cli(capsys, "finetune", "--thresholds", str(th), "--out", str(tmp_path / "a"), "--rank", "577")
+    _one_line_error(r, "--rank 577 is above 576")

@@ -84,7 +84,12 @@ def finetune(
     check_text_file(path)
     check_engine_args(device, "float32")
 
-    ckpt = resolve(model, quiet=json_out)  # the text is counted before the model loads
+    ckpt = resolve(model, quiet=json_out)  # the text is counted and the rank checked before the model loads
+    from sparsedecode.account.dims import ModelDims
+
+    dims = ModelDims.from_config(ckpt.config, name=ckpt.name)
+    th.validate(dims)
+    opts.spec.check(dims)
     tokenizer = load_tokenizer(ckpt)
     if tokenizer is None:
         raise InputError(f"'{model}' has no tokenizer files; fine-tuning reads text: give a model with one")

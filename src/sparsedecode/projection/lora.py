@@ -72,6 +72,16 @@ class LoraSpec:
     def modules(self) -> tuple[str, ...]:
         return TARGETS[self.targets]
 
+    def check(self, dims) -> None:
+        """Refuse a rank above what the targeted projections of a model of `dims` can hold: a
+        rank-r adapter of an (out, in) projection is full rank from r = min(out, in) on, and its
+        factors would only take memory (r = 100,000 on smollm2-135m asks for tens of GB)."""
+        cap = min(min(projection_shape(dims, m)) for m in self.modules)
+        if self.rank > cap:
+            raise InputError(f"{option('rank', self.rank)} is above {cap}, the smallest width of the "
+                             f"{self.targets} projections of {dims.name or 'this model'} (a LoRA of rank "
+                             f">= min(out, in) is full rank): give a rank of at most {cap}")
+
 
 @dataclass
 class LoraFactor:

@@ -182,6 +182,7 @@ def finetune(engine, ids, thresholds, opts: FinetuneOptions, out, *, text: str =
                          + "; the thresholds are applied by the training itself")
     if thresholds is not None:
         thresholds.validate(engine.dims)
+    opts.spec.check(engine.dims)
     require_tokens(ids, opts.tokens, text or "the training text", option("tokens"))
     data = windows_of(ids, opts)
     order = order_of(len(data), opts)
