@@ -27,6 +27,7 @@ OUTPUTS = [
     ("dispatch price", "--plot", "file", ".png"),
     ("dispatch table", "--out", "file", ".json"),
     ("eval grid", "--out", "dir", None),
+    ("finetune", "--out", "dir", None),
     ("eval multikey", "--out", "file", ".json"),
     ("eval passkey", "--out", "file", ".json"),
     ("eval ppl", "--out", "file", ".json"),

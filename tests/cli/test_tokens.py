@@ -15,7 +15,7 @@ ALL = list(cli_commands())
 # in `account` (a KV budget); in `account matched` and `eval admit` it is a quality budget.
 TOKEN_FLAGS = {"--max-len", "--max-new-tokens", "--context", "--tokens", "--calib-tokens", "--eval-tokens",
                "--held-out-tokens", "--window", "--length", "--scored", "--new", "--obs", "--budget",
-               "--max-context", "--spacing", "--half-width", "--max-tokens"}
+               "--max-context", "--spacing", "--half-width", "--max-tokens", "--seq-len"}
 
 
 def token_options():

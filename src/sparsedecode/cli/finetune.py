@@ -30,13 +30,14 @@ from sparsedecode.cli.common import (
     check_out_dir,
     check_text_file,
     emit_json,
+    out_dir,
 )
 from sparsedecode.errors import InputError
 
 
 @app.command()
 def finetune(
-    out: Annotated[str, typer.Option("--out", "-o", metavar="DIR", help="Adapter folder to write (peft's layout); a stopped run's checkpoint lives there too.")],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="DIR", callback=out_dir, help="Adapter folder to write (peft's layout); a stopped run's checkpoint lives there too.")],
     thresholds: ThresholdsOpt = None,
     model: Annotated[str, typer.Option("--model", "-m", help="Known name, HF folder, hub id or .gguf file.")] = "smollm2-135m",
     rank: Annotated[int, typer.Option("--rank", metavar="R", help="LoRA rank r (>= 1).")] = 16,
