@@ -235,11 +235,14 @@ def test_a_finetune_table_pairs_each_tuned_setting_with_its_training_free_one(tm
             _ft_record("sats0.5", "SATS 0.5", "sats", [x + 40 for x in dense]),  # +40 nats a chunk
             _ft_record("sats0.5_ft", "SATS 0.5 + LoRA", "sats", [x + 10 for x in dense], free="sats0.5"),
             _ft_record("sats0.5_ft_route0.5", "SATS 0.5 + LoRA + routing 50%", "sats", [x + 5 for x in dense],
-                       free="sats0.5", route=0.5)]
+                       free="sats0.5", route=0.5),
+            _ft_record("dense_ft", "dense + LoRA", "dense", [x - 8 for x in dense], free="dense")]
     for r in recs:
         (d / f"{r['name']}.json").write_text(json.dumps(r))
     got = {w["name"]: w for w in rows(load(d), resamples=500)}
-    assert list(got) == ["dense", "sats0.5", "sats0.5_ft", "sats0.5_ft_route0.5"]
+    assert list(got) == ["dense", "dense_ft", "sats0.5", "sats0.5_ft", "sats0.5_ft_route0.5"]
+    assert got["sats0.5_ft"]["vs_control"].low > 0  # 18 nats a chunk above the tuned dense
+    assert got["dense_ft"]["vs_control"] is None and got["sats0.5"]["vs_control"] is None
     ft = got["sats0.5_ft"]
     assert ft["free"] == "SATS 0.5" and ft["vs_free"].high < 0  # every chunk better: the interval excludes 0
     p = {k: w["ppl"].point for k, w in got.items()}

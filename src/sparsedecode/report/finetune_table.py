@@ -9,7 +9,9 @@ bootstrap over chunks (`quality.bootstrap`): ΔPPL against dense, and for a fine
 against its training-free namesake (the record's `adapter.training_free`). 'gap closed' is the
 share of the training-free setting's ΔPPL against dense that the fine-tuned one removes,
 (PPL_free - PPL_tuned) / (PPL_free - PPL_dense), point estimates, for the static settings (a routed
-row's Δ mixes routing and fine-tuning). Nothing here is measured.
+row's Δ mixes routing and fine-tuning). 'Δ vs dense + LoRA' sets each tuned setting beside the dense
+model tuned the same way (record `dense_ft`): what sparsity still costs once both saw the text.
+Nothing here is measured.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def rows(records: list[dict], resamples: int = RESAMPLES, seed: int = 0) -> list
                "final_loss": (r.get("adapter") or {}).get("final_loss")}
         if r is not dense:
             row["vs_dense"] = paired_bootstrap(dense["nll"], r["nll"], targets, resamples, seed).delta
+        control = by.get("dense_ft")  # the dense model with an adapter trained the same way
+        row["vs_control"] = None
+        if control is not None and r.get("adapter") is not None and r is not control:
+            row["vs_control"] = paired_bootstrap(control["nll"], r["nll"], targets, resamples, seed).delta
         free = by.get((r.get("adapter") or {}).get("training_free"))
         if free is not None and free is not r:
             row["free"] = free["label"]
@@ -75,8 +81,8 @@ def rows(records: list[dict], resamples: int = RESAMPLES, seed: int = 0) -> list
 
 def markdown(records: list[dict], resamples: int = RESAMPLES, seed: int = 0) -> str:
     lines = ["| setting | realized keep | routed (target) | PPL [95%] | ΔPPL vs dense [95%] "
-             "| Δ vs training-free [95%] | gap closed | final train loss | bound |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| Δ vs training-free [95%] | gap closed | Δ vs dense + LoRA [95%] | final train loss | bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for w in rows(records, resamples, seed):
         keep = "" if w["realized_keep"] is None else f"{w['realized_keep']:.3f}"
         routed = "" if w["routed"] is None else f"{w['routed']:.3f} ({w['routing_target']:g})"
@@ -85,7 +91,9 @@ def markdown(records: list[dict], resamples: int = RESAMPLES, seed: int = 0) -> 
         gap = "" if w["gap_closed"] is None else f"{w['gap_closed']:.0%}"
         loss = "" if w["final_loss"] is None else f"{w['final_loss']:.3f}"
         bound = "" if w["bound"] is None else f"{w['bound']:.3f}×"
-        lines.append(f"| {w['label']} | {keep} | {routed} | {_fmt(w['ppl'])} | {vd} | {vf} | {gap} | {loss} | {bound} |")
+        vc = "" if w["vs_control"] is None else _fmt(w["vs_control"], sign=True)
+        lines.append(f"| {w['label']} | {keep} | {routed} | {_fmt(w['ppl'])} | {vd} | {vf} | {gap} | {vc} | {loss} "
+                     f"| {bound} |")
     return "\n".join(lines)
 
 
