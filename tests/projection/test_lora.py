@@ -176,7 +176,7 @@ def test_the_adapter_is_fixed_for_the_engine_s_life(tmp_path):
     assert str(eng.config) == f"lora[{a}]"
     assert eng.configure("dense").adapter == str(a)  # a config without one runs the loaded one
     assert eng.configure(f"lora[{a}]").adapter == str(a)
-    with pytest.raises(InputError, match="merged adapter .* at load"):
+    with pytest.raises(InputError, match="loaded adapter .* for its life"):
         eng.configure(f"lora[{b}]")
     with pytest.raises(InputError, match="loaded none"):
         _engine().configure(f"lora[{a}]")

@@ -33,6 +33,10 @@ class Branches:
         sites = set(th.sites)
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
+        if ACT_SITE in sites and self._unmerged_sites("up_proj"):
+            raise InputError(f"{self.adapter.path} adapts the MLP's up projection, held apart (lora.merge=false), and a "
+                             "CATS/SATS MLP reads up's kept rows by a gather that takes no unmerged adapter yet "
+                             "(docs/kernels/lora_gemv.md): load with lora.merge=true (the default) to run it merged")
         if (ACT_SITE in sites) != (self.linear_needed_by == "CATS thresholds") and self._layouts is None:
             old, self.thresholds = self.thresholds, None  # laid out anew below: set_kernels must not put it back
             try:
@@ -53,6 +57,7 @@ class Branches:
                 sparsify_(self.model, th.values, ff_only=not sites - {"gate", "up", "down"}, gemv=self.kernels.gemv)
         self.thresholds = th
         self._graph = None
+        self.attach_adapter()
 
     def _dense_projections(self) -> None:
         """Dense projections and MLPs everywhere (undoes `sparsify`): nn.Linear, or the GEMV
@@ -62,6 +67,40 @@ class Branches:
 
         uncats_(self.model)
         dense_projections_(self.model, self.kernels.gemv)
+        self.attach_adapter()
+
+    def attach_adapter(self) -> int:
+        """Put the loaded adapter's factors on every adapted site that lacks them, where the engine
+        runs its adapter apart (lora.merge=false; `projection.lora_attach`): after load and after
+        each change of projection modules (`configure`, `sparsify`, `set_kernels`), so every layout
+        runs base + adapter. A dense site becomes the GEMV that reads every row. Returns the sites
+        attached now (0 where merged, or all hold theirs)."""
+        sites = self._unmerged_sites()
+        if not sites:
+            return 0
+        from sparsedecode.projection.lora_attach import attach_lora_
+
+        a = self.adapter
+        attach_lora_(self.model, {k: (a.factors[k].A, a.factors[k].B) for k in sites},
+                     {k: a.factors[k].scale for k in sites})
+        self._graph = None
+        return len(sites)
+
+    def _unmerged_sites(self, module: str | None = None) -> list[str]:
+        """The adapter's site keys ('layers.3.mlp.up_proj') whose module holds no factors yet, where
+        the adapter runs apart (all of them, or those of `module` only); [] where it is merged."""
+        from sparsedecode.projection.lora_site import LoraSite
+
+        if self.adapter is None or self.kernels.lora.merge:
+            return []
+        out = []
+        for key in self.adapter.factors:
+            if module is not None and not key.endswith("." + module):
+                continue
+            mod = self.model.get_submodule(key) if module is None else None
+            if module is not None or not (isinstance(mod, LoraSite) and mod.has_lora):
+                out.append(key)
+        return out
 
     def projection_runtime(self) -> str | None:
         """What runs the projection branch's one-token calls (`projection.sparse_linear.runtime`),
@@ -127,9 +166,10 @@ class Branches:
         projection modules built once is swapped back by reference and its thresholds refilled
         in place, never rebuilt.
 
-        An adapter (lora[DIR]) is merged into the weights at load and fixed for the engine's
-        life: a config without one runs the loaded one (and says so: `self.config` holds it), one
-        naming another adapter is refused (load again with it)."""
+        An adapter (lora[DIR]) is loaded with the model and fixed for the engine's life (merged into
+        the weights, or with lora.merge=false attached again to whatever sites this installs): a
+        config without one runs the loaded one (and says so: `self.config` holds it), one naming
+        another adapter is refused (load again with it)."""
         from sparsedecode.config import SparsityConfig
         from sparsedecode.projection.routing import RoutingTable
         from sparsedecode.projection.thresholds import Thresholds
@@ -174,11 +214,11 @@ class Branches:
         if config.adapter is None:
             return config if loaded is None else config.with_(adapter=loaded)
         if loaded is None:
-            raise InputError(f"{config}: an adapter is merged into the weights when the model loads, and this "
+            raise InputError(f"{config}: an adapter is loaded with the model, and this "
                              f"engine loaded none; load with {option('adapter', config.adapter)} (or the "
                              "lora[...] part in the load's config)")
         if not same_adapter(config.adapter, loaded):
-            raise InputError(f"{config}: this engine merged adapter {loaded} at load and runs it for its life; "
+            raise InputError(f"{config}: this engine loaded adapter {loaded} and runs it for its life; "
                              f"load the model again with {option('adapter', config.adapter)}")
         return config.with_(adapter=loaded)
 
@@ -205,6 +245,7 @@ class Branches:
             if th is not None:  # the same sites: thresholds filled in place
                 sparsify_(self.model, th.values, ff_only=not sites - {"gate", "up", "down"}, gemv=self.kernels.gemv)
             self.thresholds = th
+            self.attach_adapter()
             self.invalidate_step()
             return
         if th is not None:

@@ -89,7 +89,7 @@ class Engine(Branches):
         self._kv_offset: torch.Tensor | None = None
         self._layouts: dict | None = None  # keep_states: projection-module layouts by their sites
         self.config = SparsityConfig()  # what `configure` installed last
-        self.adapter = None  # a projection.lora.Adapter merged into the weights at load (fixed for life)
+        self.adapter = None  # a projection.lora.Adapter loaded with the model, merged or apart (fixed for life)
         self.thresholds = None  # set by sparsify
         self.kv = None  # a kv.apply.KVSelection while decoding reads selected entries
         self.kv_config = None  # a config.KVConfig: selected after every prompt's prefill
@@ -349,6 +349,10 @@ class Engine(Branches):
         if not isinstance(kernels, KernelOptions):
             raise InputError(f"set_kernels takes a KernelOptions, got {type(kernels).__name__}; build one with "
                              "KernelOptions.parse('gemv.pdl=false')")
+        if self.adapter is not None and kernels.lora.merge != self.kernels.lora.merge:
+            raise InputError(f"lora.merge={str(kernels.lora.merge).lower()}: this engine loaded adapter "
+                             f"{self.adapter.path} {'merged' if self.kernels.lora.merge else 'apart'}, for its life; "
+                             "load the model again with the option")
         self.kernels_asked, kernels = kernels, self._resolved(kernels)
         check_dense_gemv(self.model, kernels.gemv)
         old, self.kernels = self.kernels, kernels

@@ -31,9 +31,11 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     `batch`: the sequences one decode step runs (ByteCross App. F; `Engine.generate_batch`),
     the cache holding `max_len` tokens for each; refused before allocation where the cache would
     not fit the device's free memory. `adapter` (a LoRA folder written by `sparsedecode finetune`, or
-    the config's lora[DIR] part) is merged into the base weights here, before any projection
-    branch: the engine runs base + adapter on every path for its lifetime (`projection.lora`);
-    one made for another model is refused."""
+    the config's lora[DIR] part; 'random:r16:all' for a seeded random one, timing's stand-in) is
+    merged into the base weights here, before any projection branch, or with `kernels`'
+    lora.merge=false kept apart and added by each adapted site's GEMV (`Engine.attach_adapter`):
+    the engine runs base + adapter on every path for its lifetime (`projection.lora`); one made
+    for another model is refused."""
     from sparsedecode.models.load import build_model, extra_eos_ids, load_tokenizer, resolve
 
     get_backend(attention)  # an unknown backend fails before any download
@@ -57,10 +59,16 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     ckpt = ref if isinstance(ref, Checkpoint) else resolve(ref, init=init, quiet=quiet)
     mark("resolve_s")
     model, args = build_model(ckpt, dev, dt, seed=seed)
+    merge = kernels is None or kernels.lora.merge
     if adapter is not None:
-        from sparsedecode.projection.lora import merge_
+        from sparsedecode.projection.lora import merge_, random_adapter
 
-        merge_(model, adapter, args.dims())  # into the dense weights, before any layout
+        if isinstance(adapter, str):  # a random adapter's name: built for these dims
+            adapter = random_adapter(adapter, args.dims(), seed=seed or 0)
+        if merge:
+            merge_(model, adapter, args.dims())  # into the dense weights, before any layout
+        else:
+            adapter.check(args.dims())  # kept apart: attached to the sites below
     mark("build_s")
     max_len = max_len or min(args.window, DEFAULT_MAX_LEN)
     args.check_length(max_len)
@@ -78,6 +86,8 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     if adapter is not None:
         eng.adapter = adapter
         eng.config = eng.config.with_(adapter=str(adapter.path))
+        if not merge:
+            eng.attach_adapter()
     mark("engine_s")  # with the tokenizer and the kernels' weight layout
     if dev.type == "cuda":  # a CUDA process's first selection would pay Triton's setup and kernel loads
         from sparsedecode.kv.apply import warm_selection
@@ -91,10 +101,12 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
 
 
 def _adapter_of(adapter, config):
-    """The `projection.lora.Adapter` to merge: `adapter` (a folder or an Adapter), or the lora[DIR]
-    part of `config`; both given and naming other folders is refused."""
+    """The `projection.lora.Adapter` to load: `adapter` (a folder or an Adapter), or the lora[DIR]
+    part of `config`; both given and naming other folders is refused. A random adapter's name
+    ('random:r16:all', `projection.lora.random_spec`) is checked and returned as text: it is built
+    once the model's dims are known."""
     from sparsedecode.config import SparsityConfig
-    from sparsedecode.projection.lora import adapter_of, same_adapter
+    from sparsedecode.projection.lora import adapter_of, random_spec, same_adapter
 
     named = None if config is None else SparsityConfig.parse(config).adapter
     if adapter is None and named is None:
@@ -102,7 +114,10 @@ def _adapter_of(adapter, config):
     if adapter is not None and named is not None and not same_adapter(adapter, named):
         raise InputError(f"{option('adapter', str(getattr(adapter, 'path', adapter)))} and the configuration's "
                          f"lora[{named}] name different adapters; give one")
-    return adapter_of(adapter if adapter is not None else named)
+    value = adapter if adapter is not None else named
+    if not hasattr(value, "path") and random_spec(value) is not None:
+        return str(value)
+    return adapter_of(value)
 
 
 def cache_bytes(args: ModelArgs, max_len: int, batch: int, dtype: torch.dtype) -> int:

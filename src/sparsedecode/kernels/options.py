@@ -89,16 +89,36 @@ class CpuOptions:
 
 
 @dataclass(frozen=True)
+class LoraOptions:
+    """How a LoRA adapter runs (SATS paper §4.2 'Fine-tuning Methods'; docs/kernels/lora_gemv.md).
+
+    merge: add s·B·A into the base weights at load (true, the default): every kernel runs
+        unchanged on the fine-tuned weights and the step reads no more bytes than the base.
+        false: the factors stay apart and each adapted site adds s·B(A x_m) in its own GEMV
+        launch (`kernels.lora_gemv`: A^T read only in kept input rows, the expand in the same
+        launch), re-attached after every `Engine.configure`. Fixed for an engine's life once an
+        adapter is loaded. A CATS/SATS MLP's up projection takes no unmerged adapter (refused).
+    """
+
+    merge: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.merge, bool):
+            raise InputError(f"lora.merge must be true or false, got {self.merge!r}")
+
+
+@dataclass(frozen=True)
 class KernelOptions:
     """Every kernel option of an engine; `to_dict()` is what records store under 'kernels'."""
 
     gemv: GemvOptions = field(default_factory=GemvOptions)
     attention: AttentionOptions = field(default_factory=AttentionOptions)
     cpu: CpuOptions = field(default_factory=CpuOptions)
+    lora: LoraOptions = field(default_factory=LoraOptions)
 
     def __post_init__(self):
         if not all(isinstance(getattr(self, g), part) for g, part in GROUPS.items()):
-            raise InputError("KernelOptions takes a GemvOptions, an AttentionOptions and a CpuOptions")
+            raise InputError("KernelOptions takes a GemvOptions, an AttentionOptions, a CpuOptions and a LoraOptions")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -180,7 +200,7 @@ def _text(v) -> str:
     return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-GROUPS = {"gemv": GemvOptions, "attention": AttentionOptions, "cpu": CpuOptions}
+GROUPS = {"gemv": GemvOptions, "attention": AttentionOptions, "cpu": CpuOptions, "lora": LoraOptions}
 DEFAULT = KernelOptions()
 
-__all__ = ["DEFAULT", "AttentionOptions", "CpuOptions", "GemvOptions", "KernelOptions", "option_names"]
+__all__ = ["DEFAULT", "AttentionOptions", "CpuOptions", "GemvOptions", "KernelOptions", "LoraOptions", "option_names"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,16 +272,64 @@ def _atomic(dest: Path, write) -> None:
 
 
 def adapter_of(value) -> Adapter:
-    """An `Adapter`, or the one in folder `value`."""
-    return value if isinstance(value, Adapter) else Adapter.load(value)
+    """An `Adapter`, or the one in folder `value` (a random adapter's name needs the model's dims:
+    `random_adapter`)."""
+    if isinstance(value, Adapter):
+        return value
+    if random_spec(value) is not None:
+        raise InputError(f"adapter {value!r} is a random adapter, built for a model's dims when it loads "
+                         "(sparsedecode.load(..., adapter=...)); it has no folder")
+    return Adapter.load(value)
 
 
 def same_adapter(a, b) -> bool:
-    """Whether two adapters (folders or `Adapter`s) are the same folder."""
+    """Whether two adapters (folders, random names or `Adapter`s) are the same."""
     def where(x):
-        return Path(getattr(x, "path", x)).expanduser().resolve()
+        text = str(getattr(x, "path", x))
+        return text if random_spec(text) is not None else Path(text).expanduser().resolve()
 
     return where(a) == where(b)
+
+
+# -- random adapters: the timing protocol's stand-in on random weights ------------------------------
+RANDOM = "random:"
+_RANDOM = re.compile(r"random:r(\d+):(mlp|all)")
+
+
+def random_spec(value) -> LoraSpec | None:
+    """The `LoraSpec` of a random adapter's name, 'random:r16:all' (rank 16 on the seven projections
+    of every layer; ':mlp' for gate, up and down), alpha 2r; None for anything else (a folder).
+    A name that starts 'random:' and does not parse is an InputError."""
+    text = str(getattr(value, "path", value))
+    if not text.startswith(RANDOM):
+        return None
+    m = _RANDOM.fullmatch(text)
+    if m is None:
+        raise InputError(f"adapter {text!r}: a random adapter is named random:r<rank>:<{'|'.join(TARGETS)}>, "
+                         "e.g. random:r16:all")
+    rank = int(m.group(1))
+    return LoraSpec(rank=rank, alpha=2.0 * rank, targets=m.group(2))
+
+
+def random_adapter(name: str, dims, seed: int = 0) -> Adapter:
+    """A seeded adapter of the shape `name` ('random:r16:all', `random_spec`) for a model of `dims`:
+    A ~ N(0, 1/in), B ~ N(0, 1e-4) in float32, scale alpha / r. The timing protocol's adapter on
+    random weights (App. A: what a step reads costs the same whatever the values), as a random
+    model stands in for a checkpoint; never a fine-tuned one."""
+    spec = random_spec(name)
+    if spec is None:
+        raise InputError(f"adapter {name!r} is not a random adapter's name (random:r16:all)")
+    spec.check(dims)
+    gen = torch.Generator().manual_seed(seed)
+    factors = {}
+    for i in range(dims.n_layers):
+        for m in spec.modules:
+            out, inp = projection_shape(dims, m)
+            a = torch.randn(spec.rank, inp, generator=gen) / math.sqrt(inp)
+            b = torch.randn(out, spec.rank, generator=gen) * 1e-2
+            factors[site_of(i, m)] = LoraFactor(a, b, spec.scale)
+    meta = {"model": dims.name, "dims": dims.to_dict(), "random": {"seed": seed, "a_std": "1/sqrt(in)", "b_std": 1e-2}}
+    return Adapter(Path(name), spec, factors, meta)
 
 
 @torch.no_grad()
@@ -311,5 +360,6 @@ def lora_factors(adapter, dims=None) -> dict[str, tuple[torch.Tensor, torch.Tens
     return {k: (f.A, f.B, f.scale) for k, f in adapter.factors.items()}
 
 
-__all__ = ["CONFIG_FILE", "TARGETS", "WEIGHTS_FILE", "Adapter", "LoraFactor", "LoraSpec", "adapter_of",
-           "lora_factors", "merge_", "projection_shape", "same_adapter", "save_adapter", "site_of"]
+__all__ = ["CONFIG_FILE", "RANDOM", "TARGETS", "WEIGHTS_FILE", "Adapter", "LoraFactor", "LoraSpec", "adapter_of",
+           "lora_factors", "merge_", "projection_shape", "random_adapter", "random_spec", "same_adapter",
+           "save_adapter", "site_of"]

@@ -112,7 +112,7 @@ def plan(spec: CampaignSpec) -> list[CellSpec]:
                     steps=spec.steps, fill=spec.fill, compile_mode=spec.compile_mode,
                     text=spec.text or None, calib_tokens=spec.calib_tokens, obs=spec.obs, seed=spec.seed,
                     kernels=v, impl=g.impl, profile=spec.profile if g.impl == "ours" else 0,
-                    shared_gpu=spec.shared_gpu, batch=g.batch, campaign=spec.name, block=block, group=group, order=len(cells)))
+                    shared_gpu=spec.shared_gpu, batch=g.batch, adapter=g.adapter, campaign=spec.name, block=block, group=group, order=len(cells)))
     return cells
 
 

@@ -114,7 +114,7 @@ class CellSpec:
     profile: int = 0
     shared_gpu: str = "refuse"  # timing.neighbors: refuse a GPU other processes hold, or allow and record
     batch: int = 1
-    adapter: str = ""  # a LoRA adapter folder merged at load ('' = the base weights; projection.lora)
+    adapter: str = ""  # a LoRA adapter folder, or 'random:r16:all' (projection.lora.random_spec); '' = none
     campaign: str = ""
     block: int = 0
     group: str = ""
@@ -150,9 +150,10 @@ class CellSpec:
             raise InputError(f"adapter: a LoRA adapter merges into our engine's weights, not the '{self.impl}' "
                              "peer's; drop the adapter from that cell")
         if self.adapter:
-            from sparsedecode.projection.lora import Adapter
+            from sparsedecode.projection.lora import Adapter, random_spec
 
-            Adapter.load(self.adapter)  # a bad folder fails before the model loads
+            if random_spec(self.adapter) is None:  # a random adapter is built at load, for the model's dims
+                Adapter.load(self.adapter)  # a bad folder fails before the model loads
         if self.profile and self.impl != "ours":
             raise InputError(f"profile: only our own step is profiled, not the '{self.impl}' peer; "
                              "drop profile from that cell or grid")

@@ -105,7 +105,7 @@ def engine_fields(spec, eng, mode, dev) -> dict:
         "kv_method": mode.kv_method,
         "attention": spec.attention,
         "kernels": eng.kernels.to_dict(),
-        "adapter": None if eng.adapter is None else eng.adapter.summary(),
+        "adapter": None if eng.adapter is None else {**eng.adapter.summary(), "merged": eng.kernels.lora.merge},
         "dense_step": dense_step_label(eng),
     }
 

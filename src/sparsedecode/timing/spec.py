@@ -55,14 +55,16 @@ _GRID: dict[str, tuple[tuple[type, ...], object]] = {
     "impl": ((str,), "ours"),
     "pairs": ((str,), "dense"),
     "batch": ((int,), 1),
+    "adapter": ((str,), ""),
 }
 
 
 @dataclass(frozen=True)
 class Grid:
     """One [[grid]] table: a group of contexts x modes under one attention path, timed under
-    each of its kernel variants ('' = the default options; else `--kernels` text), each step
-    decoding `batch` sequences (`timing.batch_cell`; 1: the single-sequence protocol)."""
+    each of its kernel variants ('' = the default options; else `--kernels` text, e.g.
+    'lora.merge=false'), each step decoding `batch` sequences (`timing.batch_cell`; 1: the
+    single-sequence protocol), with `adapter` loaded in every cell ('' = none; issue 45)."""
 
     group: str
     contexts: tuple[int, ...]
@@ -71,6 +73,7 @@ class Grid:
     variants: tuple[str, ...] = ("",)
     impl: str = "ours"
     batch: int = 1
+    adapter: str = ""  # a LoRA adapter every cell loads (a folder, or 'random:r16:all'); '' = none
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,19 @@ def _grid(g: dict, where: str) -> Grid:
         if any(cell_config(m).kv_method == "window" for m in modes):
             raise InputError(f"{where}: window selection in a decode batch is not built; give sel<keep> (SnapKV) "
                              "modes, or batch 1")
-    return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"], tuple(variants), g["impl"], batch)
+    adapter = g["adapter"]
+    if adapter:
+        from sparsedecode.projection.lora import Adapter, random_spec
+
+        try:
+            if random_spec(adapter) is None:
+                Adapter.load(adapter)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
+        if g["impl"] != "ours":
+            raise InputError(f"{where}: an adapter loads into our engine, not the {g['impl']} peer; drop it")
+    return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"], tuple(variants), g["impl"], batch,
+                adapter)
 
 
 def variant_group(group: str, kernels: str) -> str:
