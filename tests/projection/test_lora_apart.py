@@ -124,6 +124,11 @@ def test_a_campaign_grid_carries_an_adapter_and_its_variants(tmp_path):
                    ("lora", "dense", "random:r16:all", ""), ("lora", "proj0.5", "random:r16:all", ""),
                    ("lora.lora.merge-false", "dense", "random:r16:all", "lora.merge=false"),
                    ("lora.lora.merge-false", "proj0.5", "random:r16:all", "lora.merge=false")]
+    from sparsedecode.timing.campaign import cell_argv
+
+    argv = cell_argv(next(c for c in cells if c.kernels), tmp_path / "r.json")  # the cell's process gets both
+    assert argv[argv.index("--adapter") + 1] == "random:r16:all" and argv[argv.index("--kernels") + 1] == "lora.merge=false"
+    assert "--adapter" not in cell_argv(next(c for c in cells if c.group == "base"), tmp_path / "r.json")
     with pytest.raises(InputError, match=r"\[\[grid\]\] 2 \('lora'\): adapter 'random:16'.*random:r<rank>"):
         parse_spec(text.replace("random:r16:all", "random:16"), "lora.toml")
     with pytest.raises(InputError, match=r"\[\[grid\]\] 2 \('lora'\): adapter .*not a folder"):

@@ -94,8 +94,9 @@ ThresholdsOpt = Annotated[str | None, typer.Option(
          "sats one).")]
 AdapterOpt = Annotated[str | None, typer.Option(
     "--adapter", metavar="DIR",
-    help="LoRA adapter folder written by `sparsedecode finetune`, merged into the weights at load: base + "
-         "adapter on every path (prefill and decode, sparse and dense). One made for another model is refused.")]
+    help="LoRA adapter folder written by `sparsedecode finetune`, merged into the weights at load (or kept apart, "
+         "added by each site's GEMV, with --kernels lora.merge=false): base + adapter on every path (prefill and "
+         "decode, sparse and dense). One made for another model is refused.")]
 MethodOpt = Annotated[str, typer.Option(
     "--method", metavar="METHOD", help="Projection calibration method: teal, cats or sats.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]

@@ -477,6 +477,20 @@ def _finetune_table(root: Path, t: dict) -> tuple[str, str]:
         "its README gives); intervals: paired bootstrap over the chunks, 20,000 resamples, seed 0.")
 
 
+def _lora_step_table(root: Path, t: dict) -> tuple[str, str]:
+    """What an adapter costs the decode step (issue 45): one campaign folder (`records`) timing
+    the same modes without an adapter, merged and apart (`report.lora_step`)."""
+    from sparsedecode.report import lora_step
+
+    folder = _list(t, "records")
+    if len(folder) != 1:
+        raise InputError(f"table {t.get('title')!r}: a LoRA step table is one campaign's folder")
+    data = lora_step.load(root / folder[0])
+    return lora_step.markdown(data), (
+        f"Rebuilt by `sparsedecode report results` from the cells in `{folder[0]}` (its spec.toml is the "
+        f"campaign file; {data['ceiling_note']}, {data['ceiling_gbps'] or 0:.0f} GB/s).")
+
+
 def _list(t: dict, key: str) -> list[str]:
     v = t.get(key)
     if isinstance(v, str):
@@ -492,7 +506,7 @@ KINDS = {"campaign": _campaign_table, "dispatch": _dispatch_table, "serve_load":
          "crossings": _crossings_table, "keep_costs": _keep_costs_table, "composition": _composition_table,
          "retrieval": _retrieval_table, "union": _union_table, "batch": _batch_table,
          "batch_campaign": _batch_campaign_table, "serve_batch": _serve_batch_table,
-         "cpu_decode": _cpu_decode_table, "finetune": _finetune_table}
+         "cpu_decode": _cpu_decode_table, "finetune": _finetune_table, "lora_step": _lora_step_table}
 
 
 def render(manifest: str | Path) -> str:

@@ -161,6 +161,8 @@ def cell_argv(cell: CellSpec, out: Path, python: str | None = None) -> list[str]
         argv += ["--shared-gpu", cell.shared_gpu]
     if cell.batch > 1:
         argv += ["--batch", str(cell.batch)]
+    if cell.adapter:
+        argv += ["--adapter", cell.adapter]
     return argv + ["--out", str(out)]
 
 

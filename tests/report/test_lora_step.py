@@ -1,0 +1,68 @@
+"""The LoRA step table (report/lora_step.py, issue 45): a real tiny CPU campaign times dense and
+TEAL 0.5 without an adapter and with a random one apart; the table pairs them, prices the adapter's
+bytes from its rank, targets and the realized keep, and leaves the ceiling columns blank on CPU
+(no measured ceiling). A campaign without the apart cells is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparsedecode.account.dims import ModelDims
+from sparsedecode.errors import InputError
+from sparsedecode.report import lora_step
+from sparsedecode.timing.campaign import run_campaign
+
+TINY = dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=2, vocab_size=100, max_position_embeddings=512,
+            rope_theta=10000.0, eos_token_id=None)
+GRIDS = ('[[grid]]\ngroup = "base"\ncontexts = [64]\nmodes = ["dense", "proj0.5"]\n'
+         '[[grid]]\ngroup = "lora"\ncontexts = [64]\nmodes = ["dense", "proj0.5"]\n'
+         'adapter = "random:r4:all"\nvariants = ["lora.merge=false"]\n')
+
+
+@pytest.fixture(scope="module")
+def campaign_folder(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_step")
+    (tmp / "config.json").write_text(json.dumps(TINY))
+    spec = tmp / "spec.toml"
+    spec.write_text(f'name = "lora_tiny"\nmodel = "{tmp / "config.json"}"\ninit = "random"\ndtype = "float32"\n'
+                    'device = "cpu"\nblocks = 1\nrepeats = 2\nsteps = 3\nwarmup = 2\ncalib_tokens = 256\n'
+                    + GRIDS)
+    out = tmp / "run"
+    s = run_campaign(spec, out, progress=False, echo=lambda line: None)
+    assert (s.ok, s.failed) == (4, 0), s
+    return out
+
+
+def test_the_table_pairs_apart_with_no_adapter(campaign_folder):
+    data = lora_step.load(campaign_folder)
+    assert data["ceiling_gbps"] is None and data["cpu"]  # CPU: no measured ceiling, columns blank
+    got = {r["cell"]: r for r in lora_step.rows(data)}
+    assert sorted(got) == ["dense", "proj50"]
+    for r in got.values():
+        assert set(r["ms"]) == {"none", "apart"} and r["bytes_us"] is None and r["ratio"] is None
+        assert r["extra_us"] == pytest.approx((r["ms"]["apart"] - r["ms"]["none"]) * 1e3)
+        want = lora_step.adapter_bytes(data["dims"], {"rank": 4, "targets": "all"}, r["keep"], "float32") / 1e6
+        assert r["adapter_mb"] == pytest.approx(want)
+    assert got["dense"]["keep"] == 1.0 and 0.3 < got["proj50"]["keep"] < 0.7
+    table = lora_step.markdown(data)
+    assert table.count("\n") == 4 and "| proj50 | 64 |" in table
+
+
+def test_adapter_bytes_are_kept_rows_of_a_and_all_of_b():
+    dims = ModelDims(name="m", d=8, d_ff=16, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=4, vocab=10)
+    # mlp: gate/up (16, 8) and down (8, 16); r * (keep * in + out) each, bf16, three layers
+    per_layer = 2 * (0.5 * 8 + 16) + (0.5 * 16 + 8)
+    assert lora_step.adapter_bytes(dims, {"rank": 2, "targets": "mlp"}, 0.5, "bfloat16") == 2 * per_layer * 3 * 2
+
+
+def test_a_campaign_without_apart_cells_is_refused(campaign_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "c"
+    shutil.copytree(campaign_folder, folder)
+    shutil.rmtree(folder / "cells" / "lora.lora.merge-false")
+    with pytest.raises(InputError, match="no cells with an adapter apart"):
+        lora_step.load(folder)
