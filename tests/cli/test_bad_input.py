@@ -160,6 +160,7 @@ CASES = [
     ("route build --thresholds {t}/none.st --out {t}/r2.st --text-file {t}/latin1.txt", 2, "none.st"),
     ("route build --thresholds {t}/none.st --out {t}/r2.st --unseen maybe", 2, "--unseen"),
     ("route build --thresholds {t}/none.st --out {t}/r.st", 2, "none.st"),
+    ("route build --thresholds {t}/nan.safetensors --out {t}/r3.st --adapter {t}/nope", 2, "not a folder"),
     ("route calibrate --table {t}/none.st", 2, "none.st"),
     ("route calibrate --table {t}/none.st --target 2", 2, "--target"),
 ]

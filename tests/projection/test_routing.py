@@ -54,8 +54,8 @@ class Tok:
         return len(self.vocab)
 
 
-def _tiny():
-    eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=96)
+def _tiny(**kw):
+    eng = sparsedecode.load(dict(CFG), init="random", device="cpu", max_len=96, **kw)
     with torch.no_grad():
         eng.model.lm_head.weight.mul_(30.0)  # peaked logits: the sparse path moves the losses
     eng.tokenizer = Tok(100)
@@ -275,6 +275,30 @@ def test_route_needs_cats_thresholds_and_a_calibrated_table(table, tmp_path):
     assert eng.router is not None and eng.routing is half
     assert eng.configure(SparsityConfig(ProjectionConfig(file=cats_file)), thresholds=_cats(eng)).mode == "proj"
     assert eng.router is None and all(layer.mlp.router is None for layer in eng.model.layers)
+
+
+def test_a_table_of_a_fine_tuned_model_asks_for_its_adapter(tmp_path):
+    """SATS Table 7 routes a fine-tuned model: a table scored with an adapter records it, and an
+    engine without that adapter is refused (a base model's table still routes a tuned one)."""
+    tuned = _tiny(adapter="random:r2:mlp")
+    tab = build_routing_table(tuned, _cats(tuned), IDS, window=64)
+    assert tab.adapter == {"path": "random:r2:mlp", "rank": 2, "alpha": 4.0, "targets": "mlp"}
+    back = RoutingTable.load(calibrate_routing(tab, tuned, IDS, 0.5).save(tmp_path / "t.safetensors"))
+    assert back.adapter == tab.adapter
+    tuned.sparsify(_cats(tuned))
+    tuned.route(back)
+    base = _tiny()
+    base.sparsify(_cats(base))
+    with pytest.raises(InputError, match=r"scored on 'llama' with adapter random:r2:mlp, and this engine runs no "
+                                         r"adapter.*load with .*random:r2:mlp"):
+        base.route(back)
+    other = _tiny(adapter="random:r2:all")
+    other.sparsify(_cats(other))
+    with pytest.raises(InputError, match="runs adapter random:r2:all"):
+        other.route(back)
+    plain = calibrate_routing(build_routing_table(base, _cats(base), IDS, window=64), base, IDS, 0.5)
+    assert plain.adapter is None
+    tuned.route(plain)
 
 
 # -- (c) the file --------------------------------------------------------------------

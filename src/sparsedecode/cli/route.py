@@ -22,6 +22,7 @@ import typer
 from sparsedecode.cli.app import app
 from sparsedecode.cli.common import (
     TOKENS,
+    AdapterOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -56,11 +57,14 @@ def build(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
+    adapter: AdapterOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Score every token id on routing text: mean excess loss of the CATS path over dense.
 
-    The routing text is WikiText-2 validation or --text-file; --thresholds is a cats or sats file."""
+    The routing text is WikiText-2 validation or --text-file; --thresholds is a cats or sats file.
+    With --adapter the scores are the fine-tuned model's (SATS Table 7), and the table asks for
+    the same adapter wherever it routes."""
     import sparsedecode
     from sparsedecode.account.units import parse_tokens
     from sparsedecode.corpus import require_tokens, text_ids, wikitext_path
@@ -69,9 +73,10 @@ def build(
 
     if unseen not in UNSEEN:
         raise InputError(f"--unseen '{unseen}' must be dense or sparse")
-    from sparsedecode.cli.common import check_engine_args, check_out_file
+    from sparsedecode.cli.common import check_adapter, check_engine_args, check_out_file
 
     check_out_file(out, "--out")
+    lora = check_adapter(adapter)
     check_engine_args(device, dtype)
     apply_threads(threads)
     n = parse_tokens(tokens, "--tokens")
@@ -82,7 +87,7 @@ def build(
     from sparsedecode.cli.common import check_text_file
 
     check_text_file(path)
-    eng = sparsedecode.load(model, device=device, dtype=dtype, quiet=json_out)
+    eng = sparsedecode.load(model, device=device, dtype=dtype, quiet=json_out, adapter=lora)
     ids = text_ids(eng.tokenizer, path)
     require_tokens(ids, n, path)
     table = build_routing_table(eng, th, ids[:n], window=w, unseen=unseen, thresholds_file=thresholds,
@@ -94,7 +99,8 @@ def build(
         return
     st = table.stats
     typer.echo(
-        f"wrote {written}: routing table for {table.model} ({th.method} keep {th.keep:g} thresholds), "
+        f"wrote {written}: routing table for {table.model}{'' if lora is None else f' + adapter {lora.path}'} "
+        f"({th.method} keep {th.keep:g} thresholds), "
         f"{n:,} tokens of {path.name}, {st['distinct_tokens']:,} distinct ids; mean loss dense "
         f"{st['loss_dense']:.4f}, sparse {st['loss_sparse']:.4f}; sparse worse at "
         f"{100 * st['sparse_worse']:.1f}% of positions"

@@ -103,6 +103,8 @@ class RoutingTable:
     keep, keep_metric and model of the thresholds scored. text: the routing text
     ({'source', 'path', 'tokens', 'window'}). stats: mean losses over the routing text.
     tau, target, routed, held_out: the operating point once calibrated (`calibrate_routing`).
+    adapter: the LoRA adapter the scored model ran ({'path', 'rank', 'alpha', 'targets'}; None:
+    the base weights), SATS Table 7's routed fine-tuned models: an engine must run the same one.
     """
 
     scores: torch.Tensor
@@ -118,8 +120,11 @@ class RoutingTable:
     target: float | None = None
     routed: float | None = None
     held_out: dict = field(default_factory=dict)
+    adapter: dict | None = None
 
     def __post_init__(self):
+        if self.adapter is not None and not (isinstance(self.adapter, dict) and isinstance(self.adapter.get("path"), str)):
+            raise InputError(f"a routing table's adapter is {{'path': ..., ...}} or null, got {self.adapter!r}")
         if self.unseen not in UNSEEN:
             raise InputError(f"unseen must be 'dense' or 'sparse', got {self.unseen!r}")
         if self.scores.shape != (self.vocab,) or self.count.shape != (self.vocab,):
@@ -162,6 +167,16 @@ class RoutingTable:
                 f"model: sparsedecode route build --model {engine.name} --thresholds FILE --out TABLE"
             )
         self.check_tokenizer(engine.tokenizer, engine.name)
+        if self.adapter is not None:
+            from sparsedecode.projection.lora import same_adapter
+
+            loaded = getattr(engine, "adapter", None)
+            if loaded is None or not same_adapter(loaded, self.adapter["path"]):
+                raise InputError(
+                    f"the routing table was scored on '{self.model}' with adapter {self.adapter['path']}, and this "
+                    f"engine runs {'no adapter' if loaded is None else f'adapter {loaded.path}'}: its scores are "
+                    f"that fine-tuned model's; load with {option('adapter', self.adapter['path'])} or build a table "
+                    "for this model (sparsedecode route build)")
 
     def check_tokenizer(self, tokenizer, name: str = "this model") -> None:
         """Refuse a tokenizer whose vocabulary differs from the one the table was built with."""
@@ -334,7 +349,8 @@ def build_routing_table(engine, thresholds, ids, *, window: int = WINDOW, unseen
                     "keep_metric": thresholds.keep_metric, "model": thresholds.model},
         text={"source": text, "path": text_path, "sha256": text_sha256, "start": int(text_start),
               "tokens": int(ids.numel()), "window": min(window, engine.max_len)},
-        unseen=unseen,
+        unseen=unseen, adapter=None if getattr(engine, "adapter", None) is None else {
+            k: v for k, v in engine.adapter.summary().items() if k in ("path", "rank", "alpha", "targets")},
         stats={"positions": int(tokens.numel()), "distinct_tokens": int((count > 0).sum()),
                "loss_dense": float(l_dense.mean()), "loss_sparse": float(l_sparse.mean()),
                "mean_excess": float(d.mean()), "sparse_worse": float((d > 0).float().mean())},
