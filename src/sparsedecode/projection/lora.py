@@ -308,6 +308,8 @@ def random_spec(value) -> LoraSpec | None:
         raise InputError(f"adapter {text!r}: a random adapter is named random:r<rank>:<{'|'.join(TARGETS)}>, "
                          "e.g. random:r16:all")
     rank = int(m.group(1))
+    if rank < 1:
+        raise InputError(f"adapter {text!r}: the rank must be a whole number >= 1, e.g. random:r16:all")
     return LoraSpec(rank=rank, alpha=2.0 * rank, targets=m.group(2))
 
 
