@@ -17,7 +17,7 @@ def test_results_page_is_up_to_date_with_its_records():
         "docs/results.md is out of date: run `sparsedecode report results` and commit it")
 
 
-@pytest.mark.parametrize("marker", ["headline", "dense", "serve", "serve_h200", "smollm2_h200", "crossings", "composition", "finetune"])
+@pytest.mark.parametrize("marker", ["headline", "dense", "serve", "serve_h200", "crossings", "composition", "finetune"])
 def test_readme_result_rows_come_from_the_results_page(marker):
     page = (ROOT / "docs/results.md").read_text(encoding="utf-8")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
