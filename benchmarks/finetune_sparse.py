@@ -33,8 +33,6 @@ evaluation records.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -48,7 +46,7 @@ from sparsedecode.projection.routing import RoutingTable, build_routing_table, c
 from sparsedecode.projection.thresholds import ACT_SITE, INPUT_SITES, Thresholds, site_params
 from sparsedecode.quality.finetune import RECORD as FT_RECORD
 from sparsedecode.quality.finetune import FinetuneOptions, finetune
-from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll_many
+from sparsedecode.quality.perplexity import CHUNK, DENSE, resumable_chunked_nll
 from sparsedecode.records import read_record, stamp, write_record
 
 KIND = "mlp_sparsity_eval"
@@ -200,23 +198,10 @@ def run(a) -> None:
 
 
 def _ppl_pass(a, eng, ids, tag: str, settings) -> list[list[float]]:
-    """Per-chunk NLLs of `settings` on one engine, one chunk at a time, saved after each chunk in
-    --out/.ppl_<tag>.json (a rerun continues from the last saved chunk)."""
-    from tqdm import tqdm
-
-    prog = a.out / f".ppl_{tag}.json"
-    done = json.loads(prog.read_text()) if prog.exists() else {}
-    if done.get("settings") != len(settings) or done.get("chunks") != a.chunks:
-        done = {}
-    nll = done.get("nll", [[] for _ in settings])
-    start = min(len(v) for v in nll)
-    for k in tqdm(range(start, a.chunks), desc=f"chunks ({tag})", unit="chunk", initial=start, total=a.chunks):
-        out = chunked_nll_many(eng, ids[k * CHUNK: (k + 1) * CHUNK + 1], 1, settings)
-        nll = [v[:k] + o for v, o in zip(nll, out, strict=True)]
-        tmp = prog.with_name(prog.name + ".tmp")
-        tmp.write_text(json.dumps({"settings": len(settings), "chunks": a.chunks, "nll": nll}))
-        os.replace(tmp, prog)
-    return nll
+    """Per-chunk NLLs of `settings` on one engine, resumable from --out/.ppl_<tag>.json."""
+    names = [str(i) for i in range(len(settings))]
+    nll = resumable_chunked_nll(eng, ids, a.chunks, names, settings, a.out / f".ppl_{tag}.json", f"chunks ({tag})")
+    return [nll[n] for n in names]
 
 
 if __name__ == "__main__":

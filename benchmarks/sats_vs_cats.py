@@ -23,8 +23,6 @@ from the records alone (`mlp_table.py` beside this script).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import get_calibrator, measure_keep
 from sparsedecode.projection.routing import RoutingTable, build_routing_table, calibrate_routing
 from sparsedecode.projection.thresholds import ACT_SITE, INPUT_SITES, Thresholds, site_params
-from sparsedecode.quality.perplexity import CHUNK, DENSE, chunked_nll_many
+from sparsedecode.quality.perplexity import CHUNK, DENSE, resumable_chunked_nll
 from sparsedecode.records import stamp, write_record
 
 KEEPS = (0.7, 0.5)
@@ -139,7 +137,7 @@ def run(a) -> None:
     for _name, method, keep, route in pending:
         values = None if method == "dense" else thresholds[f"{method}{keep:g}"].values
         settings.append((values, None if route is None else tables[route].sparse_of()))
-    nll = _ppl_pass(a, eng, test[:ppl_end], [s[0] for s in pending], settings)
+    nll = resumable_chunked_nll(eng, test[:ppl_end], a.chunks, [s[0] for s in pending], settings, a.out / PROGRESS)
 
     dims = eng.dims
     attn = sum(site_params(dims, s) for s in ("q", "k", "v", "o"))
@@ -171,27 +169,6 @@ def run(a) -> None:
         })
         write_record(a.out / f"{name}.json", rec)
     (a.out / PROGRESS).unlink(missing_ok=True)
-
-
-def _ppl_pass(a, eng, ids, names, settings) -> dict[str, list[float]]:
-    """Per-chunk NLLs of every pending setting, one chunk at a time, saved after each chunk
-    (a rerun continues from the last saved chunk)."""
-    from tqdm import tqdm
-
-    prog = a.out / PROGRESS
-    done = json.loads(prog.read_text()) if prog.exists() else {}
-    if set(done.get("names", names)) != set(names) or done.get("chunks", a.chunks) != a.chunks:
-        done = {}  # another set of settings: start over
-    nll = done.get("nll", {n: [] for n in names})
-    start = min(len(v) for v in nll.values())
-    for k in tqdm(range(start, a.chunks), desc="chunks", unit="chunk", initial=start, total=a.chunks):
-        out = chunked_nll_many(eng, ids[k * CHUNK : (k + 1) * CHUNK + 1], 1, settings)
-        for n, v in zip(names, out, strict=True):
-            nll[n] = nll[n][:k] + v
-        tmp = prog.with_name(prog.name + ".tmp")
-        tmp.write_text(json.dumps({"names": names, "chunks": a.chunks, "nll": nll}))
-        os.replace(tmp, prog)
-    return nll
 
 
 if __name__ == "__main__":

@@ -116,3 +116,40 @@ def test_decode_protocol_runs_the_routing(setup, tmp_path):
         assert cats != dense
     finally:
         eng.configure(SparsityConfig())
+
+
+def test_a_resumable_pass_continues_after_an_interruption(setup, tmp_path, monkeypatch):
+    """`resumable_chunked_nll` saves each chunk: interrupted after chunk 1 of 2, the rerun computes
+    chunk 2 only and gives what an uninterrupted pass gives; other names start over."""
+    import json
+
+    from sparsedecode.quality import perplexity
+
+    eng, ids = setup
+    two = ids + ids[1:]  # two chunks and the last target
+    settings, names = [(None, None), (_cats(eng).values, None)], ["dense", "cats"]
+    want = perplexity.resumable_chunked_nll(eng, two, 2, names, settings, tmp_path / "whole.json")
+    real, calls = perplexity.chunked_nll_many, []
+
+    def interrupted(*a, **k):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(perplexity, "chunked_nll_many", interrupted)
+    prog = tmp_path / "p.json"
+    with pytest.raises(KeyboardInterrupt):
+        perplexity.resumable_chunked_nll(eng, two, 2, names, settings, prog)
+    assert {k: len(v) for k, v in json.loads(prog.read_text())["nll"].items()} == {"dense": 1, "cats": 1}
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    calls.clear()
+    monkeypatch.setattr(perplexity, "chunked_nll_many", counted)
+    assert perplexity.resumable_chunked_nll(eng, two, 2, names, settings, prog) == want and len(calls) == 1
+    calls.clear()
+    perplexity.resumable_chunked_nll(eng, two, 2, ["dense", "other"], settings, prog)
+    assert len(calls) == 2  # another set of settings: nothing of the old file is reused

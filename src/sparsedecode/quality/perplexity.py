@@ -196,6 +196,37 @@ def chunked_nll_many(engine, ids, chunks: int, settings, progress: bool = False,
     return out
 
 
+def resumable_chunked_nll(engine, ids, chunks: int, names: list[str], settings, progress_file,
+                          desc: str = "chunks") -> dict[str, list[float]]:
+    """`chunked_nll_many` of named `settings` over `chunks` chunks of `ids`, one chunk at a time,
+    the per-chunk NLLs saved after each chunk in `progress_file` (JSON, written atomically): a
+    rerun with the same names and chunk count continues from the last saved chunk, any other
+    starts over. Nothing is lost when a long evaluation is interrupted; delete the file once its
+    results are recorded."""
+    import json
+    import os
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    if len(names) != len(settings):
+        raise InputError(f"{len(names)} names for {len(settings)} settings")
+    prog = Path(progress_file)
+    done = json.loads(prog.read_text()) if prog.exists() else {}
+    if done.get("names") != list(names) or done.get("chunks") != chunks:
+        done = {}  # another set of settings: start over
+    nll = done.get("nll") or {n: [] for n in names}
+    start = min(len(v) for v in nll.values())
+    for k in tqdm(range(start, chunks), desc=desc, unit="chunk", initial=start, total=chunks):
+        out = chunked_nll_many(engine, ids[k * CHUNK : (k + 1) * CHUNK + 1], 1, settings)
+        for n, v in zip(names, out, strict=True):
+            nll[n] = nll[n][:k] + v
+        tmp = prog.with_name(prog.name + ".tmp")
+        tmp.write_text(json.dumps({"names": list(names), "chunks": chunks, "nll": nll}))
+        os.replace(tmp, prog)
+    return nll
+
+
 def _token_bar(total: int, enabled: bool, desc: str):
     """A bar counted in tokens (prefilled or decoded), so it moves within a window and its ETA
     holds from the first one; a no-op bar when not `enabled`."""
@@ -319,4 +350,5 @@ def evaluate(engine, ids, protocol: str, config=None, *, thresholds=None, routin
 __all__ = [
     "CHUNK", "DENSE", "PROTOCOLS", "SCORED", "WindowNLL", "check_config", "check_decode_length",
     "chunked_nll", "chunked_nll_many", "decode_nll", "decode_starts", "evaluate", "pooled_ppl", "resolve_projection",
+    "resumable_chunked_nll",
 ]
