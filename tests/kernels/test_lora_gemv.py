@@ -202,6 +202,23 @@ def _finish_cases(device, slack) -> tuple[int, list[str]]:
         if not torch.equal(lora_gemv(x, w_t, t, bad, torch.zeros_like(b_t), SCALE, b, config=cfg), base):
             fails.append(f"B = 0 must give the base kernel's output exactly (config {cfg})")
         n += 1
+    # several groups of adapter programs (LORA_GROUP tiles each, the last one short), one
+    # workspace over repeated calls: each group sums its own u and the workspace ends at zero
+    from sparsedecode.kernels.common import LORA_GROUP
+
+    xg, wg, ag, bg, biasg = make(200, 1100, 7, dtype, device=device, seed=5)
+    tg = threshold_for(xg, 0.4)
+    wsg = lora_workspace(1100, 7, device)
+    for cfg in ((32, 16, 3, 1, 1), (32, 16, 3, 4, 4), (16, 16, 2, 1, 4)):  # 35 tiles, 35, 69
+        if -(-1100 // cfg[0]) <= 2 * LORA_GROUP:
+            fails.append(f"config {cfg}: fewer than three groups of {LORA_GROUP} tiles; the case tests nothing")
+        for rep in range(2):
+            y = lora_gemv(xg, wg, tg, poison(ag, xg, tg), bg, SCALE, biasg, ws=wsg, config=cfg)
+            fails += check(y, xg, wg, tg, ag, bg, biasg, f"lora_gemv groups config={cfg} call {rep}",
+                           slack.get(dtype, 0.0))
+            n += 1
+    if wsg[0].abs().sum() != 0 or wsg[1].abs().sum() != 0:
+        fails.append("groups: the workspace is not back at zero after the calls")
     # t = -inf reads every row: the dense product plus the adapter's
     dense = F.linear(x.double(), w_t.double().t(), b.double()) + SCALE * (x.double() @ a_t.double()) @ b_t.double()
     y = lora_gemv(x, w_t, -math.inf, a_t, b_t, SCALE, b)

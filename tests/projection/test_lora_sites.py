@@ -138,8 +138,8 @@ def test_bad_adapters_and_keys_are_refused():
 def engine_pair(dtype="float32"):
     """Two tiny engines with the same random weights (PyTorch steps: the C step runs no adapter)."""
     kernels = KernelOptions(gemv=GemvOptions(dense=False), cpu=CpuOptions(step=False))
-    one = sparsedecode.load(dict(TINY), init="random", dtype=dtype, max_len=64, kernels=kernels)
-    two = sparsedecode.load(dict(TINY), init="random", dtype=dtype, max_len=64, kernels=kernels)
+    one = sparsedecode.load(dict(TINY), init="random", dtype=dtype, max_len=64, kernels=kernels, device="cpu")
+    two = sparsedecode.load(dict(TINY), init="random", dtype=dtype, max_len=64, kernels=kernels, device="cpu")
     two.model.load_state_dict(one.model.state_dict())
     return one, two
 

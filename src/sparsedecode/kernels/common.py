@@ -98,11 +98,24 @@ def workspace(N: int, device, block_n: int = MIN_BLOCK) -> tuple[Tensor, Tensor]
             torch.zeros(-(-N // block_n), device=device, dtype=torch.int32))
 
 
+LORA_GROUP = 16  # column tiles per adapter program (kernels/lora_gemv.py; docs/kernels/lora_gemv.md)
+
+
+def lora_workspace_sizes(N: int, rank: int) -> tuple[int, int]:
+    """(float32 sums, int32 counters) a call with an adapter of `rank` needs at most, for any
+    BLOCK_N >= MIN_BLOCK: N outputs and one u of `rank` per group of LORA_GROUP column tiles;
+    an arrival counter per tile and a done counter per group."""
+    tiles = -(-N // MIN_BLOCK)
+    groups = -(-tiles // LORA_GROUP)
+    return N + groups * rank, tiles + groups
+
+
 def lora_workspace(N: int, rank: int, device) -> tuple[Tensor, Tensor]:
-    """`workspace` of a call that carries an adapter of `rank` (kernels/lora_gemv.py): N + rank
-    partial sums (the adapter's u after the outputs) and one more arrival counter (its column)."""
-    return (torch.zeros(N + rank, device=device, dtype=torch.float32),
-            torch.zeros(-(-N // MIN_BLOCK) + 1, device=device, dtype=torch.int32))
+    """`workspace` of a call that carries an adapter of `rank` (kernels/lora_gemv.py): the output
+    sums and each tile group's u, the tiles' arrival and the groups' done counters, all zero."""
+    n_acc, n_count = lora_workspace_sizes(N, rank)
+    return (torch.zeros(n_acc, device=device, dtype=torch.float32),
+            torch.zeros(n_count, device=device, dtype=torch.int32))
 
 
 def check_threshold(threshold, device) -> None:

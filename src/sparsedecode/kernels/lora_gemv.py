@@ -8,17 +8,19 @@ with A (r, in) and B (out, r). The paper found separate low-rank operations a su
 overhead of the fine-tuned sparse path and folded them into the sparse MLP kernels; here the
 adapter rides in the launch of the base sparse GEMV (`kernels.sparse_gemv`, its LORA path):
 
-- The shrink is input-sparse like the base weight: A is stored transposed, a_t (in, r), and a
-  column of programs beside the output tiles (one per K split) loads the rows of a_t whose
-  channel passes the same threshold test, so a dropped channel's r adapter values are never
-  read. Its split partials meet in the workspace after the N outputs, and the last split holds
-  u = A x_m whole (float32).
-- The expand is in the split-K finish: that last adapter program stores u and arrives once more
-  at every output tile (each tile's count waits for its splits plus the adapter), so whichever
-  program arrives last at a tile, a base split or the adapter, adds s * (b_t[:, tile])^T u from
-  the tile's columns of B stored transposed, b_t (r, out), before bias, residual and rounding.
-  One launch, no spin, no host sync; the base weight's layout and loops are untouched (with no
-  adapter the kernel compiles to the same instructions).
+- The shrink is input-sparse like the base weight: A is stored transposed, a_t (in, r), and
+  adapter programs beside the output tiles (one per K split and group of `LORA_GROUP` column
+  tiles) load the rows of a_t whose channel passes the same threshold test, so a dropped
+  channel's r adapter values are never read. A group's split partials meet in the workspace
+  after the N outputs: its own u = A x_m (float32; a_t's kept rows are read once per group,
+  from L2 after the first).
+- The expand is in the split-K finish: each adapter program arrives at each tile of its group
+  after adding its partial (each tile's count waits for its base splits and its group's adapter
+  splits), so whichever program arrives last at a tile, a base split or an adapter program,
+  adds s * (b_t[:, tile])^T u from the tile's columns of B stored transposed, b_t (r, out),
+  before bias, residual and rounding; the group's last tile zeroes its u. One launch, no spin,
+  no host sync; the base weight's layout and loops are untouched (with no adapter the kernel
+  compiles to the same instructions).
 - Everything after x_m is accumulated in float32 and rounded once, as `lora_gemv_ref` computes.
 
 Its fused forms carry the adapter too: SwiGLU's product (`up=`), the residual add and the input

@@ -171,35 +171,41 @@ if triton is not None:
     @triton.jit
     def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
                        Res, SsOut, RESID: tl.constexpr, FIN_LOAD: tl.constexpr,
-                       Bt, Ub, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                       Bt, n_tiles, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                       GROUP: tl.constexpr):
         """Add this split's fp32 partial of a column tile; the last to arrive writes the sum
-        (+ bias) to Y (`kernels.common`'s split-K finish). With LORA the adapter's column of
-        programs arrives at every tile once more, after u = A x_m is complete, so the last
-        arrival may be either (`_adapter_program`)."""
+        (+ bias) to Y (`kernels.common`'s split-K finish). With LORA each of the tile group's
+        adapter programs (one per K split) arrives at the tile too, after adding its partial of
+        u = A x_m, so the last arrival may be a base split or an adapter program
+        (`_adapter_program`)."""
         tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
         if LORA:
-            arrivals = num_splits + 1
+            arrivals = 2 * num_splits
         else:
             arrivals = num_splits
         if split_arrive(Count, tile, arrivals):
             _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
-                         Bt, Ub, N, rank, lora_s, LORA, BLOCK_R)
+                         Bt, n_tiles, N, rank, lora_s, LORA, BLOCK_R, GROUP)
 
     @triton.jit
     def _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS: tl.constexpr, Res, SsOut,
                      RESID: tl.constexpr, FIN_LOAD: tl.constexpr,
-                     Bt, Ub, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                     Bt, n_tiles, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                     GROUP: tl.constexpr):
         """The sum of a tile whose partials have all arrived (+ s * B u, + bias) to Y. With RESID,
         Y is the residual stream: the sum rounded to Y's dtype plus the residual at Res, rounded
         again (as eager `x + proj(h)`), and the tile's sum of squares of it goes to SsOut[tile]
-        for the next norm. With LORA the tile's columns of B^T (rank, N) and u (rank,) float32 at
-        Ub add s * B u (kernels/lora_gemv.py)."""
+        for the next norm. With LORA the tile's columns of B^T (rank, N) and u (rank,) float32,
+        summed by its group's adapter programs at Acc[N + group * rank], add s * B u
+        (kernels/lora_gemv.py); the group's last tile to finish puts u's sums and the group's
+        count back at zero."""
         if RESID:  # issued before the sum is taken, so the two trips to L2 overlap
             res = tl.load(Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if LORA:  # likewise: u from L2 (written by another program) and the tile's B^T columns
+        if LORA:  # likewise: u from L2 (summed by other programs) and the tile's B^T columns
             offs_r = tl.arange(0, BLOCK_R)
             mask_r = offs_r < rank
-            u = tl.load(Ub + offs_r, mask=mask_r, other=0.0, cache_modifier=".cg")
+            group = tile // GROUP
+            u = tl.load(Acc + N + group * rank + offs_r, mask=mask_r, other=0.0, cache_modifier=".cg")
             bt = tl.load(Bt + offs_r[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :],
                          other=0.0)
         total = split_take(Acc, offs_n, mask_n, FIN_LOAD)
@@ -213,17 +219,25 @@ if triton is not None:
             tl.store(SsOut + tile, tl.sum(tl.where(mask_n, sq * sq, 0.0), axis=0))
         tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=mask_n)
         split_reset(Count, tile, FIN_LOAD)
+        if LORA:  # the group's u is read by each of its tiles: the last to finish zeroes it
+            size = tl.minimum(GROUP, n_tiles - group * GROUP)
+            if split_arrive(Count, n_tiles + group, size):
+                split_take(Acc + N + group * rank, offs_r, mask_r, FIN_LOAD)
+                split_reset(Count, n_tiles + group, FIN_LOAD)
 
     @triton.jit
-    def _adapter_program(X, U, At, Bt, Ub, Acc, Count, Bias, Y, Res, SsOut, t, r_norm, k_lo, k_hi, N, n_tiles,
+    def _adapter_program(X, U, At, Bt, Acc, Count, Bias, Y, Res, SsOut, t, r_norm, k_lo, k_hi, N, n_tiles, group,
                          rank, lora_s, num_splits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_R: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         RESID: tl.constexpr, FIN_LOAD: tl.constexpr):
-        """A program of the adapter's column (one per K split; kernels/lora_gemv.py): its split's
-        partial of u = A x_m from the rows of A^T (K, rank) whose channel is kept (the input-sparse
-        shrink: a dropped channel's row of A is never loaded), added into Acc[N:N + rank]. The last
-        split to arrive holds u whole: it stores u at Ub, then arrives once more at every column
-        tile, finishing those whose splits all came before it."""
+                         RESID: tl.constexpr, FIN_LOAD: tl.constexpr, GROUP: tl.constexpr):
+        """An adapter program (one per K split and group of GROUP column tiles; kernels/lora_gemv.py):
+        its split's partial of u = A x_m from the rows of A^T (K, rank) whose channel is kept (the
+        input-sparse shrink: a dropped channel's row of A is never loaded), added into the group's
+        u at Acc[N + group * rank], then one arrival at each tile of the group, finishing those
+        whose other arrivals all came before it. Each group sums its own u (A^T's kept rows read
+        once per group, from L2 after the first), so no program arrives at more than GROUP tiles:
+        one program arriving at every tile in turn made the launch wait on a chain of n_tiles
+        atomics (docs/kernels/lora_gemv.md)."""
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -235,17 +249,13 @@ if triton is not None:
             a = tl.load(At + offs_k[:, None] * rank + offs_r[None, :], mask=keep[:, None] & mask_r[None, :],
                         other=0.0)
             acc += tl.sum(a.to(tl.float32) * x[:, None], axis=0)
-        tl.atomic_add(Acc + N + offs_r, acc, mask=mask_r, sem="relaxed")
-        if split_arrive(Count, n_tiles, num_splits):
-            u = split_take(Acc + N, offs_r, mask_r, FIN_LOAD)
-            tl.store(Ub + offs_r, u, mask=mask_r)
-            split_reset(Count, n_tiles, FIN_LOAD)
-            for tile in range(0, n_tiles):  # split_arrive's barrier orders the stores of u before it
-                offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < N
-                if split_arrive(Count, tile, num_splits + 1):
-                    _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
-                                 Bt, Ub, N, rank, lora_s, True, BLOCK_R)
+        tl.atomic_add(Acc + N + group * rank + offs_r, acc, mask=mask_r, sem="relaxed")
+        for tile in range(group * GROUP, tl.minimum(group * GROUP + GROUP, n_tiles)):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            if split_arrive(Count, tile, 2 * num_splits):  # its barrier releases the adds above
+                _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
+                             Bt, n_tiles, N, rank, lora_s, True, BLOCK_R, GROUP)
 
     @triton.jit
     def _load_x(Xp, Up, mask, GLU: tl.constexpr, r, NORM: tl.constexpr):
@@ -333,7 +343,7 @@ if triton is not None:
         U, GLU: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
         STRIDE: tl.constexpr, FIN_LOAD: tl.constexpr,
-        At, Bt, Ub, rank, lora_s, n_tiles, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+        At, Bt, rank, lora_s, n_tiles, LORA: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the next one may launch now (docs/kernels/sparse_gemv.md#pdl-trigger)
@@ -355,10 +365,10 @@ if triton is not None:
         k_lo = pid_k * rows_per_split
         k_hi = tl.minimum(k_lo + rows_per_split, K)
         if LORA:  # one segment only (the launcher refuses others)
-            if pid_n == n_tiles:  # the adapter's column of programs, after the n_tiles column tiles
-                _adapter_program(X, U, At, Bt, Ub, Acc, Count, Bias, Y, Res, SsOut, t0, r_norm, k_lo, k_hi, N,
-                                 n_tiles, rank, lora_s, num_splits, BLOCK_N, BLOCK_K, BLOCK_R, GLU, NORM, HAS_BIAS,
-                                 RESID, FIN_LOAD)
+            if pid_n >= n_tiles:  # the adapter's columns of programs, one per group, after the column tiles
+                _adapter_program(X, U, At, Bt, Acc, Count, Bias, Y, Res, SsOut, t0, r_norm, k_lo, k_hi, N,
+                                 n_tiles, pid_n - n_tiles, rank, lora_s, num_splits, BLOCK_N, BLOCK_K, BLOCK_R,
+                                 GLU, NORM, HAS_BIAS, RESID, FIN_LOAD, GROUP)
                 return
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
@@ -389,7 +399,7 @@ if triton is not None:
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
                            mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
-                           Bt, Ub, N, rank, lora_s, LORA, BLOCK_R)
+                           Bt, n_tiles, N, rank, lora_s, LORA, BLOCK_R, GROUP)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -409,7 +419,7 @@ if triton is not None:
             # columns, so this is in-thread adds and the accumulator costs 8 registers.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
         _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID,
-                       FIN_LOAD, Bt, Ub, N, rank, lora_s, LORA, BLOCK_R)
+                       FIN_LOAD, Bt, n_tiles, N, rank, lora_s, LORA, BLOCK_R, GROUP)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -438,10 +448,9 @@ def _sparse_gemv_op(
     lora, rank = lora_a is not None, 0 if lora_a is None else lora_a.shape[1]
     if ws_acc is None or ws_count is None:  # a memset: capturable, but a node more
         ws_acc, ws_count = lora_workspace(N, rank, x.device) if lora else workspace(N, x.device, block_n)
-    if lora and lora_u is None:
-        lora_u = torch.empty(rank, device=x.device, dtype=torch.float32)
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(N, block_n)
+    groups = triton.cdiv(n_tiles, common.LORA_GROUP) if lora else 0  # adapter programs per K split
     thr = list(thr_ts) + [ws_acc] * (3 - len(thr_ts))  # unused pointer slots
     b1, b2 = (list(bounds) + [N, N])[:2]
     args = (x, w_t, bias if bias is not None else x, *thr, y, ws_acc, ws_count, thr_f, K, N, w_t.stride(0),
@@ -451,8 +460,8 @@ def _sparse_gemv_op(
             and w_t.stride(0) % 2 == 0 and w_t.data_ptr() % 4 == 0)
     on_gpu = x.is_cuda and not _interpreting()
     pdl = pdl and on_gpu
-    cap = {"maxnreg": max_registers((n_tiles + lora) * splits, num_warps, x.device)} if on_gpu else {}
-    _sparse_gemv_kernel[(n_tiles + lora, splits)](  # with an adapter, one more column: its programs
+    cap = {"maxnreg": max_registers((n_tiles + groups) * splits, num_warps, x.device)} if on_gpu else {}
+    _sparse_gemv_kernel[(n_tiles + groups, splits)](  # with an adapter, one more column per tile group
         *args, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
         SEG_ALIGNED=all(b % block_n == 0 for b in bounds), HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0,
         DBUF=stages == 4, U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
@@ -462,8 +471,8 @@ def _sparse_gemv_op(
         RESID=residual is not None, NORM=norm_w is not None,
         SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
         STRIDE=w_t.stride(0) if stages == 4 else 0, FIN_LOAD=finish_mode(num_warps) == "load",
-        At=lora_a if lora else x, Bt=lora_b if lora else x, Ub=lora_u if lora else ws_acc, rank=rank,
-        lora_s=float(lora_scale), n_tiles=n_tiles, LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)),
+        At=lora_a if lora else x, Bt=lora_b if lora else x, rank=rank,
+        lora_s=float(lora_scale), n_tiles=n_tiles, LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)), GROUP=common.LORA_GROUP,
         num_warps=num_warps, num_stages=1, **cap, **({"launch_pdl": True} if pdl else {}))
     return y, ss
 
@@ -609,7 +618,8 @@ def _check_lora(lora, x: Tensor, K: int, N: int, segments, ws) -> None:
         raise InputError(f"the adapter's scratch u must be float32 ({r},) on {x.device}")
     if segments is not None:
         raise InputError("an adapter runs on a one-site launch: a segmented (q|k|v, gate|up) call takes none")
-    if ws is not None and (ws[0].numel() < N + r or ws[1].numel() < -(-N // MIN_BLOCK) + 1):
+    n_acc, n_count = common.lora_workspace_sizes(N, r)
+    if ws is not None and (ws[0].numel() < n_acc or ws[1].numel() < n_count):
         raise InputError(f"with an adapter ws must be lora_workspace({N}, {r}, device)")
 
 
