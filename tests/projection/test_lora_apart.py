@@ -52,7 +52,8 @@ def test_apart_decodes_as_merged_across_configure(tmp_path):
     base.configure(f"proj[{th_file}]")
     _, d0 = _decode(base)
     assert (d0 - da).abs().max().item() > 1e-3, "the adapter must change the sparse step (else the check is empty)"
-    assert apart.step_runtime == "eager" and "unmerged LoRA adapter" in apart.cpu_step_refusal
+    if apart.device.type == "cpu":  # the C step reads base weights only: the PyTorch step runs, and says why
+        assert apart.step_runtime == "eager" and "unmerged LoRA adapter" in apart.cpu_step_refusal
 
 
 def test_every_site_is_a_gemv_with_its_factors(tmp_path):
