@@ -88,6 +88,9 @@ def test_merge_is_fixed_once_an_adapter_is_loaded(tmp_path):
     with pytest.raises(InputError, match="cpu.step=true with lora.merge=false"):  # refused at load, before work
         _engine(adapter=_adapter(tmp_path, "c"), kernels=KernelOptions.parse("lora.merge=false,cpu.step=true"),
                 device="cpu")
+    on_cpu = _engine(adapter=_adapter(tmp_path, "d"), kernels=APART, device="cpu")
+    with pytest.raises(InputError, match="cpu.step=true with lora.merge=false"):  # and afterwards
+        on_cpu.set_kernels(KernelOptions.parse("lora.merge=false,cpu.step=true"))
     with pytest.raises(InputError, match="lora.merge=1: write true or false"):
         KernelOptions.parse("lora.merge=1")
     with pytest.raises(InputError, match="lora.merge must be true or false"):

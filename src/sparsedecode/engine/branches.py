@@ -12,6 +12,9 @@ import torch
 
 from sparsedecode.errors import InputError, option
 
+CPU_STEP_APART = ("cpu.step=true with lora.merge=false: the C step reads the base weights only and takes no "
+                  "adapter apart; drop cpu.step=true (the PyTorch step runs it) or merge")
+
 
 class Branches:
     """The branch-installing half of `Engine` (engine/engine.py holds its state)."""
@@ -33,7 +36,7 @@ class Branches:
         sites = set(th.sites)
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
-        if ACT_SITE in sites and self._unmerged_sites("up_proj"):
+        if ACT_SITE in sites and self._apart() and any(k.endswith(".up_proj") for k in self.adapter.factors):
             raise InputError(f"{self.adapter.path} adapts the MLP's up projection, held apart (lora.merge=false), and a "
                              "CATS/SATS MLP reads up's kept rows by a gather that takes no unmerged adapter yet "
                              "(docs/kernels/lora_gemv.md): load with lora.merge=true (the default) to run it merged")
@@ -74,11 +77,19 @@ class Branches:
         runs its adapter apart (lora.merge=false; `projection.lora_attach`): after load and after
         each change of projection modules (`configure`, `sparsify`, `set_kernels`), so every layout
         runs base + adapter. A dense site becomes the GEMV that reads every row. Returns the sites
-        attached now (0 where merged, or all hold theirs)."""
-        sites = self._unmerged_sites()
+        attached now (0 where merged, or all hold theirs). The C step reads base weights only:
+        cpu.step=true asked for is refused here, before any work."""
+        if not self._apart():
+            return 0
+        if self.kernels_asked.cpu.step:  # at load; set_kernels refuses it afterwards
+            raise InputError(CPU_STEP_APART)
+        from sparsedecode.projection.lora_attach import attach_lora_
+        from sparsedecode.projection.lora_site import LoraSite
+
+        sites = [k for k in self.adapter.factors
+                 if not (isinstance(mod := self.model.get_submodule(k), LoraSite) and mod.has_lora)]
         if not sites:
             return 0
-        from sparsedecode.projection.lora_attach import attach_lora_
 
         a = self.adapter
         attach_lora_(self.model, {k: (a.factors[k].A, a.factors[k].B) for k in sites},
@@ -86,21 +97,9 @@ class Branches:
         self._graph = None
         return len(sites)
 
-    def _unmerged_sites(self, module: str | None = None) -> list[str]:
-        """The adapter's site keys ('layers.3.mlp.up_proj') whose module holds no factors yet, where
-        the adapter runs apart (all of them, or those of `module` only); [] where it is merged."""
-        from sparsedecode.projection.lora_site import LoraSite
-
-        if self.adapter is None or self.kernels.lora.merge:
-            return []
-        out = []
-        for key in self.adapter.factors:
-            if module is not None and not key.endswith("." + module):
-                continue
-            mod = self.model.get_submodule(key) if module is None else None
-            if module is not None or not (isinstance(mod, LoraSite) and mod.has_lora):
-                out.append(key)
-        return out
+    def _apart(self) -> bool:
+        """Whether the engine runs a loaded adapter apart from the weights (lora.merge=false)."""
+        return self.adapter is not None and not self.kernels.lora.merge
 
     def projection_runtime(self) -> str | None:
         """What runs the projection branch's one-token calls (`projection.sparse_linear.runtime`),

@@ -25,7 +25,7 @@ import torch
 
 from sparsedecode.config import SparsityConfig
 from sparsedecode.engine.batch import BatchDecoder
-from sparsedecode.engine.branches import Branches
+from sparsedecode.engine.branches import CPU_STEP_APART, Branches
 from sparsedecode.engine.device import (
     dict_tag_guards_off,
     use_compile_cache,
@@ -353,6 +353,8 @@ class Engine(Branches):
             raise InputError(f"lora.merge={str(kernels.lora.merge).lower()}: this engine loaded adapter "
                              f"{self.adapter.path} {'merged' if self.kernels.lora.merge else 'apart'}, for its life; "
                              "load the model again with the option")
+        if self._apart() and kernels.cpu.step:
+            raise InputError(CPU_STEP_APART)
         self.kernels_asked, kernels = kernels, self._resolved(kernels)
         check_dense_gemv(self.model, kernels.gemv)
         old, self.kernels = self.kernels, kernels

@@ -86,11 +86,7 @@ def load(ref, *, device=None, dtype=None, init: str = "pretrained", max_len: int
     if adapter is not None:
         eng.adapter = adapter
         eng.config = eng.config.with_(adapter=str(adapter.path))
-        if not merge:
-            if eng.kernels_asked.cpu.step:  # before any work: the C step reads base weights only
-                raise InputError("cpu.step=true with lora.merge=false: the C step reads the base weights only and "
-                                 "takes no adapter apart; drop cpu.step=true (the PyTorch step runs it) or merge")
-            eng.attach_adapter()
+        eng.attach_adapter()  # apart (lora.merge=false): on every adapted site; merged: nothing to do
     mark("engine_s")  # with the tokenizer and the kernels' weight layout
     if dev.type == "cuda":  # a CUDA process's first selection would pay Triton's setup and kernel loads
         from sparsedecode.kv.apply import warm_selection

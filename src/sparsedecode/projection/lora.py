@@ -313,6 +313,13 @@ def random_spec(value) -> LoraSpec | None:
     return LoraSpec(rank=rank, alpha=2.0 * rank, targets=m.group(2))
 
 
+def check_adapter_ref(value: str) -> None:
+    """Refuse, before any model loads, an adapter reference that cannot load: a random adapter's
+    name that does not parse, or a folder that is not an adapter (`Adapter.load`)."""
+    if random_spec(value) is None:
+        Adapter.load(value)
+
+
 def random_adapter(name: str, dims, seed: int = 0) -> Adapter:
     """A seeded adapter of the shape `name` ('random:r16:all', `random_spec`) for a model of `dims`:
     A ~ N(0, 1/in), B ~ N(0, 1e-4) in float32, scale alpha / r. The timing protocol's adapter on
@@ -363,5 +370,6 @@ def lora_factors(adapter, dims=None) -> dict[str, tuple[torch.Tensor, torch.Tens
 
 
 __all__ = ["CONFIG_FILE", "RANDOM", "TARGETS", "WEIGHTS_FILE", "Adapter", "LoraFactor", "LoraSpec", "adapter_of",
+           "check_adapter_ref",
            "lora_factors", "merge_", "projection_shape", "random_adapter", "random_spec", "same_adapter",
            "save_adapter", "site_of"]

@@ -469,11 +469,9 @@ def _finetune_table(root: Path, t: dict) -> tuple[str, str]:
     one run's `mlp_sparsity_eval` records (`benchmarks/finetune_sparse.py`, `records`: its folder)."""
     from sparsedecode.report import finetune_table
 
-    folder = _list(t, "records")
-    if len(folder) != 1:
-        raise InputError(f"table {t.get('title')!r}: a fine-tuning table is one run's folder")
-    return finetune_table.markdown(finetune_table.load(root / folder[0])), (
-        f"Rebuilt by `sparsedecode report results` from the records in `{folder[0]}` (made by the command "
+    folder = _one_folder(t, "a fine-tuning table is one run's folder")
+    return finetune_table.markdown(finetune_table.load(root / folder)), (
+        f"Rebuilt by `sparsedecode report results` from the records in `{folder}` (made by the command "
         "its README gives); intervals: paired bootstrap over the chunks, 20,000 resamples, seed 0.")
 
 
@@ -482,13 +480,19 @@ def _lora_step_table(root: Path, t: dict) -> tuple[str, str]:
     the same modes without an adapter, merged and apart (`report.lora_step`)."""
     from sparsedecode.report import lora_step
 
+    folder = _one_folder(t, "a LoRA step table is one campaign's folder")
+    data = lora_step.load(root / folder)
+    return lora_step.markdown(data), (
+        f"Rebuilt by `sparsedecode report results` from the cells in `{folder}` (its spec.toml is the "
+        f"campaign file; {data['ceiling_note']}, {data['ceiling_gbps'] or 0:.0f} GB/s).")
+
+
+def _one_folder(t: dict, what: str) -> str:
+    """The table's one `records` folder; several are refused with `what` the table is."""
     folder = _list(t, "records")
     if len(folder) != 1:
-        raise InputError(f"table {t.get('title')!r}: a LoRA step table is one campaign's folder")
-    data = lora_step.load(root / folder[0])
-    return lora_step.markdown(data), (
-        f"Rebuilt by `sparsedecode report results` from the cells in `{folder[0]}` (its spec.toml is the "
-        f"campaign file; {data['ceiling_note']}, {data['ceiling_gbps'] or 0:.0f} GB/s).")
+        raise InputError(f"table {t.get('title')!r}: {what}")
+    return folder[0]
 
 
 def _list(t: dict, key: str) -> list[str]:

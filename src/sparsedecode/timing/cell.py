@@ -150,10 +150,9 @@ class CellSpec:
             raise InputError(f"adapter: a LoRA adapter merges into our engine's weights, not the '{self.impl}' "
                              "peer's; drop the adapter from that cell")
         if self.adapter:
-            from sparsedecode.projection.lora import Adapter, random_spec
+            from sparsedecode.projection.lora import check_adapter_ref
 
-            if random_spec(self.adapter) is None:  # a random adapter is built at load, for the model's dims
-                Adapter.load(self.adapter)  # a bad folder fails before the model loads
+            check_adapter_ref(self.adapter)  # a bad folder or name fails before the model loads
         if self.profile and self.impl != "ours":
             raise InputError(f"profile: only our own step is profiled, not the '{self.impl}' peer; "
                              "drop profile from that cell or grid")

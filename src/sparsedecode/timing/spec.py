@@ -270,11 +270,10 @@ def _grid(g: dict, where: str) -> Grid:
                              "modes, or batch 1")
     adapter = g["adapter"]
     if adapter:
-        from sparsedecode.projection.lora import Adapter, random_spec
+        from sparsedecode.projection.lora import check_adapter_ref
 
         try:
-            if random_spec(adapter) is None:
-                Adapter.load(adapter)
+            check_adapter_ref(adapter)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
         if g["impl"] != "ours":
