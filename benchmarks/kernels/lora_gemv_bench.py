@@ -55,7 +55,6 @@ def cuda_calls(x, t, K, N, r):
     """variant -> call(copy) on CUDA; each variant holds its persistent workspaces, as a module does."""
     ws, ws_l, ws_a, ws_b = workspace(N, x.device), lora_workspace(N, r, x.device), workspace(r, x.device), \
         workspace(N, x.device)
-    u = torch.empty(r, device=x.device)
 
     def separate(c):
         y = sparse_gemv(x, c["w_t"], t, ws=ws)
@@ -63,7 +62,7 @@ def cuda_calls(x, t, K, N, r):
         return sparse_gemv(shrunk, c["sb_t"], -math.inf, ws=ws_b, residual=y)[0]
 
     return {"base": lambda c: sparse_gemv(x, c["w_t"], t, ws=ws),
-            "fused": lambda c: lora_gemv(x, c["w_t"], t, c["a_t"], c["b_t"], SCALE, ws=ws_l, u=u),
+            "fused": lambda c: lora_gemv(x, c["w_t"], t, c["a_t"], c["b_t"], SCALE, ws=ws_l),
             "separate": separate,
             "merged": lambda c: sparse_gemv(x, c["merged"], t, ws=ws)}
 

@@ -98,21 +98,16 @@ def workspace(N: int, device, block_n: int = MIN_BLOCK) -> tuple[Tensor, Tensor]
             torch.zeros(-(-N // block_n), device=device, dtype=torch.int32))
 
 
-LORA_GROUP = 16  # column tiles per adapter program (kernels/lora_gemv.py; docs/kernels/lora_gemv.md)
-
-
 def lora_workspace_sizes(N: int, rank: int) -> tuple[int, int]:
     """(float32 sums, int32 counters) a call with an adapter of `rank` needs at most, for any
-    BLOCK_N >= MIN_BLOCK: N outputs and one u of `rank` per group of LORA_GROUP column tiles;
-    an arrival counter per tile and a done counter per group."""
+    BLOCK_N >= MIN_BLOCK: N outputs and each column tile's own u of `rank`; a counter per tile."""
     tiles = -(-N // MIN_BLOCK)
-    groups = -(-tiles // LORA_GROUP)
-    return N + groups * rank, tiles + groups
+    return N + tiles * rank, tiles
 
 
 def lora_workspace(N: int, rank: int, device) -> tuple[Tensor, Tensor]:
     """`workspace` of a call that carries an adapter of `rank` (kernels/lora_gemv.py): the output
-    sums and each tile group's u, the tiles' arrival and the groups' done counters, all zero."""
+    sums and each tile's u, the tiles' arrival counters, all zero."""
     n_acc, n_count = lora_workspace_sizes(N, rank)
     return (torch.zeros(n_acc, device=device, dtype=torch.float32),
             torch.zeros(n_count, device=device, dtype=torch.int32))

@@ -6,20 +6,20 @@ An adapter site of the sparse decode step computes
 
 with A (r, in) and B (out, r). The paper found separate low-rank operations a substantial
 overhead of the fine-tuned sparse path and folded them into the sparse MLP kernels; here the
-adapter rides in the launch of the base sparse GEMV (`kernels.sparse_gemv`, its LORA path):
+adapter rides in the launch of the base sparse GEMV (`kernels.sparse_gemv`, its LORA path),
+with no program of its own:
 
 - The shrink is input-sparse like the base weight: A is stored transposed, a_t (in, r), and
-  adapter programs beside the output tiles (one per K split and group of `LORA_GROUP` column
-  tiles) load the rows of a_t whose channel passes the same threshold test, so a dropped
-  channel's r adapter values are never read. A group's split partials meet in the workspace
-  after the N outputs: its own u = A x_m (float32; a_t's kept rows are read once per group,
-  from L2 after the first).
-- The expand is in the split-K finish: each adapter program arrives at each tile of its group
-  after adding its partial (each tile's count waits for its base splits and its group's adapter
-  splits), so whichever program arrives last at a tile, a base split or an adapter program,
-  adds s * (b_t[:, tile])^T u from the tile's columns of B stored transposed, b_t (r, out),
-  before bias, residual and rounding; the group's last tile zeroes its u. One launch, no spin,
-  no host sync; the base weight's layout and loops are untouched (with no adapter the kernel
+  every program of the base grid (a column tile and a K split) loads, beside its kept rows of
+  the weight, the same rows of a_t (the same threshold test: a dropped channel's r adapter values
+  are never read) and sums its split's partial of its own tile's u = A x_m (float32) into the
+  workspace after the N outputs. Each tile thus has a whole u once its own splits have arrived;
+  a_t's kept rows are read from HBM once and by the other tiles from L2 (r / BLOCK_N more loads
+  per program: 16 / 256 for rank 16 in bf16).
+- The expand is in the split-K finish: the tile's last split adds s * (b_t[:, tile])^T u from
+  the tile's columns of B stored transposed, b_t (r, out), before bias, residual and rounding,
+  and takes u back to zero with the sums. One launch, no program waits on another tile, no
+  host sync; the base weight's layout and loops are untouched (with no adapter the kernel
   compiles to the same instructions).
 - Everything after x_m is accumulated in float32 and rounded once, as `lora_gemv_ref` computes.
 
@@ -64,7 +64,7 @@ def lora_delta(x: Tensor, a_t: Tensor, b_t: Tensor, scale: float, keep: Tensor |
 
 def lora_gemv(
     x: Tensor, w_t: Tensor, threshold, a_t: Tensor, b_t: Tensor, scale: float, bias: Tensor | None = None,
-    ws: tuple[Tensor, Tensor] | None = None, u: Tensor | None = None, *, up: Tensor | None = None,
+    ws: tuple[Tensor, Tensor] | None = None, *, up: Tensor | None = None,
     residual: Tensor | None = None, norm: tuple[Tensor, Tensor, float] | None = None,
     config: tuple[int, int, int, int, int] | None = None, options: GemvOptions = DEFAULT.gemv,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -72,14 +72,14 @@ def lora_gemv(
     x (..., K) one token, w_t (K, N), a_t (K, r) = A^T, b_t (r, N) = B^T, all contiguous in x's
     dtype -> (..., N), what `lora_gemv_ref` computes; a_t's rows of dropped channels are never
     read. `ws`: a persistent `lora_workspace(N, r, device)` (zero between calls, as the kernel
-    leaves it), `u`: a float32 (r,) scratch (else each call allocates both). `up`, `residual`,
+    leaves it; else each call allocates one). `up`, `residual`,
     `norm`, `config`, `options`: as `kernels.sparse_gemv.sparse_gemv`."""
     if a_t.dim() != 2 or b_t.dim() != 2:
         raise InputError(f"lora_gemv wants a_t (K, r) and b_t (r, N); got {tuple(a_t.shape)} and {tuple(b_t.shape)}")
     if isinstance(threshold, (list, tuple)):
         raise InputError("lora_gemv runs one site with one threshold")
     return sparse_gemv(x, w_t, threshold, bias, ws=ws, config=config, up=up, residual=residual, norm=norm,
-                       options=options, lora=(a_t, b_t, float(scale), u))
+                       options=options, lora=(a_t, b_t, float(scale)))
 
 
 __all__ = ["lora_delta", "lora_gemv", "lora_gemv_ref", "lora_workspace"]

@@ -171,43 +171,36 @@ if triton is not None:
     @triton.jit
     def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
                        Res, SsOut, RESID: tl.constexpr, FIN_LOAD: tl.constexpr,
-                       Bt, n_tiles, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                       GROUP: tl.constexpr):
-        """Add this split's fp32 partial of a column tile; the last to arrive writes the sum
-        (+ bias) to Y (`kernels.common`'s split-K finish). With LORA each of the tile group's
-        adapter programs (one per K split) arrives at the tile too, after adding its partial of
-        u = A x_m, so the last arrival may be a base split or an adapter program
-        (`_adapter_program`)."""
+                       Bt, N, rank, lora_s, acc_u, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Add this split's fp32 partial of a column tile (with LORA, and its partial acc_u of the
+        tile's own u = A x_m at Acc[N + tile * rank]); the last to arrive writes the sum (+ s B u,
+        + bias) to Y (`kernels.common`'s split-K finish)."""
         tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
         if LORA:
-            arrivals = 2 * num_splits
-        else:
-            arrivals = num_splits
-        if split_arrive(Count, tile, arrivals):
+            offs_r = tl.arange(0, BLOCK_R)
+            tl.atomic_add(Acc + N + tile * rank + offs_r, acc_u, mask=offs_r < rank, sem="relaxed")
+        if split_arrive(Count, tile, num_splits):
             _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
-                         Bt, n_tiles, N, rank, lora_s, LORA, BLOCK_R, GROUP)
+                         Bt, N, rank, lora_s, LORA, BLOCK_R)
 
     @triton.jit
     def _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS: tl.constexpr, Res, SsOut,
                      RESID: tl.constexpr, FIN_LOAD: tl.constexpr,
-                     Bt, n_tiles, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                     GROUP: tl.constexpr):
+                     Bt, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
         """The sum of a tile whose partials have all arrived (+ s * B u, + bias) to Y. With RESID,
         Y is the residual stream: the sum rounded to Y's dtype plus the residual at Res, rounded
         again (as eager `x + proj(h)`), and the tile's sum of squares of it goes to SsOut[tile]
-        for the next norm. With LORA the tile's columns of B^T (rank, N) and u (rank,) float32,
-        summed by its group's adapter programs at Acc[N + group * rank], add s * B u
-        (kernels/lora_gemv.py); the group's last tile to finish puts u's sums and the group's
-        count back at zero."""
+        for the next norm. With LORA the tile's columns of B^T (rank, N) and its own u (rank,)
+        float32, summed by its splits at Acc[N + tile * rank], add s * B u (kernels/lora_gemv.py);
+        u is taken as the sums are, leaving the workspace at zero."""
         if RESID:  # issued before the sum is taken, so the two trips to L2 overlap
             res = tl.load(Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if LORA:  # likewise: u from L2 (summed by other programs) and the tile's B^T columns
+        if LORA:  # likewise: the tile's B^T columns
             offs_r = tl.arange(0, BLOCK_R)
             mask_r = offs_r < rank
-            group = tile // GROUP
-            u = tl.load(Acc + N + group * rank + offs_r, mask=mask_r, other=0.0, cache_modifier=".cg")
             bt = tl.load(Bt + offs_r[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :],
                          other=0.0)
+            u = split_take(Acc + N + tile * rank, offs_r, mask_r, FIN_LOAD)
         total = split_take(Acc, offs_n, mask_n, FIN_LOAD)
         if LORA:  # summed over the rank in-thread, as the weight tile's rows are
             total += lora_s * tl.sum(bt.to(tl.float32) * u[:, None], axis=0)
@@ -219,43 +212,15 @@ if triton is not None:
             tl.store(SsOut + tile, tl.sum(tl.where(mask_n, sq * sq, 0.0), axis=0))
         tl.store(Y + offs_n, total.to(Y.dtype.element_ty), mask=mask_n)
         split_reset(Count, tile, FIN_LOAD)
-        if LORA:  # the group's u is read by each of its tiles: the last to finish zeroes it
-            size = tl.minimum(GROUP, n_tiles - group * GROUP)
-            if split_arrive(Count, n_tiles + group, size):
-                split_take(Acc + N + group * rank, offs_r, mask_r, FIN_LOAD)
-                split_reset(Count, n_tiles + group, FIN_LOAD)
 
     @triton.jit
-    def _adapter_program(X, U, At, Bt, Acc, Count, Bias, Y, Res, SsOut, t, r_norm, k_lo, k_hi, N, n_tiles, group,
-                         rank, lora_s, num_splits, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_R: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         RESID: tl.constexpr, FIN_LOAD: tl.constexpr, GROUP: tl.constexpr):
-        """An adapter program (one per K split and group of GROUP column tiles; kernels/lora_gemv.py):
-        its split's partial of u = A x_m from the rows of A^T (K, rank) whose channel is kept (the
-        input-sparse shrink: a dropped channel's row of A is never loaded), added into the group's
-        u at Acc[N + group * rank], then one arrival at each tile of the group, finishing those
-        whose other arrivals all came before it. Each group sums its own u (A^T's kept rows read
-        once per group, from L2 after the first), so no program arrives at more than GROUP tiles:
-        one program arriving at every tile in turn made the launch wait on a chain of n_tiles
-        atomics (docs/kernels/lora_gemv.md)."""
+    def _load_a(At, k0, ar, in_k, x, t, rank, BLOCK_R: tl.constexpr):
+        """The (BLOCK_K, BLOCK_R) tile of A^T (K, rank) at rows k0 + ar whose |x| > t: the
+        adapter's input-sparse shrink reads no row of a dropped channel (`_load_tile`'s test)."""
         offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            in_k = offs_k < k_hi
-            x = _load_x(X + offs_k, U + offs_k, in_k, GLU, r_norm, NORM)
-            keep = (tl.abs(x) > t) & in_k  # the base tiles' threshold test
-            a = tl.load(At + offs_k[:, None] * rank + offs_r[None, :], mask=keep[:, None] & mask_r[None, :],
-                        other=0.0)
-            acc += tl.sum(a.to(tl.float32) * x[:, None], axis=0)
-        tl.atomic_add(Acc + N + group * rank + offs_r, acc, mask=mask_r, sem="relaxed")
-        for tile in range(group * GROUP, tl.minimum(group * GROUP + GROUP, n_tiles)):
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            if split_arrive(Count, tile, 2 * num_splits):  # its barrier releases the adds above
-                _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
-                             Bt, n_tiles, N, rank, lora_s, True, BLOCK_R, GROUP)
+        keep = (tl.abs(x) > t) & in_k
+        return tl.load(At + (k0 + ar)[:, None] * rank + offs_r[None, :], mask=keep[:, None] & (offs_r < rank)[None, :],
+                       other=0.0)
 
     @triton.jit
     def _load_x(Xp, Up, mask, GLU: tl.constexpr, r, NORM: tl.constexpr):
@@ -343,7 +308,7 @@ if triton is not None:
         U, GLU: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
         STRIDE: tl.constexpr, FIN_LOAD: tl.constexpr,
-        At, Bt, rank, lora_s, n_tiles, LORA: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+        At, Bt, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the next one may launch now (docs/kernels/sparse_gemv.md#pdl-trigger)
@@ -364,13 +329,11 @@ if triton is not None:
             t0 = _tile_threshold(Thr0, Thr1, Thr2, thr_f, b1, b2, pid_n * BLOCK_N, THR_T, NSEG)
         k_lo = pid_k * rows_per_split
         k_hi = tl.minimum(k_lo + rows_per_split, K)
-        if LORA:  # one segment only (the launcher refuses others)
-            if pid_n >= n_tiles:  # the adapter's columns of programs, one per group, after the column tiles
-                _adapter_program(X, U, At, Bt, Acc, Count, Bias, Y, Res, SsOut, t0, r_norm, k_lo, k_hi, N,
-                                 n_tiles, pid_n - n_tiles, rank, lora_s, num_splits, BLOCK_N, BLOCK_K, BLOCK_R,
-                                 GLU, NORM, HAS_BIAS, RESID, FIN_LOAD, GROUP)
-                return
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # With LORA (one segment only: the launcher refuses others) every program also sums its
+        # split's share of its tile's own u = A x_m over A^T's kept rows (from L2 after the first
+        # tile reads them), so no tile waits for another's u (docs/kernels/lora_gemv.md)
+        acc_u = tl.zeros([BLOCK_R], dtype=tl.float32)
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues tile i + 1's weight loads (its x already
             # loaded) and tile i + 2's x, then sums tile i (docs/kernels/sparse_gemv.md#stages)
@@ -391,15 +354,22 @@ if triton is not None:
                 w_c = _load_tile(Wl, k_lo, ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N)
                 x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi,
                               GLU, r_norm, NORM)
+            if LORA:
+                a_c = _load_a(At, k_lo, ar, k_lo + ar < k_hi, x_c, t0, rank, BLOCK_R)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
                 w_n = _load_tile(Wl, k0, ar, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N)
+                if LORA:  # the adapter's rows of tile k0 in flight beside the weight's
+                    a_n = _load_a(At, k0, ar, offs_k < k_hi, x_n, t0, rank, BLOCK_R)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
                 acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
+                if LORA:
+                    acc_u += tl.sum(a_c.to(tl.float32) * x_c[:, None], axis=0)
+                    a_c = a_n
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
                            mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
-                           Bt, n_tiles, N, rank, lora_s, LORA, BLOCK_R, GROUP)
+                           Bt, N, rank, lora_s, acc_u, LORA, BLOCK_R)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -415,11 +385,15 @@ if triton is not None:
                     row_mask = keep[:, None] & mask_n[None, :]
             # Masked lanes issue no load: a dropped row moves no bytes.
             w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
+            if LORA:  # the adapter's kept rows, issued beside the weight's
+                a = _load_a(At, k0, tl.arange(0, BLOCK_K), in_k, x, t0, rank, BLOCK_R)
             # Summed over the tile's rows at once: each thread holds all BLOCK_K rows of its 8
             # columns, so this is in-thread adds and the accumulator costs 8 registers.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
+            if LORA:
+                acc_u += tl.sum(a.to(tl.float32) * x[:, None], axis=0)
         _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID,
-                       FIN_LOAD, Bt, n_tiles, N, rank, lora_s, LORA, BLOCK_R, GROUP)
+                       FIN_LOAD, Bt, N, rank, lora_s, acc_u, LORA, BLOCK_R)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -429,7 +403,7 @@ def _sparse_gemv_op(
     block_n: int, block_k: int, splits: int, num_warps: int, stages: int, up: Tensor | None,
     residual: Tensor | None, norm_w: Tensor | None, ss_in: Tensor | None, eps: float,
     pdl: bool, programs_per_sm: int, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
-    lora_u: Tensor | None = None, lora_scale: float = 0.0,
+    lora_scale: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
@@ -450,7 +424,6 @@ def _sparse_gemv_op(
         ws_acc, ws_count = lora_workspace(N, rank, x.device) if lora else workspace(N, x.device, block_n)
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     n_tiles = triton.cdiv(N, block_n)
-    groups = triton.cdiv(n_tiles, common.LORA_GROUP) if lora else 0  # adapter programs per K split
     thr = list(thr_ts) + [ws_acc] * (3 - len(thr_ts))  # unused pointer slots
     b1, b2 = (list(bounds) + [N, N])[:2]
     args = (x, w_t, bias if bias is not None else x, *thr, y, ws_acc, ws_count, thr_f, K, N, w_t.stride(0),
@@ -460,8 +433,8 @@ def _sparse_gemv_op(
             and w_t.stride(0) % 2 == 0 and w_t.data_ptr() % 4 == 0)
     on_gpu = x.is_cuda and not _interpreting()
     pdl = pdl and on_gpu
-    cap = {"maxnreg": max_registers((n_tiles + groups) * splits, num_warps, x.device)} if on_gpu else {}
-    _sparse_gemv_kernel[(n_tiles + groups, splits)](  # with an adapter, one more column per tile group
+    cap = {"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)} if on_gpu else {}
+    _sparse_gemv_kernel[(n_tiles, splits)](
         *args, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
         SEG_ALIGNED=all(b % block_n == 0 for b in bounds), HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0,
         DBUF=stages == 4, U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
@@ -472,14 +445,14 @@ def _sparse_gemv_op(
         SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
         STRIDE=w_t.stride(0) if stages == 4 else 0, FIN_LOAD=finish_mode(num_warps) == "load",
         At=lora_a if lora else x, Bt=lora_b if lora else x, rank=rank,
-        lora_s=float(lora_scale), n_tiles=n_tiles, LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)), GROUP=common.LORA_GROUP,
+        lora_s=float(lora_scale), LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)),
         num_warps=num_warps, num_stages=1, **cap, **({"launch_pdl": True} if pdl else {}))
     return y, ss
 
 
 @_sparse_gemv_op.register_fake
 def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, block_n, block_k, splits, num_warps, stages,
-      up, residual, norm_w, ss_in, eps, pdl, programs_per_sm, lora_a=None, lora_b=None, lora_u=None, lora_scale=0.0):
+      up, residual, norm_w, ss_in, eps, pdl, programs_per_sm, lora_a=None, lora_b=None, lora_scale=0.0):
     K, N = w_t.shape
     if not block_n:
         block_n = default_config(K, N, x.dtype, x.device, programs_per_sm)[0]
@@ -525,8 +498,7 @@ def sparse_gemv(
     stream. With `norm` = (weight (K,) in x's dtype, ss, eps) x is such a stream and the input
     is RMSNorm(x), rounded as `models.decoder.RMSNorm`, formed in the x loads.
 
-    With `lora` = (a_t (K, r), b_t (r, N), s, u (r,) float32 scratch or None), both in x's dtype and
-    contiguous, the call adds an adapter's s * B (A x_m) in the same launch (one segment only;
+    With `lora` = (a_t (K, r), b_t (r, N), s), both in x's dtype and contiguous, the call adds an adapter's s * B (A x_m) in the same launch (one segment only;
     `kernels.lora_gemv.lora_gemv` is the public call, with its checks and its reference); `ws`
     must then be `lora_workspace(N, r, device)`.
     """
@@ -599,23 +571,21 @@ def sparse_gemv(
                             *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K),
                             None if residual is None else residual.reshape(N), norm_w, ss_in, float(eps),
                             options.pdl, options.programs_per_sm, *(lora[:2] if lora else (None, None)),
-                            None if lora is None else lora[3], 0.0 if lora is None else float(lora[2]))
+                            0.0 if lora is None else float(lora[2]))
     y = y.reshape(*x.shape[:-1], N)
     return y if residual is None else (y, ss)
 
 
 def _check_lora(lora, x: Tensor, K: int, N: int, segments, ws) -> None:
-    """The adapter operands of `sparse_gemv(lora=...)`: (a_t (K, r), b_t (r, N), scale, u (r,) fp32 or None)."""
-    if not isinstance(lora, (tuple, list)) or len(lora) != 4:
-        raise InputError("lora= is (a_t (K, r), b_t (r, N), scale, u (r,) float32 or None)")
-    a_t, b_t, _, u = lora
+    """The adapter operands of `sparse_gemv(lora=...)`: (a_t (K, r), b_t (r, N), scale)."""
+    if not isinstance(lora, (tuple, list)) or len(lora) != 3:
+        raise InputError("lora= is (a_t (K, r), b_t (r, N), scale)")
+    a_t, b_t, _ = lora
     r = a_t.shape[-1] if a_t.dim() == 2 else -1
     for name, t, shape in (("a_t", a_t, (K, r)), ("b_t", b_t, (r, N))):
         if t.shape != shape or r < 1 or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
             raise InputError(f"the adapter's {name} must be contiguous {shape} in {x.dtype} on {x.device}; got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    if u is not None and (u.shape != (r,) or u.dtype != torch.float32 or u.device != x.device):
-        raise InputError(f"the adapter's scratch u must be float32 ({r},) on {x.device}")
     if segments is not None:
         raise InputError("an adapter runs on a one-site launch: a segmented (q|k|v, gate|up) call takes none")
     n_acc, n_count = common.lora_workspace_sizes(N, r)

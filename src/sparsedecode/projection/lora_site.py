@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from sparsedecode.errors import InputError
 from sparsedecode.kernels.common import lora_workspace
 from sparsedecode.kernels.lora_gemv import lora_delta
 
-BUFFERS = ("lora_a_t", "lora_b_t", "lora_ws_acc", "lora_ws_count", "lora_u")
+BUFFERS = ("lora_a_t", "lora_b_t", "lora_ws_acc", "lora_ws_count")
 
 
 class LoraSite:
     """Adapter state and math of a projection module with `w_t` (in, out), `in_features`,
     `out_features` and `site` (mixed into `SparseLinear`, an nn.Module)."""
 
-    LORA_FIXED = ("lora_ws_acc", "lora_u")  # float32 whatever the model's dtype (FixedDtypeBuffers)
+    LORA_FIXED = ("lora_ws_acc",)  # float32 whatever the model's dtype (FixedDtypeBuffers)
 
     def _init_lora(self) -> None:
         for name in BUFFERS:
@@ -49,7 +48,6 @@ class LoraSite:
         self.lora_b_t = b.detach().to(dev, dtype).t().contiguous()  # (r, out)
         self.lora_scale = float(scale)
         self.lora_ws_acc, self.lora_ws_count = lora_workspace(self.out_features, r, dev)  # zero between calls
-        self.lora_u = torch.empty(r, device=dev, dtype=torch.float32)  # the kernel's u = A x_m
 
     def detach_lora_(self) -> None:
         """Drop the adapter: the site computes its base projection again."""
@@ -62,9 +60,9 @@ class LoraSite:
         return self.lora_a_t is not None
 
     @property
-    def lora(self) -> tuple[Tensor, Tensor, float, Tensor] | None:
-        """The kernel's adapter operands (a_t, b_t, scale, u scratch), or None."""
-        return None if self.lora_a_t is None else (self.lora_a_t, self.lora_b_t, self.lora_scale, self.lora_u)
+    def lora(self) -> tuple[Tensor, Tensor, float] | None:
+        """The kernel's adapter operands (a_t, b_t, scale), or None."""
+        return None if self.lora_a_t is None else (self.lora_a_t, self.lora_b_t, self.lora_scale)
 
     def lora_merged(self) -> Tensor:
         """W^T + s * A^T B^T (in, out) in float32: the merged weight this site's adapter equals."""
@@ -72,7 +70,7 @@ class LoraSite:
         return w if self.lora_a_t is None else w + self.lora_scale * (self.lora_a_t.float() @ self.lora_b_t.float())
 
     def _ws(self) -> tuple[Tensor, Tensor]:
-        """The kernel's workspace: with an adapter, the one sized for its u and its column."""
+        """The kernel's workspace: with an adapter, the one sized for its tiles' u."""
         return (self.ws_acc, self.ws_count) if self.lora_a_t is None else (self.lora_ws_acc, self.lora_ws_count)
 
     def _plus_lora(self, y: Tensor, x: Tensor, keep: Tensor | None = None) -> Tensor:
