@@ -238,12 +238,64 @@ def _finish_cases(device, slack) -> tuple[int, list[str]]:
     return n + 4, fails
 
 
+def _segment_cases(device, slack) -> tuple[int, list[str]]:
+    """A segmented launch (q|k|v) with adapters side by side: segments of 64, 32 and 64 columns on
+    tiles of 32, each with its own threshold and scale, the middle one without an adapter (scale 0,
+    its A^T columns all NaN: a read spreads NaN), against each site's reference; the input norm
+    in the launch; a bound off the tile grid refused."""
+    from sparsedecode.kernels.sparse_gemv import sparse_gemv, sparse_gemv_ref, sumsq
+
+    fails, n = [], 0
+    dtype, widths, r = torch.float16, [64, 32, 64], 5
+    x, w_t, a_t, b_t, b = make(203, 160, 3 * r, dtype, device=device, seed=9)  # A^T of three sites
+    b_t = b_t[:r].contiguous()  # (r, 160): the sites' B^T side by side
+    scales = [SCALE, 0.0, SCALE]
+    ts = [torch.tensor(threshold_for(x, k), device=device) for k in (0.3, 0.6, 0.5)]
+    bad = a_t.clone()
+    bad[:, r:2 * r] = math.nan  # the site without an adapter: never read
+    for j in (0, 2):
+        bad[:, j * r:(j + 1) * r] = poison(a_t[:, j * r:(j + 1) * r], x, ts[j].item())
+    for cfg in ((32, 16, 3, 1, 4), (32, 8, 2, 4, 1)):
+        y = sparse_gemv(x, w_t, ts, b, config=cfg, segments=widths, lora=(bad, b_t, scales))
+        lo = 0
+        for j, width in enumerate(widths):
+            cols = slice(lo, lo + width)
+            what = f"segmented lora config={cfg} site {j}"
+            if scales[j]:
+                fails += check(y[..., cols], x, w_t[:, cols], ts[j].item(), a_t[:, j * r:(j + 1) * r],
+                               b_t[:, cols], b[cols], what, slack.get(dtype, 0.0))
+            else:
+                want = sparse_gemv_ref(x, w_t[:, cols], ts[j], b[cols])
+                fails += [m for m in [mismatch(y[..., cols], want, 4e-3 * want.abs().max().item(), what)] if m]
+            lo += width
+        n += 1
+    norm_w = make(203, 1, 1, dtype, device=device, seed=10)[0].reshape(-1)
+    normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5)).to(dtype) * norm_w
+    tn = [torch.tensor(threshold_for(normed, 0.5), device=device)] * 3
+    y = sparse_gemv(x, w_t, tn, b, segments=widths, lora=(a_t, b_t, [SCALE, SCALE, SCALE]),
+                    norm=(norm_w, sumsq(x), 1e-5), config=(32, 16, 2, 1, 4))
+    lo = 0
+    for j, width in enumerate(widths):
+        cols = slice(lo, lo + width)
+        fails += check(y[..., cols], normed, w_t[:, cols], tn[0].item(), a_t[:, j * r:(j + 1) * r], b_t[:, cols],
+                       b[cols], f"segmented lora norm= site {j}", 2.0**-9)
+        lo += width
+    try:
+        sparse_gemv(x, w_t, ts, b, config=(64, 16, 2, 1, 4), segments=widths, lora=(a_t, b_t, scales))
+        fails.append("a segment bound off the tile grid (96 on tiles of 64) must be refused")
+    except InputError as e:
+        fails += [] if "tile grid" in str(e) else [f"wrong refusal: {e}"]
+    return n + 2, fails
+
+
 def _interpreter_worker() -> None:
     """Run with TRITON_INTERPRET=1 (the interpreter truncates float32 to bfloat16 where the GPU
     rounds, so bfloat16 outputs get one more unit in the last place of slack)."""
     slack = {torch.bfloat16: 2.0**-7}
     n, fails = _kernel_cases("cpu", DTYPES, SHAPES, slack)
     m, more = _finish_cases("cpu", slack)
+    k, seg = _segment_cases("cpu", slack)
+    m, more = m + k, more + seg
     # under the interpreter the programs run in order: B = 0 is bit-exact at any split count
     from sparsedecode.kernels.sparse_gemv import sparse_gemv
 
@@ -299,6 +351,8 @@ gpu = pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs a CUDA GPU an
 def test_lora_kernel_on_cuda():
     n, fails = _kernel_cases("cuda", DTYPES, [*SHAPES, (4096, 1024, 16), (14336, 4096, 16)], {})
     m, more = _finish_cases("cuda", {})
+    k, seg = _segment_cases("cuda", {})
+    m, more = m + k, more + seg
     assert n + m >= 50 and not fails + more, "\n".join(fails + more)
 
 

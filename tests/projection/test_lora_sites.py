@@ -3,8 +3,9 @@ paper §4.2): a site with an unmerged adapter computes what the merged weight W 
 under the same mask, on every path (one token through the CPU kernel or the masked reference,
 prefill dense, a decode batch per token), and a tiny engine decodes with adapters as it decodes
 with merged weights. Under TRITON_INTERPRET=1 the same engine runs the Triton kernels' adapter
-path (one launch per site with an adapter; the fused q|k|v and gate|up fall back to per-site
-calls when one of their sites holds one).
+path (one launch per site with an adapter; the fused q|k|v and gate|up carry their sites'
+adapters side by side in their one launch where the segments are whole tiles, else each site
+runs its own call).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def test_fused_sites_run_apart_with_an_adapter():
     x = torch.randn(1, 64, generator=gen)
     plain = [y.clone() for y in cat(x)]
     sites[1].attach_lora_(*adapter(16, 64, 4, seed=4), SCALE)
-    assert cat.has_lora and not cat.fuse_norms
+    assert cat.has_lora and not cat.fuse_norms and cat.sites_apart  # on CPU: no segmented launch
     got = cat(x)
     assert torch.equal(got[0], plain[0]) and torch.equal(got[2], plain[2])
     close(got[1], lora_gemv_ref(x, sites[1].w_t, 0.3, *sites[1].lora), torch.float32, "k with an adapter")
@@ -231,9 +232,38 @@ def _interpreter_worker() -> None:
     res = torch.randn(1, 64)
     got, _ = mod(x, residual=res)
     want = lora_gemv_ref(x, mod.w_t, mod.threshold, *mod.lora, mod.bias) + res
+    before = len(launches)
+    concat = _concat_case()
     print(json.dumps({"decode_err": (d - dm).abs().max().item(), "prefill_err": (p - pm).abs().max().item(),
-                      "scale": dm.abs().max().item(), "lora_launches": sum(launches),
-                      "residual_err": (got - want).abs().max().item()}))
+                      "scale": dm.abs().max().item(), "lora_launches": sum(launches[:before]),
+                      "residual_err": (got - want).abs().max().item(), "concat_errs": concat,
+                      "concat_launches": launches[before:]}))
+
+
+def _concat_case() -> list[float]:
+    """q|k|v of 128 columns each (whole tiles of the launch) with adapters on q and v, then one on
+    k attached to the site alone (the concat rebuilds its side-by-side copy on the next eager call):
+    each call one launch, each site's output against its own reference; errors over scale."""
+    from sparsedecode.kernels.sparse_gemv import sparse_gemv_ref
+
+    gen = torch.Generator().manual_seed(7)
+    sites = [SparseLinear(torch.randn(64, 128, generator=gen) / 8, torch.randn(128, generator=gen), t,
+                          site=f"layers.0.{s}") for s, t in (("q", 0.3), ("k", 0.8), ("v", 0.5))]
+    cat = SparseConcat(sites)
+    x = torch.randn(1, 64, generator=gen)
+    for j in (0, 2):
+        sites[j].attach_lora_(*adapter(128, 64, 4, seed=j), SCALE)
+    cat.refresh_lora_()
+    errs = []
+    for step in range(2):
+        got = cat(x)
+        for m, y in zip(sites, got, strict=True):
+            want = (lora_gemv_ref(x, m.w_t, m.threshold, *m.lora, m.bias) if m.has_lora
+                    else sparse_gemv_ref(x, m.w_t, m.threshold, m.bias))
+            errs.append((y - want).abs().max().item() / want.abs().max().item())
+        if step == 0:
+            sites[1].attach_lora_(*adapter(128, 64, 4, seed=1), SCALE)
+    return errs
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -245,6 +275,8 @@ def test_engine_adapters_under_interpreter():
     assert r["lora_launches"] == len(DECODE) + 1, r
     assert r["decode_err"] <= 1e-5 * r["scale"] and r["prefill_err"] <= 1e-5 * r["scale"], r
     assert r["residual_err"] <= 1e-5, r
+    # q|k|v with adapters in one segmented launch a call (two calls), every site at its reference
+    assert r["concat_launches"] == [True, True] and max(r["concat_errs"]) <= 1e-5, r
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and triton")

@@ -14,6 +14,7 @@ several warps keep the atomic exchanges (`finish_mode`; docs/kernels/sparse_gemv
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -111,6 +112,56 @@ def lora_workspace(N: int, rank: int, device) -> tuple[Tensor, Tensor]:
     n_acc, n_count = lora_workspace_sizes(N, rank)
     return (torch.zeros(n_acc, device=device, dtype=torch.float32),
             torch.zeros(n_count, device=device, dtype=torch.int32))
+
+
+def check_inputs(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None) -> tuple[int, int]:
+    """Validate sparse-GEMV operands; returns (K, N)."""
+    if w_t.dim() != 2:
+        raise InputError(f"sparse_gemv wants w_t (K, N), the weight transposed; got {tuple(w_t.shape)}")
+    K, N = w_t.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise InputError(f"x {tuple(x.shape)} does not end in K={K}, the rows of w_t {tuple(w_t.shape)}")
+    if x.numel() != K:
+        raise InputError(
+            f"sparse_gemv multiplies one token: x {tuple(x.shape)} holds {x.numel() // max(K, 1)} rows; "
+            "run several tokens (prefill) densely"
+        )
+    if x.dtype != w_t.dtype or x.dtype not in DTYPES:
+        raise InputError(
+            f"sparse_gemv runs in float16, bfloat16 or float32 with one dtype for x and w_t; "
+            f"got {x.dtype} and {w_t.dtype}"
+        )
+    if x.device != w_t.device:
+        raise InputError(f"x lives on {x.device} and w_t on {w_t.device}")
+    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+        raise InputError(f"bias must be ({N},) on {x.device}; got {tuple(bias.shape)} on {bias.device}")
+    check_threshold(threshold, x.device)
+    return K, N
+
+
+def lora_scales(scale) -> list[float]:
+    """The adapter scale of each segment (one for a one-site call)."""
+    return [float(v) for v in scale] if isinstance(scale, (list, tuple)) else [float(scale)]
+
+
+def check_lora(lora, x: Tensor, K: int, N: int, segments, ws) -> None:
+    """The adapter operands of `sparse_gemv(lora=...)`: (a_t (K, S r), b_t (r, N), scale), S the
+    segments (1 without), scale one number or one per segment (0: that site has no adapter)."""
+    if not isinstance(lora, (tuple, list)) or len(lora) != 3:
+        raise InputError("lora= is (a_t (K, r), b_t (r, N), scale)")
+    a_t, b_t, scale = lora
+    n_seg = 1 if segments is None else len(segments)
+    r = b_t.shape[0] if b_t.dim() == 2 else -1
+    for name, t, shape in (("a_t", a_t, (K, n_seg * r)), ("b_t", b_t, (r, N))):
+        if t.shape != shape or r < 1 or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
+            raise InputError(f"the adapter's {name} must be contiguous {shape} in {x.dtype} on {x.device}"
+                             f"{' (the segments side by side)' if n_seg > 1 else ''}; got {tuple(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    if len(lora_scales(scale)) != n_seg or not all(math.isfinite(v) for v in lora_scales(scale)):
+        raise InputError(f"the adapter wants {n_seg} finite scale(s), one per segment; got {scale!r}")
+    n_acc, n_count = lora_workspace_sizes(N, r)
+    if ws is not None and (ws[0].numel() < n_acc or ws[1].numel() < n_count):
+        raise InputError(f"with an adapter ws must be lora_workspace({N}, {r}, device)")
 
 
 def check_threshold(threshold, device) -> None:

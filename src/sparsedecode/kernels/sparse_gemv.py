@@ -32,9 +32,12 @@ from sparsedecode.kernels import common
 from sparsedecode.kernels.common import (  # noqa: F401 (check_threshold, keep_mask, workspace: importable here)
     DTYPES,
     MIN_BLOCK,
+    check_inputs,
+    check_lora,
     check_threshold,
     finish_mode,
     keep_mask,
+    lora_scales,
     lora_workspace,
     workspace,
 )
@@ -54,31 +57,6 @@ STAGES = (1, 4)  # the loops: 1 plain (segments off the tile grid), 4 two tiles 
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK_K = 4  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
 TUNED_DIR = Path(__file__).with_name("tuned")  # one JSON file of measured tile configs per device
-
-
-def check_inputs(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None) -> tuple[int, int]:
-    """Validate sparse-GEMV operands; returns (K, N)."""
-    if w_t.dim() != 2:
-        raise InputError(f"sparse_gemv wants w_t (K, N), the weight transposed; got {tuple(w_t.shape)}")
-    K, N = w_t.shape
-    if x.dim() < 1 or x.shape[-1] != K:
-        raise InputError(f"x {tuple(x.shape)} does not end in K={K}, the rows of w_t {tuple(w_t.shape)}")
-    if x.numel() != K:
-        raise InputError(
-            f"sparse_gemv multiplies one token: x {tuple(x.shape)} holds {x.numel() // max(K, 1)} rows; "
-            "run several tokens (prefill) densely"
-        )
-    if x.dtype != w_t.dtype or x.dtype not in DTYPES:
-        raise InputError(
-            f"sparse_gemv runs in float16, bfloat16 or float32 with one dtype for x and w_t; "
-            f"got {x.dtype} and {w_t.dtype}"
-        )
-    if x.device != w_t.device:
-        raise InputError(f"x lives on {x.device} and w_t on {w_t.device}")
-    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
-        raise InputError(f"bias must be ({N},) on {x.device}; got {tuple(bias.shape)} on {bias.device}")
-    check_threshold(threshold, x.device)
-    return K, N
 
 
 def sparse_gemv_ref(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None) -> Tensor:
@@ -171,22 +149,23 @@ if triton is not None:
     @triton.jit
     def _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, tile, num_splits, HAS_BIAS: tl.constexpr,
                        Res, SsOut, RESID: tl.constexpr, FIN_LOAD: tl.constexpr,
-                       Bt, N, rank, lora_s, acc_u, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                       Bt, N, rank, r_t, lora_s, acc_u, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
         """Add this split's fp32 partial of a column tile (with LORA, and its partial acc_u of the
-        tile's own u = A x_m at Acc[N + tile * rank]); the last to arrive writes the sum (+ s B u,
-        + bias) to Y (`kernels.common`'s split-K finish)."""
+        tile's own u = A x_m at Acc[N + tile * rank], its first r_t entries: 0 where the tile's
+        segment has no adapter); the last to arrive writes the sum (+ s B u, + bias) to Y
+        (`kernels.common`'s split-K finish)."""
         tl.atomic_add(Acc + offs_n, acc, mask=mask_n, sem="relaxed")
         if LORA:
             offs_r = tl.arange(0, BLOCK_R)
-            tl.atomic_add(Acc + N + tile * rank + offs_r, acc_u, mask=offs_r < rank, sem="relaxed")
+            tl.atomic_add(Acc + N + tile * rank + offs_r, acc_u, mask=offs_r < r_t, sem="relaxed")
         if split_arrive(Count, tile, num_splits):
             _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
-                         Bt, N, rank, lora_s, LORA, BLOCK_R)
+                         Bt, N, rank, r_t, lora_s, LORA, BLOCK_R)
 
     @triton.jit
     def _finish_tile(Acc, Count, Bias, Y, offs_n, mask_n, tile, HAS_BIAS: tl.constexpr, Res, SsOut,
                      RESID: tl.constexpr, FIN_LOAD: tl.constexpr,
-                     Bt, N, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                     Bt, N, rank, r_t, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
         """The sum of a tile whose partials have all arrived (+ s * B u, + bias) to Y. With RESID,
         Y is the residual stream: the sum rounded to Y's dtype plus the residual at Res, rounded
         again (as eager `x + proj(h)`), and the tile's sum of squares of it goes to SsOut[tile]
@@ -197,7 +176,7 @@ if triton is not None:
             res = tl.load(Res + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if LORA:  # likewise: the tile's B^T columns
             offs_r = tl.arange(0, BLOCK_R)
-            mask_r = offs_r < rank
+            mask_r = offs_r < r_t
             bt = tl.load(Bt + offs_r[:, None] * N + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :],
                          other=0.0)
             u = split_take(Acc + N + tile * rank, offs_r, mask_r, FIN_LOAD)
@@ -214,13 +193,14 @@ if triton is not None:
         split_reset(Count, tile, FIN_LOAD)
 
     @triton.jit
-    def _load_a(At, k0, ar, in_k, x, t, rank, BLOCK_R: tl.constexpr):
-        """The (BLOCK_K, BLOCK_R) tile of A^T (K, rank) at rows k0 + ar whose |x| > t: the
-        adapter's input-sparse shrink reads no row of a dropped channel (`_load_tile`'s test)."""
+    def _load_a(At, k0, ar, in_k, x, t, r_t, a_stride, BLOCK_R: tl.constexpr):
+        """The (BLOCK_K, BLOCK_R) tile of A^T (rows of a_stride elements, r_t columns read) at rows
+        k0 + ar whose |x| > t: the adapter's input-sparse shrink reads no row of a dropped channel
+        (`_load_tile`'s test)."""
         offs_r = tl.arange(0, BLOCK_R)
         keep = (tl.abs(x) > t) & in_k
-        return tl.load(At + (k0 + ar)[:, None] * rank + offs_r[None, :], mask=keep[:, None] & (offs_r < rank)[None, :],
-                       other=0.0)
+        return tl.load(At + (k0 + ar)[:, None] * a_stride + offs_r[None, :],
+                       mask=keep[:, None] & (offs_r < r_t)[None, :], other=0.0)
 
     @triton.jit
     def _load_x(Xp, Up, mask, GLU: tl.constexpr, r, NORM: tl.constexpr):
@@ -308,7 +288,7 @@ if triton is not None:
         U, GLU: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
         STRIDE: tl.constexpr, FIN_LOAD: tl.constexpr,
-        At, Bt, rank, lora_s, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+        At, Bt, rank, a_stride, lora_s, lora_s1, lora_s2, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the next one may launch now (docs/kernels/sparse_gemv.md#pdl-trigger)
@@ -334,6 +314,15 @@ if triton is not None:
         # split's share of its tile's own u = A x_m over A^T's kept rows (from L2 after the first
         # tile reads them), so no tile waits for another's u (docs/kernels/lora_gemv.md)
         acc_u = tl.zeros([BLOCK_R], dtype=tl.float32)
+        if LORA:  # the tile's segment (q|k|v, gate|up: aligned, checked by the launcher): its
+            # adapter's columns of A^T and its scale; scale 0, a site without one, reads nothing
+            seg = (pid_n * BLOCK_N >= b1).to(tl.int32) + (pid_n * BLOCK_N >= b2).to(tl.int32)
+            s_t = tl.where(seg == 0, lora_s, tl.where(seg == 1, lora_s1, lora_s2))
+            r_t = tl.where(s_t != 0.0, rank, 0)
+            At = At + seg * rank
+        else:
+            s_t = lora_s
+            r_t = rank
         if DBUF and not (NSEG > 1 and not SEG_ALIGNED):
             # Two tiles in flight: an iteration issues tile i + 1's weight loads (its x already
             # loaded) and tile i + 2's x, then sums tile i (docs/kernels/sparse_gemv.md#stages)
@@ -355,12 +344,12 @@ if triton is not None:
                 x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi,
                               GLU, r_norm, NORM)
             if LORA:
-                a_c = _load_a(At, k_lo, ar, k_lo + ar < k_hi, x_c, t0, rank, BLOCK_R)
+                a_c = _load_a(At, k_lo, ar, k_lo + ar < k_hi, x_c, t0, r_t, a_stride, BLOCK_R)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
                 w_n = _load_tile(Wl, k0, ar, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N)
                 if LORA:  # the adapter's rows of tile k0 in flight beside the weight's
-                    a_n = _load_a(At, k0, ar, offs_k < k_hi, x_n, t0, rank, BLOCK_R)
+                    a_n = _load_a(At, k0, ar, offs_k < k_hi, x_n, t0, r_t, a_stride, BLOCK_R)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
                 acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
                 if LORA:
@@ -369,7 +358,7 @@ if triton is not None:
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
                            mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
-                           Bt, N, rank, lora_s, acc_u, LORA, BLOCK_R)
+                           Bt, N, rank, r_t, s_t, acc_u, LORA, BLOCK_R)
             return
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -386,14 +375,14 @@ if triton is not None:
             # Masked lanes issue no load: a dropped row moves no bytes.
             w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :], mask=row_mask, other=0.0)
             if LORA:  # the adapter's kept rows, issued beside the weight's
-                a = _load_a(At, k0, tl.arange(0, BLOCK_K), in_k, x, t0, rank, BLOCK_R)
+                a = _load_a(At, k0, tl.arange(0, BLOCK_K), in_k, x, t0, r_t, a_stride, BLOCK_R)
             # Summed over the tile's rows at once: each thread holds all BLOCK_K rows of its 8
             # columns, so this is in-thread adds and the accumulator costs 8 registers.
             acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)  # (BLOCK_N,)
             if LORA:
                 acc_u += tl.sum(a.to(tl.float32) * x[:, None], axis=0)
         _finish_splits(Acc, Count, Bias, Y, acc, offs_n, mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID,
-                       FIN_LOAD, Bt, N, rank, lora_s, acc_u, LORA, BLOCK_R)
+                       FIN_LOAD, Bt, N, rank, r_t, s_t, acc_u, LORA, BLOCK_R)
 
 
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
@@ -403,7 +392,7 @@ def _sparse_gemv_op(
     block_n: int, block_k: int, splits: int, num_warps: int, stages: int, up: Tensor | None,
     residual: Tensor | None, norm_w: Tensor | None, ss_in: Tensor | None, eps: float,
     pdl: bool, programs_per_sm: int, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
-    lora_scale: float = 0.0,
+    lora_scales: list[float] | None = None,
 ) -> tuple[Tensor, Tensor]:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
@@ -419,7 +408,11 @@ def _sparse_gemv_op(
     # with a residual, each column tile's sum of squares of the new residual stream (else empty)
     ss = torch.empty(triton.cdiv(N, block_n) if residual is not None else 0, device=x.device, dtype=torch.float32)
     splits = common.splits(K, block_k, splits)
-    lora, rank = lora_a is not None, 0 if lora_a is None else lora_a.shape[1]
+    lora, rank = lora_a is not None, 0 if lora_b is None else lora_b.shape[0]
+    if lora and not all(b % block_n == 0 for b in bounds):
+        raise InputError(f"an adapter on a segmented launch needs the segment bounds {bounds} on the tile grid "
+                         f"(BLOCK_N {block_n}): run the sites apart")
+    scales = (list(lora_scales or [0.0]) + [0.0, 0.0])[:3]
     if ws_acc is None or ws_count is None:  # a memset: capturable, but a node more
         ws_acc, ws_count = lora_workspace(N, rank, x.device) if lora else workspace(N, x.device, block_n)
     y = torch.empty(N, device=x.device, dtype=x.dtype)
@@ -445,14 +438,14 @@ def _sparse_gemv_op(
         SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
         STRIDE=w_t.stride(0) if stages == 4 else 0, FIN_LOAD=finish_mode(num_warps) == "load",
         At=lora_a if lora else x, Bt=lora_b if lora else x, rank=rank,
-        lora_s=float(lora_scale), LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)),
+        a_stride=lora_a.shape[1] if lora else 0, lora_s=scales[0], lora_s1=scales[1], lora_s2=scales[2], LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)),
         num_warps=num_warps, num_stages=1, **cap, **({"launch_pdl": True} if pdl else {}))
     return y, ss
 
 
 @_sparse_gemv_op.register_fake
 def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, block_n, block_k, splits, num_warps, stages,
-      up, residual, norm_w, ss_in, eps, pdl, programs_per_sm, lora_a=None, lora_b=None, lora_scale=0.0):
+      up, residual, norm_w, ss_in, eps, pdl, programs_per_sm, lora_a=None, lora_b=None, lora_scales=None):
     K, N = w_t.shape
     if not block_n:
         block_n = default_config(K, N, x.dtype, x.device, programs_per_sm)[0]
@@ -498,9 +491,12 @@ def sparse_gemv(
     stream. With `norm` = (weight (K,) in x's dtype, ss, eps) x is such a stream and the input
     is RMSNorm(x), rounded as `models.decoder.RMSNorm`, formed in the x loads.
 
-    With `lora` = (a_t (K, r), b_t (r, N), s), both in x's dtype and contiguous, the call adds an adapter's s * B (A x_m) in the same launch (one segment only;
-    `kernels.lora_gemv.lora_gemv` is the public call, with its checks and its reference); `ws`
-    must then be `lora_workspace(N, r, device)`.
+    With `lora` = (a_t (K, r), b_t (r, N), s), both in x's dtype and contiguous, the call adds an
+    adapter's s * B (A x_m) in the same launch (`kernels.lora_gemv.lora_gemv` is the public call,
+    with its checks and its reference); `ws` must then be `lora_workspace(N, r, device)`. On a
+    segmented launch a_t is the sites' A^T side by side (K, S r), b_t their B^T (r, N) and s one
+    scale per site (0 for a site without an adapter: its A^T columns are never read); the
+    segment bounds must be whole column tiles (the launcher refuses others).
     """
     if triton is None:
         raise InputError("the sparse GEMV kernel needs Triton: pip install triton (or use sparse_gemv_ref)")
@@ -520,7 +516,7 @@ def sparse_gemv(
     for t in thresholds:
         K, N = check_inputs(x, w_t, t, bias)
     if lora is not None:
-        _check_lora(lora, x, K, N, segments, ws)
+        check_lora(lora, x, K, N, segments, ws)
     if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.device != x.device):
         raise InputError(f"up must match the gate x: {tuple(x.shape)} {x.dtype} on {x.device}; got "
                          f"{tuple(up.shape)} {up.dtype} on {up.device}")
@@ -571,26 +567,9 @@ def sparse_gemv(
                             *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K),
                             None if residual is None else residual.reshape(N), norm_w, ss_in, float(eps),
                             options.pdl, options.programs_per_sm, *(lora[:2] if lora else (None, None)),
-                            0.0 if lora is None else float(lora[2]))
+                            None if lora is None else lora_scales(lora[2]))
     y = y.reshape(*x.shape[:-1], N)
     return y if residual is None else (y, ss)
-
-
-def _check_lora(lora, x: Tensor, K: int, N: int, segments, ws) -> None:
-    """The adapter operands of `sparse_gemv(lora=...)`: (a_t (K, r), b_t (r, N), scale)."""
-    if not isinstance(lora, (tuple, list)) or len(lora) != 3:
-        raise InputError("lora= is (a_t (K, r), b_t (r, N), scale)")
-    a_t, b_t, _ = lora
-    r = a_t.shape[-1] if a_t.dim() == 2 else -1
-    for name, t, shape in (("a_t", a_t, (K, r)), ("b_t", b_t, (r, N))):
-        if t.shape != shape or r < 1 or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
-            raise InputError(f"the adapter's {name} must be contiguous {shape} in {x.dtype} on {x.device}; got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
-    if segments is not None:
-        raise InputError("an adapter runs on a one-site launch: a segmented (q|k|v, gate|up) call takes none")
-    n_acc, n_count = common.lora_workspace_sizes(N, r)
-    if ws is not None and (ws[0].numel() < n_acc or ws[1].numel() < n_count):
-        raise InputError(f"with an adapter ws must be lora_workspace({N}, {r}, device)")
 
 
 def sumsq(x: Tensor) -> Tensor:

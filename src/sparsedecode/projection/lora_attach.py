@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from sparsedecode.errors import InputError
 from sparsedecode.projection.cats_runtime import CatsMLP
+from sparsedecode.projection.lora_site import LoraConcat
 from sparsedecode.projection.sparse_linear import READ_ALL, SITE_KEYS, SparseLinear, sparse_modules
 from sparsedecode.projection.thresholds import MODULE_OF
 
@@ -71,7 +72,15 @@ def attach_lora_(model, sites: dict[str, tuple[Tensor, Tensor]], scale: float | 
             setattr(parent, name, mod)
         mod.attach_lora_(a, b, s)
         out.append(mod)
+    _refresh_concats(model)
     return out
+
+
+def _refresh_concats(model) -> None:
+    """Rebuild the side-by-side adapters of the fused launches (q|k|v, gate|up) from their sites'."""
+    for mod in model.modules():
+        if isinstance(mod, LoraConcat):
+            mod.refresh_lora_()
 
 
 def _sibling_options(model):
@@ -88,6 +97,7 @@ def detach_lora_(model) -> int:
         if mod.has_lora:
             mod.detach_lora_()
             n += 1
+    _refresh_concats(model)
     return n
 
 

@@ -48,7 +48,7 @@ from sparsedecode.kernels.cpu_gemv import (
 from sparsedecode.kernels.lora_gemv import lora_gemv_ref
 from sparsedecode.kernels.options import GemvOptions
 from sparsedecode.kernels.sparse_gemv import sparse_gemv, sparse_gemv_ref
-from sparsedecode.projection.lora_site import LoraSite
+from sparsedecode.projection.lora_site import LoraConcat, LoraSite
 from sparsedecode.projection.thresholds import MODULE_OF
 from sparsedecode.projection.thresholds import site_key as threshold_key
 
@@ -320,7 +320,7 @@ class SparseLinear(LoraSite, FixedDtypeBuffers):
                 + (f", lora_rank={self.lora_a_t.shape[1]}, lora_scale={self.lora_scale:g}" if self.has_lora else ""))
 
 
-class SparseConcat(FixedDtypeBuffers):
+class SparseConcat(LoraConcat, FixedDtypeBuffers):
     """One input-sparse launch for the sites that read the same input: q|k|v or gate|up.
 
     Each site keeps its own threshold, but the decode step pays one kernel launch (and its
@@ -334,7 +334,7 @@ class SparseConcat(FixedDtypeBuffers):
     GemvOptions of the launch (default: the first site's).
     """
 
-    FIXED_DTYPE = ("ws_acc",)
+    FIXED_DTYPE = ("ws_acc", *LoraConcat.LORA_FIXED)
 
     def __init__(self, sites: list[SparseLinear], options: GemvOptions | None = None):
         super().__init__()
@@ -358,18 +358,24 @@ class SparseConcat(FixedDtypeBuffers):
         acc, count = workspace(w_t.shape[1], w_t.device)
         self.register_buffer("ws_acc", acc, persistent=False)
         self.register_buffer("ws_count", count, persistent=False)
+        self._init_lora_cat()
 
     @property
     def fuse_norms(self) -> bool:
         """Whether the decoder runs this launch's input norm inside it: where the kernel runs
-        (`kernel_runs`; docs/kernels/sparse_gemv.md#fuse-norms) and no site holds an adapter."""
-        return kernel_runs(self.w_t) and not self.has_lora
+        (`kernel_runs`; docs/kernels/sparse_gemv.md#fuse-norms) and the sites' adapters, if any,
+        ride in the launch (`LoraConcat`)."""
+        return kernel_runs(self.w_t) and not self.sites_apart
 
     @property
     def has_lora(self) -> bool:
-        """Whether a site holds an adapter: then each site runs its own call (the segmented launch
-        takes no adapter; docs/kernels/lora_gemv.md)."""
         return any(m.lora_a_t is not None for m in self.sites)
+
+    @property
+    def sites_apart(self) -> bool:
+        """Whether each site runs its own call: a site holds an adapter that the segmented launch
+        cannot carry (`LoraConcat`: ranks differ, segments off the tile grid, no kernel here)."""
+        return self.has_lora and self.lora_launch()[0] is None
 
     def forward(self, x: Tensor, norm: tuple | None = None) -> list[Tensor]:
         """x (..., in) holding one token -> the sites' outputs [(..., out_j)], one launch.
@@ -377,7 +383,7 @@ class SparseConcat(FixedDtypeBuffers):
         With `norm` = (an `RMSNorm`, sums of squares of x from `SparseLinear(x, residual=...)`),
         x is the residual stream and the sites read the norm of it, formed in the launch."""
         rms, ss = norm if norm is not None else (None, None)
-        if self.has_lora:  # `fuse_norms` is off then: the decoder gives no norm
+        if self.sites_apart:  # `fuse_norms` is off then: the decoder gives no norm
             return [m(x if rms is None else rms(x)) for m in self.sites]
         if rms is None and not kernel_runs(x) and cpu_rows(self.w_t):
             return self._forward_cpu(x)
@@ -386,9 +392,10 @@ class SparseConcat(FixedDtypeBuffers):
             counted = x if rms is None else rms(x)  # the sites' input
             for m in tracked:
                 m.count_kept(counted)
+        lora, ws = self.lora_launch()
         y = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], self.bias,
-                        ws=(self.ws_acc, self.ws_count), segments=self.widths,
-                        norm=None if rms is None else (rms.weight, ss, rms.eps), options=self.options)
+                        ws=ws or (self.ws_acc, self.ws_count), segments=self.widths,
+                        norm=None if rms is None else (rms.weight, ss, rms.eps), options=self.options, lora=lora)
         return list(y.split(self.widths, dim=-1))
 
     def _forward_cpu(self, x: Tensor) -> list[Tensor]:
