@@ -14,25 +14,17 @@ from pathlib import Path
 
 from sparsedecode.errors import InputError
 from sparsedecode.quality.bootstrap import RESAMPLES, paired_bootstrap, ppl_interval
-from sparsedecode.records import read_record
-
-KIND = "mlp_sparsity_eval"
+from sparsedecode.report import finetune_table
+from sparsedecode.report.finetune_table import KIND, fmt_interval
 
 
 def load_records(folder: str | Path) -> list[dict]:
     """The comparison records of a folder ('dense' first, then CATS, SATS, routed)."""
-    recs = [read_record(p) for p in sorted(Path(folder).glob("*.json"))]
-    recs = [r for r in recs if isinstance(r, dict) and r.get("kind") == KIND]
-    if not recs:
-        raise InputError(f"{folder}: no {KIND} records (run benchmarks/sats_vs_cats.py --out {folder})")
-    order = {"dense": 0, "cats": 1, "sats": 2}
-    return sorted(recs, key=lambda r: (order.get(r["method"], 3), -(r.get("target_keep") or 1.0),
-                                       r.get("routing_target") or 0.0))
+    return finetune_table.load(folder, run="benchmarks/sats_vs_cats.py")
 
 
 def _fmt(iv, digits: int = 3, sign: bool = False) -> str:
-    f = f"{{:{'+' if sign else ''}.{digits}f}}"
-    return f"{f.format(iv.point)} [{f.format(iv.low)}, {f.format(iv.high)}]"
+    return fmt_interval(iv, sign=sign, digits=digits)
 
 
 def comparison_table(records: list[dict], resamples: int = RESAMPLES, seed: int = 0) -> str:

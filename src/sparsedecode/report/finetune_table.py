@@ -26,20 +26,22 @@ KIND = "mlp_sparsity_eval"
 IDENTITY = ("model", "chunks", "text", "targets_per_chunk")
 
 
-def load(folder: str | Path) -> list[dict]:
+def load(folder: str | Path, run: str = "benchmarks/finetune_sparse.py") -> list[dict]:
     """The evaluation records of a folder, in table order: dense, then each method training-free
-    before its fine-tuned forms, routed last."""
+    before its fine-tuned forms, routed last (also the order of `benchmarks/mlp_table.py`, whose
+    records carry no adapter). `run`: the command that writes them, for the error."""
     recs = [read_record(p) for p in sorted(Path(folder).glob("*.json"))]
     recs = [r for r in recs if isinstance(r, dict) and r.get("kind") == KIND]
     if not recs:
-        raise InputError(f"{folder}: no {KIND} records (run benchmarks/finetune_sparse.py --out {folder})")
+        raise InputError(f"{folder}: no {KIND} records (run {run} --out {folder})")
     order = {"dense": 0, "cats": 1, "sats": 2}
     return sorted(recs, key=lambda r: (order.get(r.get("method"), 3), -(r.get("target_keep") or 1.0),
                                        r.get("adapter") is not None, r.get("routing_target") or 0.0))
 
 
-def _fmt(iv: Interval, sign: bool = False) -> str:
-    f = f"{{:{'+' if sign else ''}.2f}}"
+def fmt_interval(iv: Interval, sign: bool = False, digits: int = 2) -> str:
+    """'point [low, high]' of a bootstrap interval."""
+    f = f"{{:{'+' if sign else ''}.{digits}f}}"
     return f"{f.format(iv.point)} [{f.format(iv.low)}, {f.format(iv.high)}]"
 
 
@@ -86,15 +88,15 @@ def markdown(records: list[dict], resamples: int = RESAMPLES, seed: int = 0) -> 
     for w in rows(records, resamples, seed):
         keep = "" if w["realized_keep"] is None else f"{w['realized_keep']:.3f}"
         routed = "" if w["routed"] is None else f"{w['routed']:.3f} ({w['routing_target']:g})"
-        vd = "" if w["vs_dense"] is None else _fmt(w["vs_dense"], sign=True)
-        vf = "" if w["vs_free"] is None else f"{_fmt(w['vs_free'], sign=True)} vs {w['free']}"
+        vd = "" if w["vs_dense"] is None else fmt_interval(w["vs_dense"], sign=True)
+        vf = "" if w["vs_free"] is None else f"{fmt_interval(w['vs_free'], sign=True)} vs {w['free']}"
         gap = "" if w["gap_closed"] is None else f"{w['gap_closed']:.0%}"
         loss = "" if w["final_loss"] is None else f"{w['final_loss']:.3f}"
         bound = "" if w["bound"] is None else f"{w['bound']:.3f}×"
-        vc = "" if w["vs_control"] is None else _fmt(w["vs_control"], sign=True)
-        lines.append(f"| {w['label']} | {keep} | {routed} | {_fmt(w['ppl'])} | {vd} | {vf} | {gap} | {vc} | {loss} "
+        vc = "" if w["vs_control"] is None else fmt_interval(w["vs_control"], sign=True)
+        lines.append(f"| {w['label']} | {keep} | {routed} | {fmt_interval(w['ppl'])} | {vd} | {vf} | {gap} | {vc} | {loss} "
                      f"| {bound} |")
     return "\n".join(lines)
 
 
-__all__ = ["KIND", "load", "markdown", "rows"]
+__all__ = ["fmt_interval", "KIND", "load", "markdown", "rows"]
