@@ -330,16 +330,21 @@ def test_bad_adapters_are_refused():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_adapter_loads_are_predicated_on_hopper():
-    """Compiled for sm_90 (no GPU needed) with an adapter: the base tiles' weight loads are the
-    same predicated 16-byte vectors as without it, the adapter adds its own predicated loads (the
-    rows of A^T of dropped channels are never read) and the relaxed adds of its tile's u, and a
-    program still arrives once (no arrival waits on another tile's u)."""
+    """Compiled for sm_90 (no GPU needed) with a rank-16 adapter: the kernel's 16-byte vector loads
+    are the base's plus the adapter's rows of A^T (a row's 16 values as whole vectors, not 2-byte
+    loads), every one predicated (the rows of dropped channels are never read); the relaxed adds of
+    the tile's u; and a program still arrives once (no arrival waits on another tile's u)."""
+    import re
+
     ptx0 = _compile_for_hopper(torch.bfloat16, 256, 16, even_n=True, dbuf=True, stride=4096).asm["ptx"]
     ptx = _compile_for_hopper(torch.bfloat16, 256, 16, even_n=True, dbuf=True, stride=4096, lora=True).asm["ptx"]
-    assert len(_weight_loads(ptx)) == len(_weight_loads(ptx0)), "the base tiles' vector loads must not change"
-    # the adapter's rows: 2-byte loads of bf16 under a predicate (BLOCK_R = 16 columns of 32 lanes)
-    small = [p for p in __import__("re").findall(r"^\s*(@!?%p\d+ )?ld\.global\.b16", ptx, __import__("re").M)]
-    assert small and all(small), "the adapter's loads of A^T must be predicated"
+    base, with_a = _weight_loads(ptx0), _weight_loads(ptx)
+    assert len(with_a) > len(base) and all(p for p, _ in with_a), "A^T's rows: predicated 16-byte vectors"
+    small = lambda p: len(re.findall(r"ld\.global\.b16", p))  # noqa: E731
+    # a few 2-byte loads of x in the adapter tile's layout may be re-issued; A^T's rows as 2-byte
+    # loads would add 8 or more a lane (what a rank the launcher does not specialise as a multiple
+    # of 16 compiles to)
+    assert small(ptx) - small(ptx0) < 8, "A^T's rows must load as vectors"
     assert ptx.count("atom.global.gpu.acq_rel.add") == ptx0.count("atom.global.gpu.acq_rel.add") == 1
     assert "red.global.gpu.relaxed.add.f32" in ptx and "red.global.gpu.relaxed.add.f32" not in ptx0
 

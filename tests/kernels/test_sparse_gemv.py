@@ -311,12 +311,13 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
                   LORA=lora, BLOCK_R=16)
     types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
                  Count="*i32", thr_f="fp32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32",
-                 At=ty, Bt=ty, Ub="*fp32", lora_s="fp32")
+                 At=ty, Bt=ty, lora_s="fp32", lora_s1="fp32", lora_s2="fp32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})
     # what the launcher specialises (torch's allocations are 16-byte aligned; 4096-row splits are whole tiles)
-    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "rows_per_split", "K")]
+    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "rows_per_split", "K")
+               + (("At", "Bt", "rank", "a_stride") if lora else ())]  # rank 16: specialised as well
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     try:
