@@ -167,6 +167,33 @@ def _mlp(d: int, d_ff: int, dtype, seed: int) -> nn.Module:
     return mlp
 
 
+def _adapter_cases(device) -> tuple[int, list[str]]:
+    """cats_up with an up adapter (SATS §4.2): u = A x (rounded to the dtype), then each kept row
+    adds s B_j . u; B's values of dropped rows are NaN (a kept row reading one would be NaN); one
+    split and several, ranks 5 and 16; dropped rows exactly 0."""
+    fails, n = [], 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for r, cfg in ((5, (32, 4, 128, 3, 1)), (16, (64, 8, 256, 1, 1)), (16, None)):
+            x, w, g, b = make(157, 1000, dtype, device=device, seed=r)
+            gen = torch.Generator().manual_seed(r + 1)
+            a_t = (torch.randn(1000, r, generator=gen) / math.sqrt(1000)).to(device, dtype)
+            b_t = torch.randn(r, 157, generator=gen).to(device, dtype)
+            t = threshold_for(g, 0.4)
+            keep = keep_mask(g, t).reshape(-1)
+            bad = torch.where(keep[None, :], b_t, torch.full_like(b_t, math.nan))
+            y = cats_up(x, w, g, t, b, config=cfg, lora=(a_t, bad, 2.0, None))
+            u = (x.float() @ a_t.float()).to(dtype).double()  # (1, r), as the kernel rounds it
+            up = x.double() @ w.double().t() + b.double() + 2.0 * u @ b_t.double()
+            want = torch.where(keep[None, :], g.double() * up, 0.0)
+            ulp = 2.0 ** -(7 if dtype == torch.bfloat16 else 20)
+            what = f"cats_up adapter {dtype} r={r} config={cfg}"
+            fails += [m for m in [mismatch(y, want, 8 * ulp * want.abs().max().item() + FLOOR[dtype], what)] if m]
+            if (y.reshape(-1)[~keep] != 0).any():
+                fails.append(f"{what}: dropped channels must be exactly 0")
+            n += 1
+    return n, fails
+
+
 def _interpreter_worker() -> None:
     """Run in a subprocess with TRITON_INTERPRET=1: kernel vs float64 and the masked reference.
 
@@ -248,7 +275,8 @@ def _interpreter_worker() -> None:
         dense = down(F.silu(gate(several)) * F.linear(several, up_w, cats.up_proj.bias))
         fails += [m for m in [mismatch(cats(several), dense, tol, f"CatsMLP {dtype} prefill")] if m]
         n += 3
-    print(json.dumps({"cases": n, "fails": fails}))
+    m, more = _adapter_cases("cpu")
+    print(json.dumps({"cases": n + m, "fails": fails + more}))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -332,6 +360,12 @@ def test_weight_loads_are_predicated_vectors_on_hopper(dtype):
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
+
+
+@gpu
+def test_kernel_with_an_up_adapter_on_cuda():
+    n, fails = _adapter_cases("cuda")
+    assert n == 6 and not fails, "\n".join(fails)
 
 
 @gpu

@@ -39,6 +39,8 @@ oracle of the tests and benchmark.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -136,11 +138,23 @@ if triton is not None:
     from sparsedecode.kernels.common import split_arrive, split_reset, split_take
 
     @triton.jit
+    def _adapter_rows(U, Bt, rows, mask, N, rank, lora_s, BLOCK_RK: tl.constexpr):
+        """s * B_j . u for the rows j under `mask`: u (rank,) the adapter's shrink of x, B stored
+        transposed, b_t (rank, N), so a rank's values of consecutive rows are contiguous; a dropped
+        row's adapter values are never loaded. float32, (len(rows),)."""
+        offs_k = tl.arange(0, BLOCK_RK)
+        in_r = offs_k < rank
+        u = tl.load(U + offs_k, mask=in_r, other=0.0).to(tl.float32)
+        bt = tl.load(Bt + offs_k[:, None] * N + rows[None, :], mask=in_r[:, None] & mask[None, :], other=0.0)
+        return lora_s * tl.sum(bt.to(tl.float32) * u[:, None], axis=0)
+
+    @triton.jit
     def _cats_up_kernel(
         X, W, G, Bias, Thr, Y, Acc, Count, thr_f, K, N, cols_per_split, num_splits,
         BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
         THR_T: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
         VEC: tl.constexpr, FIN_LOAD: tl.constexpr,
+        U, Bt, rank, lora_s, LORA: tl.constexpr, BLOCK_RK: tl.constexpr,
     ):
         # Program (row block, k split): BLOCK_R candidate rows, columns
         # [pid_k * cols_per_split, + cols_per_split) of each kept one.
@@ -183,6 +197,8 @@ if triton is not None:
                 # in-thread: the VEC products of one 16-byte vector fold into one partial
                 acc += tl.sum(tl.reshape(prod, [BLOCK_J, BLOCK_K // VEC, VEC]), axis=2)
             part = tl.sum(acc, axis=1)  # (BLOCK_J,)
+            if LORA and not SPLIT:  # the adapter's s B_j u of the group's kept rows
+                part += _adapter_rows(U, Bt, rows, valid, N, rank, lora_s, BLOCK_RK)
             if SPLIT:
                 tl.atomic_add(Acc + rows, part, mask=valid, sem="relaxed")
             else:
@@ -194,6 +210,8 @@ if triton is not None:
             if split_arrive(Count, pid_r, num_splits):
                 # the sums of the kept rows (dropped rows were never added to and are left alone)
                 total = split_take(Acc, offs_r, keep, FIN_LOAD)
+                if LORA:  # the adapter's s B_j u of the block's kept rows
+                    total += _adapter_rows(U, Bt, offs_r, keep, N, rank, lora_s, BLOCK_RK)
                 if HAS_BIAS:
                     total += tl.load(Bias + offs_r, mask=keep, other=0.0).to(tl.float32)
                 h = tl.where(keep, a * total, 0.0)
@@ -208,6 +226,7 @@ def _cats_up_op(
     x: Tensor, w_up: Tensor, gate_act: Tensor, thr_t: Tensor | None, thr_f: float, bias: Tensor | None,
     ws_acc: Tensor | None, ws_count: Tensor | None,
     block_r: int, block_j: int, block_k: int, splits: int, num_warps: int, programs_per_sm: int,
+    lora_u: Tensor | None = None, lora_b: Tensor | None = None, lora_scale: float = 0.0,
 ) -> Tensor:
     # Declared pure although it writes the workspace: the kernel returns it to all-zero
     # before it exits (see sparse_gemv). Host-side choices run at trace and capture time.
@@ -225,20 +244,23 @@ def _cats_up_op(
         rows_per_split(K, block_k, splits), splits,
         BLOCK_R=block_r, BLOCK_J=block_j, BLOCK_K=block_k, THR_T=thr_t is not None,
         HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0, SPLIT=splits > 1, VEC=16 // x.element_size(),
-        FIN_LOAD=finish_mode(num_warps) == "load", num_warps=num_warps, num_stages=1,
+        FIN_LOAD=finish_mode(num_warps) == "load",
+        U=lora_u if lora_u is not None else y, Bt=lora_b if lora_b is not None else y,
+        rank=0 if lora_b is None else lora_b.shape[0], lora_s=float(lora_scale), LORA=lora_b is not None,
+        BLOCK_RK=max(MIN_BLOCK, pow2(0 if lora_b is None else lora_b.shape[0])), num_warps=num_warps, num_stages=1,
     )
     return y
 
 
 @_cats_up_op.register_fake
-def _(x, w_up, gate_act, thr_t, thr_f, bias, ws_acc, ws_count, *config):
+def _(x, w_up, gate_act, thr_t, thr_f, bias, ws_acc, ws_count, *config, lora_u=None, lora_b=None, lora_scale=0.0):
     return x.new_empty(w_up.shape[0])
 
 
 def cats_up(
     x: Tensor, w_up: Tensor, gate_act: Tensor, threshold, bias: Tensor | None = None,
     ws: tuple[Tensor, Tensor] | None = None, config: tuple[int, int, int, int, int] | None = None,
-    *, programs_per_sm: int = PROGRAMS_PER_SM,
+    *, programs_per_sm: int = PROGRAMS_PER_SM, lora: tuple | None = None,
 ) -> Tensor:
     """CATS-gated up projection of one token with the Triton kernel (CUDA, or CPU under
     TRITON_INTERPRET=1): reads only the rows of w_up whose channel is kept.
@@ -252,6 +274,12 @@ def cats_up(
     zeroes a fresh one); `config` (BLOCK_R, BLOCK_J, BLOCK_K, splits, num_warps) overrides
     `default_config`, for tuning; without it the splits aim at `programs_per_sm` programs per
     SM (a plain value of the custom op, so a captured graph bakes it in).
+
+    With `lora` = (a_t (K, r), b_t (r, N), s, u_ws or None), both factors contiguous in x's
+    dtype, up carries an adapter (SATS paper §4.2): u = A x is one more launch, dense (x is not
+    sparse at up's input; `kernels.sparse_gemv` at threshold -inf, u rounded to x's dtype as eager
+    PEFT rounds it, `u_ws` its persistent `workspace(r, device)`), and each kept row adds
+    s * B_j . u before bias and gate_act: B's values of dropped rows are never read.
     """
     if triton is None:
         raise InputError("the CATS up kernel needs Triton: pip install triton (or use cats_up_ref)")
@@ -282,10 +310,29 @@ def cats_up(
             raise InputError(f"BLOCK_J must be <= BLOCK_R and splits >= 1; got {config}")
     thr_t, thr_f = (threshold.reshape(()), 0.0) if isinstance(threshold, Tensor) else (None, float(threshold))
     bias = None if bias is None else bias.contiguous()
+    u, b_t, scale = _adapter_shrink(lora, x, K, N)
     h = _cats_up_op(x.reshape(K).contiguous(), w_up, gate_act.reshape(N).contiguous(), thr_t, thr_f, bias,
                     *(ws or (None, None)),
-                    *(config or (0, 0, 0, 0, 0)), programs_per_sm)
+                    *(config or (0, 0, 0, 0, 0)), programs_per_sm, u, b_t, scale)
     return h.reshape(*gate_act.shape[:-1], N)
+
+
+def _adapter_shrink(lora, x: Tensor, K: int, N: int) -> tuple[Tensor | None, Tensor | None, float]:
+    """(u (r,), b_t, s) of `cats_up(lora=...)`, u = A x by one dense launch; (None, None, 0) without."""
+    if lora is None:
+        return None, None, 0.0
+    from sparsedecode.kernels.sparse_gemv import sparse_gemv
+
+    if not isinstance(lora, (tuple, list)) or len(lora) != 4:
+        raise InputError("lora= is (a_t (K, r), b_t (r, N), scale, u workspace or None)")
+    a_t, b_t, scale, ws_u = lora
+    r = b_t.shape[0] if b_t.dim() == 2 else -1
+    for name, t, shape in (("a_t", a_t, (K, r)), ("b_t", b_t, (r, N))):
+        if t.shape != shape or r < 1 or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
+            raise InputError(f"the up adapter's {name} must be contiguous {shape} in {x.dtype} on {x.device}; "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    u = sparse_gemv(x.reshape(K), a_t, -math.inf, ws=ws_u)  # every row of A^T: x is dense here
+    return u, b_t, float(scale)
 
 
 __all__ = ["cats_up", "cats_up_ref", "check_inputs", "default_config"]
