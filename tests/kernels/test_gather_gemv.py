@@ -276,7 +276,20 @@ def _interpreter_worker() -> None:
         fails += [m for m in [mismatch(cats(several), dense, tol, f"CatsMLP {dtype} prefill")] if m]
         n += 3
     m, more = _adapter_cases("cpu")
-    print(json.dumps({"cases": n + m, "fails": fails + more}))
+    # CatsMLP holding up's adapter apart: the kernel path against the masked formula
+    mlp = _mlp(64, 96, torch.float32, seed=6)
+    xs = torch.randn(1, 1, 64)
+    act = F.silu(mlp.gate_proj(xs))
+    t = threshold_for(act, 0.5)
+    up_w = mlp.up_proj.weight.detach().clone()
+    cats = CatsMLP(mlp, t)
+    gen = torch.Generator().manual_seed(8)
+    a, b = torch.randn(4, 64, generator=gen) / 8, torch.randn(96, 4, generator=gen)
+    cats.attach_up_lora_(a, b, 2.0)
+    up = F.linear(xs, up_w, cats.up_proj.bias) + 2.0 * (xs @ a.t()) @ b.t()
+    masked = cats.down_proj((act * keep_mask(act, t)) * up)
+    more += [e for e in [mismatch(cats(xs), masked, 1e-5 * masked.abs().max().item(), "CatsMLP up adapter")] if e]
+    print(json.dumps({"cases": n + m + 1, "fails": fails + more}))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

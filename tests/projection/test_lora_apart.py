@@ -65,17 +65,23 @@ def test_every_site_is_a_gemv_with_its_factors(tmp_path):
         assert not getattr(layer.self_attn.q_proj, "has_lora", False)  # not a target
 
 
-def test_cats_with_an_up_adapter_apart_is_refused_before_anything_changes(tmp_path):
-    apart = _engine(adapter=_adapter(tmp_path, targets="mlp"), kernels=APART)
+def test_cats_with_an_up_adapter_apart_decodes_as_merged(tmp_path):
+    """CATS with adapters on gate, up and down held apart: up's adapter rides on the CatsMLP (the
+    row-gather adds it for the kept rows), and the model decodes as the merged one at the same
+    thresholds, prefill and decode, through CATS and back to dense."""
+    path = _adapter(tmp_path, targets="mlp")
+    apart, merged = _engine(adapter=path, kernels=APART), _engine(adapter=path)
     th = get_calibrator("cats", keep=0.5).calibrate(_engine(), torch.randint(0, 100, (512,)).tolist())
     th_file = th.save(tmp_path / "c.safetensors")
-    before = _decode(apart)[1]
-    with pytest.raises(InputError, match=r"up projection.*lora\.merge=true"):
-        apart.configure(f"proj[{th_file}]")
-    assert apart.thresholds is None and len(lora_sites(apart.model)) == 3 * 3
-    _close(_decode(apart)[1], before, "after the refusal")  # the same model decodes the same tokens
-    merged = _engine(adapter=_adapter(tmp_path, "b", targets="mlp"))
-    merged.configure(f"proj[{th_file}]")  # merged, CATS runs the fine-tuned weights
+    for cfg in (f"proj[{th_file}]", "dense", f"proj[{th_file}]"):
+        apart.configure(cfg)
+        merged.configure(cfg)
+        assert len(lora_sites(apart.model)) == 3 * 3, f"after configure({cfg}) every MLP site holds its adapter"
+        (pm, dm), (pa, da) = _decode(merged), _decode(apart)
+        _close(pa, pm, f"{cfg}: prefill apart vs merged")
+        _close(da, dm, f"{cfg}: decode apart vs merged")
+    assert all(layer.mlp.has_up_lora for layer in apart.model.layers)
+    assert apart.attach_adapter() == 0, "every site holds its adapter: nothing to attach again"
 
 
 def test_merge_is_fixed_once_an_adapter_is_loaded(tmp_path):

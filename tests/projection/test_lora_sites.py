@@ -201,16 +201,20 @@ def test_engine_with_adapters_decodes_as_merged_weights(sparse):
     assert (d0 - dm).abs().max().item() > 1e-3 * scale, "without the adapters the logits must differ"
 
 
-def test_cats_up_is_refused_and_dtype_cast_keeps_fixed_buffers():
+def test_cats_up_rides_on_the_cats_mlp_and_dtype_cast_keeps_fixed_buffers():
     from sparsedecode.projection.cats_runtime import cats_
 
     eng, _ = engine_pair()
     cats_(eng.model, {f"layers.{i}.act": 0.05 for i in range(2)})
-    with pytest.raises(InputError, match="CATS MLP's up"):
-        attach_lora_(eng.model, adapters_for(eng.model, ["layers.0.mlp.up_proj"]), SCALE)
+    [mlp] = attach_lora_(eng.model, adapters_for(eng.model, ["layers.0.mlp.up_proj"]), SCALE)
+    assert mlp is eng.model.layers[0].mlp and mlp.has_up_lora and lora_sites(eng.model) == ["layers.0.up"]
+    with pytest.raises(InputError, match="up adapter of layers.0.act must be A"):
+        mlp.attach_up_lora_(torch.zeros(4, 3), torch.zeros(96, 4), SCALE)
     [down] = attach_lora_(eng.model, adapters_for(eng.model, ["layers.0.mlp.down_proj"]), SCALE)
     eng.model.to(torch.bfloat16)
     assert down.lora_a_t.dtype == torch.bfloat16 and down.lora_ws_acc.dtype == torch.float32
+    assert mlp.up_a_t.dtype == torch.bfloat16 and mlp.up_ws_acc.dtype == torch.float32
+    assert detach_lora_(eng.model) == 2 and not lora_sites(eng.model) and not mlp.has_up_lora
 
 
 def _interpreter_worker() -> None:

@@ -36,10 +36,6 @@ class Branches:
         sites = set(th.sites)
         if ACT_SITE in sites and sites != {ACT_SITE}:
             raise InputError("a thresholds file holds CATS ('act') or input-site thresholds, not both")
-        if ACT_SITE in sites and self._apart() and any(k.endswith(".up_proj") for k in self.adapter.factors):
-            raise InputError(f"{self.adapter.path} adapts the MLP's up projection, held apart (lora.merge=false), and a "
-                             "CATS/SATS MLP reads up's kept rows by a gather that takes no unmerged adapter yet "
-                             "(docs/kernels/lora_gemv.md): load with lora.merge=true (the default) to run it merged")
         if (ACT_SITE in sites) != (self.linear_needed_by == "CATS thresholds") and self._layouts is None:
             old, self.thresholds = self.thresholds, None  # laid out anew below: set_kernels must not put it back
             try:
@@ -84,10 +80,8 @@ class Branches:
         if self.kernels_asked.cpu.step:  # at load; set_kernels refuses it afterwards
             raise InputError(CPU_STEP_APART)
         from sparsedecode.projection.lora_attach import attach_lora_
-        from sparsedecode.projection.lora_site import LoraSite
 
-        sites = [k for k in self.adapter.factors
-                 if not (isinstance(mod := self.model.get_submodule(k), LoraSite) and mod.has_lora)]
+        sites = [k for k in self.adapter.factors if not self._holds_adapter(k)]
         if not sites:
             return 0
 
@@ -96,6 +90,17 @@ class Branches:
                      {k: a.factors[k].scale for k in sites})
         self._graph = None
         return len(sites)
+
+    def _holds_adapter(self, key: str) -> bool:
+        """Whether the site at module path `key` holds its adapter already (a CATS MLP holds up's)."""
+        from sparsedecode.projection.cats_runtime import CatsMLP
+        from sparsedecode.projection.lora_site import LoraSite
+
+        mod = self.model.get_submodule(key)
+        if isinstance(mod, LoraSite):
+            return mod.has_lora
+        parent = self.model.get_submodule(key.rsplit(".", 1)[0])
+        return isinstance(parent, CatsMLP) and key.endswith("up_proj") and parent.has_up_lora
 
     def _apart(self) -> bool:
         """Whether the engine runs a loaded adapter apart from the weights (lora.merge=false)."""

@@ -94,10 +94,11 @@ class LoraOptions:
 
     merge: add s·B·A into the base weights at load (true, the default): every kernel runs
         unchanged on the fine-tuned weights and the step reads no more bytes than the base.
-        false: the factors stay apart and each adapted site adds s·B(A x_m) in its own GEMV
+        false: the factors stay apart and each adapted site adds s·B(A x_m) inside its GEMV
         launch (`kernels.lora_gemv`: A^T read only in kept input rows, the expand in the same
-        launch), re-attached after every `Engine.configure`. Fixed for an engine's life once an
-        adapter is loaded. A CATS/SATS MLP's up projection takes no unmerged adapter (refused).
+        launch; q|k|v and gate|up in their one fused launch), re-attached after every
+        `Engine.configure`. Fixed for an engine's life once an adapter is loaded. A CATS/SATS
+        MLP's up adapter: u = A x in one more launch, B read for the kept rows only.
     """
 
     merge: bool = True

@@ -40,6 +40,7 @@ from sparsedecode.kernels.common import interpreting as _interpreting
 from sparsedecode.kernels.common import keep_mask, workspace
 from sparsedecode.kernels.cpu_gemv import cats_up_cpu, has_entry
 from sparsedecode.kernels.gather_gemv import cats_up
+from sparsedecode.kernels.lora_gemv import lora_delta
 from sparsedecode.projection.sparse_linear import FixedDtypeBuffers, SparseLinear
 
 
@@ -58,7 +59,8 @@ class CatsMLP(FixedDtypeBuffers):
     row-gather kernel runs (a CPU model stores it column-major for faster CPU GEMV).
     """
 
-    FIXED_DTYPE = ("threshold", "ws_acc")
+    FIXED_DTYPE = ("threshold", "ws_acc", "up_ws_acc")
+    UP_LORA = ("up_a_t", "up_b_t", "up_ws_acc", "up_ws_count")  # up's adapter apart (attach_up_lora_)
 
     def __init__(self, mlp: nn.Module, threshold: float, site: str = "", track: bool = False):
         super().__init__()
@@ -85,6 +87,40 @@ class CatsMLP(FixedDtypeBuffers):
         self.register_buffer("ws_count", count, persistent=False)
         self.router: Router | None = None  # token routing (set_router); None: always sparse
         self.down_dense = None  # CPU routing only: down as the original nn.Linear
+        for name in self.UP_LORA:
+            self.register_buffer(name, None, persistent=False)
+        self.up_scale = 0.0
+
+    def attach_up_lora_(self, a: Tensor, b: Tensor, scale: float) -> None:
+        """Hold an adapter of up apart (SATS paper §4.2): A (r, in), B (out, r) as PEFT holds them,
+        scale alpha / r; stored as A^T (in, r) and B^T (r, out) in up's dtype. One-token calls run
+        `cats_up(lora=...)`: u = A x by one dense launch, then s B_j . u for the kept rows j only."""
+        from sparsedecode.errors import InputError
+
+        up = self.up_proj
+        if (a.dim() != 2 or b.dim() != 2 or a.shape[0] < 1 or a.shape[1] != up.in_features
+                or b.shape != (up.out_features, a.shape[0])):
+            raise InputError(f"the up adapter of {self.site or 'a CATS MLP'} must be A (r, {up.in_features}) and "
+                             f"B ({up.out_features}, r); got {tuple(a.shape)} and {tuple(b.shape)}")
+        dev, dtype = up.weight.device, up.weight.dtype
+        self.up_a_t = a.detach().to(dev, dtype).t().contiguous()
+        self.up_b_t = b.detach().to(dev, dtype).t().contiguous()
+        self.up_scale = float(scale)
+        self.up_ws_acc, self.up_ws_count = workspace(a.shape[0], dev)  # u's launch, zero between calls
+
+    def detach_up_lora_(self) -> None:
+        for name in self.UP_LORA:
+            setattr(self, name, None)
+        self.up_scale = 0.0
+
+    @property
+    def has_up_lora(self) -> bool:
+        return self.up_a_t is not None
+
+    def _up(self, x: Tensor) -> Tensor:
+        """up(x) of every channel (prefill, dense-routed and masked steps), with its adapter's term."""
+        y = self.up_proj(x)
+        return y if self.up_a_t is None else y + lora_delta(x, self.up_a_t, self.up_b_t, self.up_scale)
 
     def set_router(self, router: Router | None) -> None:
         """Route this MLP's decode steps by `router` (None: every step sparse, as before).
@@ -103,7 +139,7 @@ class CatsMLP(FixedDtypeBuffers):
         """x (..., d) -> (..., d)."""
         act = F.silu(self.gate_proj(x))  # (..., d_ff)
         if x.shape[:-1].numel() != 1:
-            return self.down_proj(act * self.up_proj(x))  # prefill: dense (down runs dense too)
+            return self.down_proj(act * self._up(x))  # prefill: dense (down runs dense too)
         flag = None if self.router is None else self.router.flag  # 0-d bool: this step is sparse
         # the threshold this step applies: a dense-routed step keeps every channel
         thr = self.threshold if flag is None else torch.where(flag, self.threshold, KEEP_ALL)
@@ -113,16 +149,21 @@ class CatsMLP(FixedDtypeBuffers):
             self.kept[1] += keep.numel()
         if x.is_cuda or _interpreting():
             # reads only the up rows of kept channels; h is 0 exactly where dropped
+            lora = None if self.up_a_t is None else (self.up_a_t, self.up_b_t, self.up_scale,
+                                                     (self.up_ws_acc, self.up_ws_count))
             h = cats_up(x, self.up_proj.weight, act, thr, self.up_proj.bias,
-                        ws=(self.ws_acc, self.ws_count))  # (..., d_ff)
+                        ws=(self.ws_acc, self.ws_count), lora=lora)  # (..., d_ff)
             return self.down_proj(h)  # zeros: down skips those rows
         if _cpu_up(self.up_proj.weight):  # the CPU kernels read only kept rows of up and down
             if flag is not None and not torch.compiler.is_compiling() and not bool(flag):
-                return self._down_dense(act * self.up_proj(x))  # dense-routed: the original MLP's ops
+                return self._down_dense(act * self._up(x))  # dense-routed: the original MLP's ops
             # (traced: a dense-routed step keeps every channel through the kernels, `thr`)
             h = cats_up_cpu(x, self.up_proj.weight, act, thr, self.up_proj.bias)
+            if self.up_a_t is not None:  # the adapter's term of the kept rows, in PyTorch (reads all of B)
+                delta = lora_delta(x, self.up_a_t, self.up_b_t, self.up_scale)
+                h = h + torch.where(keep_mask(act, thr), act * delta, torch.zeros_like(h))
             return self.down_proj(h)  # zeros: down skips those rows (kernels.cpu_gemv)
-        up = self.up_proj(x)  # (..., d_ff)
+        up = self._up(x)  # (..., d_ff)
         h = (act * keep_mask(act, self.threshold)) * up  # masked: up read whole
         sparse = self.down_proj(h)  # (..., d)
         if flag is None:

@@ -9,8 +9,8 @@ adapter loader calls it with the adapter's tensors; `detach_lora_` takes every a
 
 Site keys: the module path `layers.3.mlp.down_proj` (any prefix before `layers.`, as PEFT names
 it, `base_model.model.model.layers.3.mlp.down_proj`, is dropped) or the thresholds key
-`layers.3.down`. A CATS MLP's up projection (row-gathered by its kept SiLU(gate) channels) takes
-no adapter yet and is refused (docs/kernels/lora_gemv.md).
+`layers.3.down`. A CATS MLP's up projection (row-gathered by its kept SiLU(gate) channels) holds
+its adapter on the `CatsMLP` (`attach_up_lora_`: the gather kernel adds it for the kept rows).
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def site_of(key: str) -> tuple[int, str]:
     return int(m.group(1)), name
 
 
-def attach_lora_(model, sites: dict[str, tuple[Tensor, Tensor]], scale: float | dict[str, float]) -> list[SparseLinear]:
+def attach_lora_(model, sites: dict[str, tuple[Tensor, Tensor]], scale: float | dict[str, float]) -> list:
     """Attach adapters to `model` (a `Transformer`, sparse or not): `sites` maps a site key to
     (A (r, in), B (out, r)); `scale` is alpha / r, one number or one per key. Every key is checked
-    before any site changes. Returns the sites' modules in the order given. A decode step captured
+    before any site changes. Returns the sites' modules in the order given (a CATS MLP's up: the
+    `CatsMLP`, which holds it, `attach_up_lora_`). A decode step captured
     or compiled before this call keeps running without the adapters: capture again."""
     parents = {(i, name): parent for i, name, parent in model.projection_sites()}
     plan = []
@@ -55,10 +56,6 @@ def attach_lora_(model, sites: dict[str, tuple[Tensor, Tensor]], scale: float | 
             raise InputError(f"no adapter scale for site '{key}'")
         parent = parents[i, name]
         mod = getattr(parent, name)
-        if isinstance(parent, CatsMLP) and name == "up_proj":
-            raise InputError(f"adapter site '{key}': a CATS MLP's up projection is row-gathered by its kept "
-                             "SiLU(gate) channels and takes no unmerged adapter yet; merge this adapter "
-                             "(docs/kernels/lora_gemv.md)")
         if not isinstance(mod, (SparseLinear, nn.Linear)):
             raise InputError(f"adapter site '{key}' is a {type(mod).__name__}, which takes no adapter")
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
@@ -66,6 +63,10 @@ def attach_lora_(model, sites: dict[str, tuple[Tensor, Tensor]], scale: float | 
         plan.append((i, parent, name, mod, pair, s))
     out = []
     for i, parent, name, mod, (a, b), s in plan:
+        if isinstance(parent, CatsMLP) and name == "up_proj":  # row-gathered: the CATS kernel takes it
+            parent.attach_up_lora_(a, b, s)
+            out.append(parent)
+            continue
         if not isinstance(mod, SparseLinear):  # a dense site: the GEMV that reads every row
             mod = SparseLinear.from_linear(mod, READ_ALL, site=f"layers.{i}.{SITE_KEYS[name]}",
                                            options=_sibling_options(model))
@@ -97,13 +98,22 @@ def detach_lora_(model) -> int:
         if mod.has_lora:
             mod.detach_lora_()
             n += 1
+    for mlp in _cats_mlps(model):
+        if mlp.has_up_lora:
+            mlp.detach_up_lora_()
+            n += 1
     _refresh_concats(model)
     return n
 
 
 def lora_sites(model) -> list[str]:
     """The thresholds keys ('layers.3.down') of the sites that hold an adapter."""
-    return [mod.site for mod in sparse_modules(model) if mod.has_lora]
+    return ([mod.site for mod in sparse_modules(model) if mod.has_lora]
+            + [mlp.site.rsplit(".", 1)[0] + ".up" for mlp in _cats_mlps(model) if mlp.has_up_lora])
+
+
+def _cats_mlps(model) -> list[CatsMLP]:
+    return [m for m in model.modules() if isinstance(m, CatsMLP)]
 
 
 __all__ = ["attach_lora_", "detach_lora_", "lora_sites", "site_of"]
