@@ -317,8 +317,10 @@ def _compile_for_hopper(dtype, config, even_k=True, split=True):
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_R=block_r, BLOCK_J=block_j, BLOCK_K=block_k, THR_T=True, HAS_BIAS=True,
                   EVEN_K=even_k, SPLIT=split, VEC=16 // torch.empty((), dtype=dtype).element_size(),
-                  FIN_LOAD=gg.finish_mode(warps) == "load")  # the split-K finish as launched
-    types = dict(X=ty, W=ty, G=ty, Bias=ty, Y=ty, Thr="*fp32", Acc="*fp32", Count="*i32", thr_f="fp32")
+                  FIN_LOAD=gg.finish_mode(warps) == "load",  # the split-K finish as launched
+                  LORA=False, BLOCK_RK=16)  # no up adapter: the base kernel
+    types = dict(X=ty, W=ty, G=ty, Bias=ty, Y=ty, Thr="*fp32", Acc="*fp32", Count="*i32", thr_f="fp32",
+                 U=ty, Bt=ty, lora_s="fp32")
     names = fn.arg_names
     sig = {n: types.get(n, "i32") for n in names}
     sig.update({n: "constexpr" for n in consts})

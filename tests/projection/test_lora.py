@@ -122,7 +122,9 @@ def test_merged_equals_base_plus_lora_of_the_masked_input(tmp_path, method):
     and on SiLU(gate) for CATS; the prefill runs under the masks (the masked reference)."""
     path = _adapter(tmp_path, targets="all")
     merged, ref = _engine(adapter=path), _unmerged(path)
-    th = get_calibrator(method, keep=0.5).calibrate(merged, torch.randint(0, 100, (512,)).tolist())
+    # seeded: a threshold a hair from a channel's value flips its mask between the two float orders
+    calib = torch.randint(0, 100, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    th = get_calibrator(method, keep=0.5).calibrate(merged, calib)
     with masks(merged.model, th.values):
         got = merged.prefill(IDS, all_logits=True)
     with masks(ref.model, th.values):
