@@ -102,6 +102,16 @@ class Branches:
         parent = self.model.get_submodule(key.rsplit(".", 1)[0])
         return isinstance(parent, CatsMLP) and key.endswith("up_proj") and parent.has_up_lora
 
+    def _check_lora_kernels(self, kernels) -> None:
+        """What `set_kernels` refuses of a loaded adapter: another lora.merge (fixed for the engine's
+        life), and cpu.step=true while it runs apart."""
+        if self.adapter is not None and kernels.lora.merge != self.kernels.lora.merge:
+            raise InputError(f"lora.merge={str(kernels.lora.merge).lower()}: this engine loaded adapter "
+                             f"{self.adapter.path} {'merged' if self.kernels.lora.merge else 'apart'}, for its life; "
+                             "load the model again with the option")
+        if self._apart() and kernels.cpu.step:
+            raise InputError(CPU_STEP_APART)
+
     def _apart(self) -> bool:
         """Whether the engine runs a loaded adapter apart from the weights (lora.merge=false)."""
         return self.adapter is not None and not self.kernels.lora.merge

@@ -25,7 +25,7 @@ import torch
 
 from sparsedecode.config import SparsityConfig
 from sparsedecode.engine.batch import BatchDecoder
-from sparsedecode.engine.branches import CPU_STEP_APART, Branches
+from sparsedecode.engine.branches import Branches
 from sparsedecode.engine.device import (
     dict_tag_guards_off,
     use_compile_cache,
@@ -349,12 +349,7 @@ class Engine(Branches):
         if not isinstance(kernels, KernelOptions):
             raise InputError(f"set_kernels takes a KernelOptions, got {type(kernels).__name__}; build one with "
                              "KernelOptions.parse('gemv.pdl=false')")
-        if self.adapter is not None and kernels.lora.merge != self.kernels.lora.merge:
-            raise InputError(f"lora.merge={str(kernels.lora.merge).lower()}: this engine loaded adapter "
-                             f"{self.adapter.path} {'merged' if self.kernels.lora.merge else 'apart'}, for its life; "
-                             "load the model again with the option")
-        if self._apart() and kernels.cpu.step:
-            raise InputError(CPU_STEP_APART)
+        self._check_lora_kernels(kernels)
         self.kernels_asked, kernels = kernels, self._resolved(kernels)
         check_dense_gemv(self.model, kernels.gemv)
         old, self.kernels = self.kernels, kernels

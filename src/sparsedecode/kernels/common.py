@@ -144,6 +144,19 @@ def lora_scales(scale) -> list[float]:
     return [float(v) for v in scale] if isinstance(scale, (list, tuple)) else [float(scale)]
 
 
+def check_factors(a_t: Tensor, b_t: Tensor, K: int, N: int, dtype: torch.dtype, device, segments: int = 1,
+                  who: str = "adapter") -> int:
+    """An adapter's A^T (K, segments * r) and B^T (r, N), contiguous in `dtype` on `device`, r >= 1
+    (read from a_t's columns); returns r. The one check of every kernel that takes factors."""
+    r = a_t.shape[-1] // segments if a_t.dim() == 2 else -1
+    for name, t, shape in (("a_t", a_t, (K, segments * r)), ("b_t", b_t, (r, N))):
+        if t.shape != shape or r < 1 or t.dtype != dtype or t.device != torch.device(device) or not t.is_contiguous():
+            raise InputError(f"the {who}'s {name} must be contiguous {shape} in {dtype} on {device}"
+                             f"{' (the segments side by side)' if segments > 1 else ''}; got {tuple(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    return r
+
+
 def check_lora(lora, x: Tensor, K: int, N: int, segments, ws) -> None:
     """The adapter operands of `sparse_gemv(lora=...)`: (a_t (K, S r), b_t (r, N), scale), S the
     segments (1 without), scale one number or one per segment (0: that site has no adapter)."""
@@ -151,12 +164,7 @@ def check_lora(lora, x: Tensor, K: int, N: int, segments, ws) -> None:
         raise InputError("lora= is (a_t (K, r), b_t (r, N), scale)")
     a_t, b_t, scale = lora
     n_seg = 1 if segments is None else len(segments)
-    r = b_t.shape[0] if b_t.dim() == 2 else -1
-    for name, t, shape in (("a_t", a_t, (K, n_seg * r)), ("b_t", b_t, (r, N))):
-        if t.shape != shape or r < 1 or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
-            raise InputError(f"the adapter's {name} must be contiguous {shape} in {x.dtype} on {x.device}"
-                             f"{' (the segments side by side)' if n_seg > 1 else ''}; got {tuple(t.shape)} "
-                             f"{t.dtype} on {t.device}")
+    r = check_factors(a_t, b_t, K, N, x.dtype, x.device, n_seg)
     if len(lora_scales(scale)) != n_seg or not all(math.isfinite(v) for v in lora_scales(scale)):
         raise InputError(f"the adapter wants {n_seg} finite scale(s), one per segment; got {scale!r}")
     n_acc, n_count = lora_workspace_sizes(N, r)

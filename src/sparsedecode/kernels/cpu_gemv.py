@@ -34,7 +34,7 @@ from torch import Tensor
 
 from sparsedecode.cache import cache_dir
 from sparsedecode.errors import InputError
-from sparsedecode.kernels.common import keep_mask
+from sparsedecode.kernels.common import check_factors, keep_mask
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # built into one library: the GEMVs, and the whole decode step that calls them (kernels.cpu_step)
@@ -184,11 +184,7 @@ def _gemv_rows(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None, kept, lor
 
 def _lora_args(w_t: Tensor, a_t: Tensor, b_t: Tensor, scale: float) -> tuple:
     """The adapter's C arguments (A^T, B^T, r, scale), checked against the (K, N) weight w_t."""
-    (K, N), r = w_t.shape, a_t.shape[-1]
-    for name, t, shape in (("a_t", a_t, (K, r)), ("b_t", b_t, (r, N))):
-        if t.shape != shape or t.dtype != w_t.dtype or t.device.type != "cpu" or not t.is_contiguous():
-            raise InputError(f"the adapter's {name} must be contiguous {shape} in {w_t.dtype} on CPU; got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    r = check_factors(a_t, b_t, *w_t.shape, w_t.dtype, "cpu")
     return a_t.data_ptr(), b_t.data_ptr(), r, float(scale)
 
 

@@ -326,11 +326,7 @@ def _adapter_shrink(lora, x: Tensor, K: int, N: int) -> tuple[Tensor | None, Ten
     if not isinstance(lora, (tuple, list)) or len(lora) != 4:
         raise InputError("lora= is (a_t (K, r), b_t (r, N), scale, u workspace or None)")
     a_t, b_t, scale, ws_u = lora
-    r = b_t.shape[0] if b_t.dim() == 2 else -1
-    for name, t, shape in (("a_t", a_t, (K, r)), ("b_t", b_t, (r, N))):
-        if t.shape != shape or r < 1 or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous():
-            raise InputError(f"the up adapter's {name} must be contiguous {shape} in {x.dtype} on {x.device}; "
-                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    common.check_factors(a_t, b_t, K, N, x.dtype, x.device, who="up adapter")
     u = sparse_gemv(x.reshape(K), a_t, -math.inf, ws=ws_u)  # every row of A^T: x is dense here
     return u, b_t, float(scale)
 

@@ -310,9 +310,9 @@ if triton is not None:
         k_lo = pid_k * rows_per_split
         k_hi = tl.minimum(k_lo + rows_per_split, K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # With LORA (one segment only: the launcher refuses others) every program also sums its
-        # split's share of its tile's own u = A x_m over A^T's kept rows (from L2 after the first
-        # tile reads them), so no tile waits for another's u (docs/kernels/lora_gemv.md)
+        # With LORA every program also sums its split's share of its tile's own u = A x_m over
+        # A^T's kept rows (from L2 after the first tile reads them), so no tile waits for
+        # another's u (docs/kernels/lora_gemv.md)
         acc_u = tl.zeros([BLOCK_R], dtype=tl.float32)
         if LORA:  # the tile's segment (q|k|v, gate|up: aligned, checked by the launcher): its
             # adapter's columns of A^T and its scale; scale 0, a site without one, reads nothing

@@ -383,7 +383,8 @@ class SparseConcat(LoraConcat, FixedDtypeBuffers):
         With `norm` = (an `RMSNorm`, sums of squares of x from `SparseLinear(x, residual=...)`),
         x is the residual stream and the sites read the norm of it, formed in the launch."""
         rms, ss = norm if norm is not None else (None, None)
-        if self.sites_apart:  # `fuse_norms` is off then: the decoder gives no norm
+        lora, ws = self.lora_launch()
+        if lora is None and self.has_lora:  # sites apart: `fuse_norms` is off, the decoder gives no norm
             return [m(x if rms is None else rms(x)) for m in self.sites]
         if rms is None and not kernel_runs(x) and cpu_rows(self.w_t):
             return self._forward_cpu(x)
@@ -392,7 +393,6 @@ class SparseConcat(LoraConcat, FixedDtypeBuffers):
             counted = x if rms is None else rms(x)  # the sites' input
             for m in tracked:
                 m.count_kept(counted)
-        lora, ws = self.lora_launch()
         y = sparse_gemv(x, self.w_t, [m.threshold for m in self.sites], self.bias,
                         ws=ws or (self.ws_acc, self.ws_count), segments=self.widths,
                         norm=None if rms is None else (rms.weight, ss, rms.eps), options=self.options, lora=lora)
