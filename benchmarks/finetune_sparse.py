@@ -37,6 +37,8 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 import sparsedecode
 from sparsedecode.account import bounds
 from sparsedecode.corpus import text_ids, wikitext_path
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--held-out-tokens", type=int, default=16384)
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=FinetuneOptions.steps, help="fine-tuning steps per adapter")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (float32 either way: the masked reference, quality only)")
     a = ap.parse_args()
     a.adapters = a.adapters or Path("runs/finetune") / a.model
     a.out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +83,8 @@ def main() -> None:
 
 def run(a) -> None:
     t0 = time.perf_counter()
-    eng = sparsedecode.load(a.model, device="cpu", dtype="float32", max_len=CHUNK + 8, compile=False)
+    eng = sparsedecode.load(a.model, device=a.device, dtype="float32", max_len=CHUNK + 8, compile=False)
+    where = "CPU" if eng.device.type == "cpu" else torch.cuda.get_device_name(eng.device)
     val = text_ids(eng.tokenizer, wikitext_path("valid"))
     test = text_ids(eng.tokenizer, wikitext_path("test"))
     c, r, h = a.cal_tokens, a.route_tokens, a.held_out_tokens
@@ -127,8 +131,8 @@ def run(a) -> None:
         ft = None if adapter is None else read_record(adapter / FT_RECORD)
         write_record(a.out / f"{name}.json", stamp({
             "kind": KIND, "name": name, "label": label, "method": method, "target_keep": keep,
-            "routing_target": route, "model": eng.name, "device": "cpu", "dtype": "float32",
-            "runtime": "masked reference (CPU)", "chunks": a.chunks, "text": text,
+            "routing_target": route, "model": eng.name, "device": eng.device.type, "dtype": "float32",
+            "runtime": f"masked reference ({where})", "chunks": a.chunks, "text": text,
             "targets_per_chunk": CHUNK - DENSE, "nll": nll, "realized_keep": real,
             "realized_keep_text": text["keep"], "routed": routed,
             "routed_text": "the scored positions of the perplexity chunks",
@@ -168,7 +172,7 @@ def run(a) -> None:
         if all((a.out / f"{n}.json").exists() for n in names):
             continue
         adapters[base] = adapter(base)
-        ft = sparsedecode.load(a.model, device="cpu", dtype="float32", max_len=CHUNK + 8, compile=False,
+        ft = sparsedecode.load(a.model, device=a.device, dtype="float32", max_len=CHUNK + 8, compile=False,
                                adapter=str(adapters[base]))
         real = None if th is None else measure_keep(ft, th, eval_ids)["act_keep"]
         tables = {}
