@@ -89,6 +89,10 @@ GRID3 = ('[[grid]]\ngroup = "a"\ncontexts = ["128", 64, "96"]\nmodes = ["dense",
     ('device = "tpu"', None, "device 'tpu'"),
     ('fill = "zeros"', None, "fill 'zeros'"),
     ('dtype = "int8"', None, "dtype 'int8'"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense", "proj0.5"]\nmethod = "greedy"\n', "method 'greedy'"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense", "sel0.5"]\nmethod = "cats"\n', "mode dense has none"),
+    ("", '[[grid]]\ngroup = "g"\ncontexts = [64]\nmodes = ["dense", "proj0.5"]\nmethod = "cats"\nbatch = 2\n',
+     "give batch 1"),
 ])
 def test_spec_errors_name_the_field(tiny, top, grids, match):
     with pytest.raises(InputError, match=match):
@@ -127,6 +131,21 @@ def test_plan_has_every_cell_of_every_grid_in_every_block(tiny):
     assert all(c.campaign == "tiny" and c.repeats == 2 and c.obs == 16 for c in cells)
     assert record_path("D", cells[0]) == Path("D/cells") / cells[0].group / (
         f"{cells[0].cell}_{cells[0].context}_b0.json")
+
+
+def test_a_grid_method_reaches_every_cell_and_its_command(tiny, tmp_path):
+    """method = 'cats' calibrates the grid's proj<keep> cells on |SiLU(gate)| (SATS §3.1): every cell
+    of that grid carries it, and the fresh process that runs one is told (`bench cell --method`)."""
+    grids = ('[[grid]]\ngroup = "teal"\ncontexts = [64]\nmodes = ["dense", "proj0.5"]\n'
+             '[[grid]]\ngroup = "cats"\ncontexts = [64]\nmodes = ["dense", "proj0.5"]\nmethod = "cats"\n')
+    cells = plan(parse_spec(toml(tiny, "blocks = 1", grids)))
+    assert {(c.group, c.mode, c.method) for c in cells} == {  # a dense cell calibrates nothing
+        ("teal", "dense", "teal"), ("teal", "proj0.5", "teal"), ("cats", "dense", "teal"), ("cats", "proj0.5", "cats")}
+    for c in cells:
+        argv = campaign.cell_argv(c, tmp_path / "x.json")
+        assert ("--method" in argv) == (c.method == "cats")
+        if c.method == "cats":
+            assert argv[argv.index("--method") + 1] == "cats"
 
 
 def test_plan_alternates_sweep_direction_between_blocks(tiny):

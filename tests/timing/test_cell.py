@@ -231,3 +231,49 @@ def test_cli_cell_writes_its_record(tiny, tmp_path):
     rec = json.loads(out.read_text())
     assert (rec["status"], rec["cell"], rec["context"], rec["fill"]) == ("ok", "window50", 96, "random")
     assert json.loads(res.stdout)["ms_per_token"] == pytest.approx(rec["ms_per_token"])
+
+
+@pytest.mark.parametrize("method", ["cats", "sats"])
+def test_a_cats_or_sats_cell_reads_the_attention_projections_whole(tiny, method):
+    """method cats/sats calibrates a proj<keep> cell on |SiLU(gate)| (SATS §3.1): the MLP's weight
+    keep is (1 + 2k)/3 (gate whole, up and down in kept channels) and the seven projections' keep
+    the record prices counts q, k, v and o whole."""
+    from sparsedecode.projection.thresholds import site_params
+    from sparsedecode.timing.cell import seven_projection_keep
+
+    rec = run_cell(spec(tiny, mode="proj0.5", method=method, calib_tokens=512))
+    assert rec["status"] == "ok" and rec["proj_method"] == method and rec["calibration"]["method"] == method
+    mlp, r = rec["realized_mlp_keep"], rec["realized_projection_keep"]
+    assert 1 / 3 < mlp < 1, mlp  # gate is read whole: never below a third
+    dims = ModelDims(**rec["model"]["dims"])
+    attn = sum(site_params(dims, s) for s in "qkvo")
+    ff = sum(site_params(dims, s) for s in ("gate", "up", "down"))
+    assert r == pytest.approx((attn + ff * mlp) / (attn + ff)) == seven_projection_keep(dims, mlp)
+    assert r > mlp  # the attention projections are read whole
+    assert rec["bytes_per_step"] == pytest.approx(timed_step_bytes(dims, N, r, 1.0, 4, 4))
+    assert rec["spec"]["method"] == method
+    teal = run_cell(spec(tiny, mode="proj0.5"))
+    assert teal["proj_method"] == "teal" and teal["realized_mlp_keep"] is None
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(method="greedy"), "method 'greedy' is not one of teal, cats, sats"),
+    (dict(method="cats", mode="sel0.3"), "mode sel0.3 has none"),
+    (dict(method="cats", mode="dense"), "mode dense has none"),
+    (dict(method="sats", mode="proj0.5", batch=2), "give batch 1"),
+    (dict(method="sats", mode="proj0.5"), "SATS calibrates on at least 512 tokens"),
+])
+def test_a_cell_method_that_cannot_run_is_refused(tiny, kw, match):
+    with pytest.raises(InputError, match=match):
+        spec(tiny, **kw)
+
+
+def test_cli_cell_takes_the_method(tiny, tmp_path):
+    out = tmp_path / "cell.json"
+    res = CliRunner().invoke(app, ["bench", "cell", "--model", tiny, "--init", "random", "--context", "96",
+                                   "--mode", "proj0.5", "--method", "cats", "--calib-tokens", "256",
+                                   "--warmup", "1", "--repeats", "2", "--steps", "2", "--device", "cpu",
+                                   "--json", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(out.read_text())
+    assert (rec["proj_method"], rec["spec"]["method"]) == ("cats", "cats") and rec["realized_mlp_keep"] > 1 / 3

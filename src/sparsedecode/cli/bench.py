@@ -78,6 +78,7 @@ def cell(
     shared_gpu: Annotated[str, typer.Option("--shared-gpu", help="When other processes hold the GPU: refuse (the default: they skew the step) or allow (time anyway; the record names them).")] = "refuse",
     batch: Annotated[int, typer.Option("--batch", callback=bounded(1, 4096), help="Sequences a step decodes, each its own stretch of the stream and cache row (issue 44; 1 = one sequence).")] = 1,
     adapter: AdapterOpt = None,
+    method: Annotated[str, typer.Option("--method", metavar="METHOD", help="What calibrates a proj<keep> mode: teal (the seven projections), cats or sats (SiLU(gate); attention projections dense).")] = "teal",
     out: Annotated[str | None, typer.Option("--out", "-o", callback=out_file(new=True), help="Record to write (never overwritten); a failure writes a 'failed' record.")] = None,
     campaign: Annotated[str, typer.Option("--campaign", hidden=True)] = "",
     block: Annotated[int, typer.Option("--block", hidden=True)] = 0,
@@ -105,7 +106,7 @@ def cell(
                         mode=mode, attention=attention, warmup=warmup, repeats=repeats, steps=steps,
                         fill=fill, compile_mode=compile_mode, text=text_file,
                         calib_tokens=parse_tokens(calib_tokens, "--calib-tokens"), obs=obs, seed=seed,
-                        kernels=kernels, impl=impl, profile=profile, shared_gpu=shared_gpu, batch=batch, adapter=adapter or "", campaign=campaign, block=block, group=group,
+                        kernels=kernels, impl=impl, profile=profile, shared_gpu=shared_gpu, batch=batch, adapter=adapter or "", method=method, campaign=campaign, block=block, group=group,
                         cell=cell_id, order=order)
         log = None if json_out else (lambda line: print(line, file=sys.stderr, flush=True))
         rec = run_cell(spec, log=log)

@@ -453,14 +453,30 @@ def own_teal(engine, keep: float, tokens: int = 2048, seed: int = 0, text_file=N
     calibrates them: WikiText-2 validation (or `text_file`, cached per model, `cached_teal`)
     with a tokenizer, `tokens` seeded random ids without one (a random-init model for timing).
     Returns (thresholds, what they were calibrated on)."""
-    import torch
+    return own_thresholds(engine, keep, "teal", tokens=tokens, seed=seed, text_file=text_file, progress=progress)
 
+
+def own_thresholds(engine, keep: float, method: str = "teal", tokens: int = 2048, seed: int = 0, text_file=None,
+                   progress: bool = False):
+    """Thresholds of `method` (teal, cats, sats: `CALIBRATORS`) at `keep` on the model's own
+    activations: WikiText-2 validation (or `text_file`) with a tokenizer, TEAL's cached
+    (`cached_teal`), `tokens` seeded random ids without one (a random-init model for timing: its
+    keep is real, App. A). Returns (thresholds, what they were calibrated on)."""
     if engine.tokenizer is not None:
-        th = cached_teal(engine, keep, tokens=tokens, text_file=text_file, progress=progress)
-        return th, "wikitext-2 validation" if text_file is None else "text option (valid split)"
+        what = "wikitext-2 validation" if text_file is None else "text option (valid split)"
+        if method == "teal":
+            return cached_teal(engine, keep, tokens=tokens, text_file=text_file, progress=progress), what
+        from sparsedecode.corpus import text_ids, wikitext_path
+
+        path = wikitext_path("valid", text_file)
+        ids = text_ids(engine.tokenizer, path)
+        if len(ids) < tokens:
+            raise InputError(f"{path} has {len(ids):,} tokens, fewer than the {tokens:,} calibration needs")
+        th = get_calibrator(method, keep=keep).calibrate(engine, ids[:tokens], text=f"{path.name}[:{tokens}]",
+                                                         progress=progress)
+        return th, what
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, engine.dims.vocab, (tokens,), generator=gen)
-    th = get_calibrator("teal", keep=keep).calibrate(engine, ids, text=f"random ids (seed {seed})",
+    th = get_calibrator(method, keep=keep).calibrate(engine, ids, text=f"random ids (seed {seed})",
                                                     progress=progress)
     return th, f"random ids (seed {seed})"
-

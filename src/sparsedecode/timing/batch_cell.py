@@ -33,7 +33,7 @@ from dataclasses import asdict
 
 from sparsedecode.timing.cell_fields import (
     PREFILL_CHUNK,
-    calibrate_teal,
+    calibrate_own,
     engine_fields,
     peak_memory,
     stream_ids,
@@ -134,7 +134,7 @@ def run_batch_cell(spec, log=None) -> dict:
     if mode.proj_method:  # before the fill: calibration's passes write slot 0
         t = time.perf_counter()
         with dec._on_slot(0):
-            thresholds, calibration = calibrate_teal(eng, spec, mode.proj_keep)
+            thresholds, calibration = calibrate_own(eng, spec, mode.proj_keep)
         sync()
         one_time["calibrate_s"] = time.perf_counter() - t
         say(f"calibrated teal {mode.proj_keep:g} on {calibration['ids']} in {one_time['calibrate_s']:.1f} s")

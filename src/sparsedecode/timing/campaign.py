@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from sparsedecode.errors import InputError, option
-from sparsedecode.timing.cell import CellSpec, model_window
+from sparsedecode.timing.cell import CellSpec, cell_config, model_window
 from sparsedecode.timing.folder import finished, retire, spec_differences, write_atomic
 from sparsedecode.timing.neighbors import check_alone
 from sparsedecode.timing.processes import TermAsInterrupt, launch, stop
@@ -112,7 +112,8 @@ def plan(spec: CampaignSpec) -> list[CellSpec]:
                     steps=spec.steps, fill=spec.fill, compile_mode=spec.compile_mode,
                     text=spec.text or None, calib_tokens=spec.calib_tokens, obs=spec.obs, seed=spec.seed,
                     kernels=v, impl=g.impl, profile=spec.profile if g.impl == "ours" else 0,
-                    shared_gpu=spec.shared_gpu, batch=g.batch, adapter=g.adapter, campaign=spec.name, block=block, group=group, order=len(cells)))
+                    shared_gpu=spec.shared_gpu, batch=g.batch, adapter=g.adapter, campaign=spec.name, block=block,
+                    method=g.method if cell_config(mode).proj_method else "teal", group=group, order=len(cells)))
     return cells
 
 
@@ -163,6 +164,8 @@ def cell_argv(cell: CellSpec, out: Path, python: str | None = None) -> list[str]
         argv += ["--batch", str(cell.batch)]
     if cell.adapter:
         argv += ["--adapter", cell.adapter]
+    if cell.method != "teal":
+        argv += ["--method", cell.method]
     return argv + ["--out", str(out)]
 
 

@@ -45,7 +45,7 @@ from sparsedecode.errors import InputError
 from sparsedecode.projection.thresholds import MIN_TOKENS
 from sparsedecode.timing.cell_fields import (
     PREFILL_CHUNK,
-    calibrate_teal,
+    calibrate_own,
     engine_fields,
     peak_memory,
     stream_ids,
@@ -59,6 +59,7 @@ FILLS = ("prefill", "random")
 INITS = ("pretrained", "random")
 IMPLS = ("ours", "transformers", "graph")  # whose decode step a cell times (timing.peer)
 CELL_KINDS = ("dense", "proj", "sel", "window", "both")
+CELL_METHODS = ("teal", "cats", "sats")  # what calibrates a cell's projection keep (`calibrate_own`)
 
 
 def cell_config(text) -> SparsityConfig:
@@ -115,6 +116,7 @@ class CellSpec:
     shared_gpu: str = "refuse"  # timing.neighbors: refuse a GPU other processes hold, or allow and record
     batch: int = 1
     adapter: str = ""  # a LoRA adapter folder, or 'random:r16:all' (projection.lora.random_spec); '' = none
+    method: str = "teal"  # what calibrates a proj<keep>: teal (seven projections), cats or sats (SiLU(gate))
     campaign: str = ""
     block: int = 0
     group: str = ""
@@ -153,6 +155,14 @@ class CellSpec:
             from sparsedecode.projection.lora import check_adapter_ref
 
             check_adapter_ref(self.adapter)  # a bad folder or name fails before the model loads
+        check_method(self.method, mode, self.batch, self.impl)
+        if self.method == "sats" and mode.proj_method:
+            from sparsedecode.projection.calibrate import get_calibrator
+
+            least = get_calibrator("sats", keep=0.5).error_tokens  # its per-layer error needs these
+            if self.calib_tokens < least:
+                raise InputError(f"calib_tokens {self.calib_tokens}: SATS calibrates on at least {least} tokens "
+                                 "(--calib-tokens, or calib_tokens in a campaign spec)")
         if self.profile and self.impl != "ours":
             raise InputError(f"profile: only our own step is profiled, not the '{self.impl}' peer; "
                              "drop profile from that cell or grid")
@@ -171,6 +181,22 @@ class CellSpec:
     def generated(self) -> int:
         """Tokens the cell decodes: warm-up plus timed steps."""
         return self.warmup + self.repeats * self.steps
+
+
+def check_method(method: str, mode: SparsityConfig, batch: int = 1, impl: str = "ours") -> None:
+    """A cell's calibration method: teal, or cats/sats (SATS §3.1: thresholds on |SiLU(gate)|, the
+    attention projections dense) for a mode with a projection keep, one sequence, our own step."""
+    if method not in CELL_METHODS:
+        raise InputError(f"method '{method}' is not one of {', '.join(CELL_METHODS)} (what calibrates a "
+                         "proj<keep> cell's thresholds)")
+    if method == "teal":
+        return
+    if not mode.proj_method:
+        raise InputError(f"method '{method}' calibrates a projection keep; mode {mode} has none: give proj<keep> "
+                         "or both<proj keep>/<kv keep>, or method teal")
+    if batch > 1 or impl != "ours":
+        raise InputError(f"method '{method}': CATS/SATS thresholds run in our one-sequence step; give batch 1 and "
+                         "impl 'ours', or method teal")
 
 
 def check_batch_cell(spec: CellSpec, mode: SparsityConfig) -> None:
@@ -295,10 +321,10 @@ def run_cell(spec: CellSpec, log=None) -> dict:
     thresholds, calibration = None, None
     if mode.proj_method:  # before the fill: calibration runs its own passes over the cache
         t = time.perf_counter()
-        thresholds, calibration = calibrate_teal(eng, spec, mode.proj_keep)
+        thresholds, calibration = calibrate_own(eng, spec, mode.proj_keep)
         sync()
         one_time["calibrate_s"] = time.perf_counter() - t
-        say(f"calibrated teal {mode.proj_keep:g} on {calibration['ids']} in {one_time['calibrate_s']:.1f} s")
+        say(f"calibrated {spec.method} {mode.proj_keep:g} on {calibration['ids']} in {one_time['calibrate_s']:.1f} s")
 
     t = time.perf_counter()
     _fill(eng, spec, ids)
@@ -318,10 +344,12 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         selection = {"first_s": sel.select_s, "first_phases": sel.phases,
                      "warm_s": again.select_s, "warm_phases": again.phases}
         one_time["select_warm_s"] = again.select_s
-    realized = 1.0
+    realized, mlp_keep = 1.0, None
     if thresholds is not None:
         t = time.perf_counter()
         realized = _tracked_keep(eng, n, ids[n : n + min(KEEP_STEPS, generated)])
+        if spec.method != "teal":  # the MLP's weight keep: the seven projections' reads it makes
+            mlp_keep, realized = realized, seven_projection_keep(eng.dims, realized)
         sync()
         one_time["keep_s"] = time.perf_counter() - t
 
@@ -372,6 +400,7 @@ def run_cell(spec: CellSpec, log=None) -> dict:
         "ms_per_token": 1e3 / statistics.fmean(tps),
         "step_ms_median": med,
         "realized_projection_keep": realized,
+        "realized_mlp_keep": mlp_keep,  # CATS/SATS: gate whole, up and down in kept channels; None for TEAL
         "kv_budget": budget,
         "kv_read_fraction": kv_read,
         "bytes_per_step": nbytes,
@@ -422,6 +451,16 @@ def _fill(eng, spec: CellSpec, ids: list[int]) -> None:
 KEEP_STEPS = 8  # eager tracked steps that measure the realized projection keep
 
 
+def seven_projection_keep(dims, mlp_keep: float) -> float:
+    """The keep over the seven projections' weights of a step that reads the MLP's (gate, up,
+    down) at `mlp_keep` and the attention projections whole (CATS/SATS, SATS §3.2)."""
+    from sparsedecode.projection.thresholds import INPUT_SITES, site_params
+
+    total = sum(site_params(dims, s) for s in INPUT_SITES)
+    mlp = sum(site_params(dims, s) for s in ("gate", "up", "down"))
+    return (total - mlp + mlp * mlp_keep) / total
+
+
 def _tracked_keep(eng, n: int, tokens) -> float:
     """Projection keep realized by eager decode steps at positions n, n+1, ... feeding
     `tokens` (App. A 'Timed reads'), pooled over the steps by the sparse modules' counters
@@ -444,5 +483,5 @@ def _time_steps(eng, toks: list[int], spec: CellSpec, cuda: bool) -> list[float]
     return time_blocks(lambda: eng.decode_step(next(it)), spec.warmup, spec.repeats, spec.steps, cuda)
 
 
-__all__ = ["ATTENTION", "FILLS", "CellSpec", "cell_config", "check_fits", "failed_record", "model_window",
+__all__ = ["ATTENTION", "CELL_METHODS", "FILLS", "CellSpec", "cell_config", "check_fits", "check_method", "failed_record", "model_window",
            "run_cell", "timed_step_bytes"]

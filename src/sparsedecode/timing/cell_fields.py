@@ -38,13 +38,15 @@ def peak_memory(dev) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def calibrate_teal(eng, spec, keep: float):
-    """Uniform TEAL thresholds at `keep` on the model's own activations (`own_teal`), as a timing
-    cell (`spec`, a `timing.cell.CellSpec`) calibrates them; (thresholds, what the record says)."""
-    from sparsedecode.projection.calibrate import own_teal
+def calibrate_own(eng, spec, keep: float):
+    """Thresholds of the cell's method (`spec.method`: uniform TEAL, or CATS/SATS on SiLU(gate)) at
+    `keep` on the model's own activations (`own_thresholds`), as a timing cell (`spec`, a
+    `timing.cell.CellSpec`) calibrates them; (thresholds, what the record says)."""
+    from sparsedecode.projection.calibrate import own_thresholds
 
-    th, what = own_teal(eng, keep, tokens=spec.calib_tokens, seed=spec.seed, text_file=spec.text)
-    return th, {"method": "teal", "keep": keep, "ids": what, "text": th.calibration.get("text"),
+    method = spec.method
+    th, what = own_thresholds(eng, keep, method, tokens=spec.calib_tokens, seed=spec.seed, text_file=spec.text)
+    return th, {"method": th.method, "keep": keep, "ids": what, "text": th.calibration.get("text"),
                 "tokens": spec.calib_tokens}
 
 
@@ -101,7 +103,7 @@ def engine_fields(spec, eng, mode, dev) -> dict:
         "mode_spec": str(mode),
         "projection_keep": mode.proj_keep,
         "kv_keep": mode.kv_keep,
-        "proj_method": mode.proj_method,
+        "proj_method": mode.proj_method and spec.method,  # what calibrated the keep
         "kv_method": mode.kv_method,
         "attention": spec.attention,
         "kernels": eng.kernels.to_dict(),
@@ -110,5 +112,5 @@ def engine_fields(spec, eng, mode, dev) -> dict:
     }
 
 
-__all__ = ["PREFILL_CHUNK", "bookkeeping", "calibrate_teal", "dense_step_label", "engine_fields", "peak_memory",
+__all__ = ["PREFILL_CHUNK", "bookkeeping", "calibrate_own", "dense_step_label", "engine_fields", "peak_memory",
            "stream_ids", "timed_step_bytes"]

@@ -17,6 +17,7 @@ from sparsedecode.timing.cell import (
     FILLS,
     IMPLS,
     cell_config,
+    check_method,
     kernels_text,
     model_window,
 )
@@ -56,6 +57,7 @@ _GRID: dict[str, tuple[tuple[type, ...], object]] = {
     "pairs": ((str,), "dense"),
     "batch": ((int,), 1),
     "adapter": ((str,), ""),
+    "method": ((str,), "teal"),
 }
 
 
@@ -64,7 +66,8 @@ class Grid:
     """One [[grid]] table: a group of contexts x modes under one attention path, timed under
     each of its kernel variants ('' = the default options; else `--kernels` text, e.g.
     'lora.merge=false'), each step decoding `batch` sequences (`timing.batch_cell`; 1: the
-    single-sequence protocol), with `adapter` loaded in every cell ('' = none; issue 45)."""
+    single-sequence protocol), with `adapter` loaded in every cell ('' = none; issue 45) and its
+    proj<keep> cells calibrated by `method` (teal; cats or sats: SATS §3.1, dense modes stay dense)."""
 
     group: str
     contexts: tuple[int, ...]
@@ -74,6 +77,7 @@ class Grid:
     impl: str = "ours"
     batch: int = 1
     adapter: str = ""  # a LoRA adapter every cell loads (a folder, or 'random:r16:all'); '' = none
+    method: str = "teal"  # what calibrates the proj<keep> cells: teal, or cats/sats (`timing.cell.check_method`)
 
 
 @dataclass(frozen=True)
@@ -278,8 +282,14 @@ def _grid(g: dict, where: str) -> Grid:
             raise InputError(f"{where}: {e}") from None
         if g["impl"] != "ours":
             raise InputError(f"{where}: an adapter loads into our engine, not the {g['impl']} peer; drop it")
+    method, proj = g["method"], [cell_config(m) for m in modes if cell_config(m).proj_method]
+    try:
+        for mode in proj or [cell_config("dense")]:
+            check_method(method, mode, batch, g["impl"])
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
     return Grid(g["group"], tuple(contexts), tuple(modes), g["attention"], tuple(variants), g["impl"], batch,
-                adapter)
+                adapter, method)
 
 
 def variant_group(group: str, kernels: str) -> str:
