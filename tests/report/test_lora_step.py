@@ -56,6 +56,9 @@ def test_adapter_bytes_are_kept_rows_of_a_and_all_of_b():
     # mlp: gate/up (16, 8) and down (8, 16); r * (keep * in + out) each, bf16, three layers
     per_layer = 2 * (0.5 * 8 + 16) + (0.5 * 16 + 8)
     assert lora_step.adapter_bytes(dims, {"rank": 2, "targets": "mlp"}, 0.5, "bfloat16") == 2 * per_layer * 3 * 2
+    # CATS at act keep 0.25: gate whole; up A^T whole, B^T kept rows; down A^T kept rows, B^T whole
+    cats = (8 + 16) + (8 + 0.25 * 16) + (0.25 * 16 + 8)
+    assert lora_step.adapter_bytes(dims, {"rank": 2, "targets": "mlp"}, 0.9, "bfloat16", 0.25) == 2 * cats * 3 * 2
 
 
 def test_a_campaign_without_apart_cells_is_refused(campaign_folder, tmp_path):

@@ -24,15 +24,24 @@ TARGET = 1.3  # issue 45: the adapter's extra time within 1.3x of its bytes at t
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def adapter_bytes(dims, adapter: dict, keep: float, dtype: str) -> float:
+def adapter_bytes(dims, adapter: dict, keep: float, dtype: str, act_keep: float | None = None) -> float:
     """Bytes an adapter's factors take from memory in one decode step: per site r * (keep * in +
     out) elements (A^T in kept rows only, B^T whole), every adapted projection of every layer.
-    `adapter`: a record's adapter block (rank, targets)."""
+    `adapter`: a record's adapter block (rank, targets). Under CATS/SATS thresholds (`act_keep`: the
+    kept fraction of SiLU(gate) channels) the attention sites and gate read A^T whole, up reads
+    A^T whole (u = A x: its input is not sparse) and B^T in kept rows only, down reads A^T in kept
+    rows only (SATS §4.2; docs/kernels/lora_gemv.md)."""
     from sparsedecode.projection.lora import TARGETS, projection_shape
 
     r, mods = int(adapter["rank"]), TARGETS[adapter["targets"]]
-    per_layer = sum(r * (keep * projection_shape(dims, m)[1] + projection_shape(dims, m)[0]) for m in mods)
-    return per_layer * dims.n_layers * DTYPE_BYTES[dtype]
+
+    def elems(m):
+        out, inp = projection_shape(dims, m)
+        if act_keep is None:
+            return r * (keep * inp + out)
+        return r * (inp + act_keep * out if m == "up_proj" else act_keep * inp + out if m == "down_proj" else inp + out)
+
+    return sum(elems(m) for m in mods) * dims.n_layers * DTYPE_BYTES[dtype]
 
 
 def load(folder: str | Path) -> dict:
@@ -73,7 +82,9 @@ def rows(data: dict) -> list[dict]:
             continue
         apart = cells[("apart", cell, n)]
         keep = statistics.median((r.get("realized_projection_keep") or 1.0) for r in apart)
-        mb = adapter_bytes(data["dims"], apart[0]["adapter"], keep, data["dtype"]) / 1e6
+        mlp = [r["realized_mlp_keep"] for r in apart if r.get("realized_mlp_keep") is not None]
+        act = None if not mlp else (3 * statistics.median(mlp) - 1) / 2  # (1 + 2k)/3 -> k: CATS/SATS
+        mb = adapter_bytes(data["dims"], apart[0]["adapter"], keep, data["dtype"], act) / 1e6
         extra_us = (ms["apart"] - ms["none"]) * 1e3
         at_ceiling = None if data["ceiling_gbps"] is None else mb * 1e6 / (data["ceiling_gbps"] * 1e9) * 1e6
         out.append({"cell": cell, "context": n, "keep": keep, "ms": ms, "extra_us": extra_us,
