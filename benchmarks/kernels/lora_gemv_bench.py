@@ -1,6 +1,6 @@
 """What an unmerged LoRA adapter costs a sparse decode projection (SATS paper §4.2; issue 45 item 3).
 
-Llama-3.1-8B projection shapes, one token, rank `--rank` (16), bf16 (`--dtype`), at keeps 0.3, 0.5,
+Llama-3.1-8B projection shapes and the widths of its fused q|k|v and gate|up launches, one token, rank `--rank` (16), bf16 (`--dtype`), at keeps 0.3, 0.5,
 0.7 and 1.0 (x random normal, the threshold its |x| quantile: the kept count is exact). Four ways
 to compute one adapter site, each checked against `lora_gemv_ref` first:
 - `base`: the sparse GEMV alone (no adapter): the floor;
@@ -35,7 +35,10 @@ from sparsedecode.kernels.lora_gemv import lora_gemv, lora_gemv_ref, lora_worksp
 from sparsedecode.kernels.sparse_gemv import sparse_gemv, workspace
 from sparsedecode.records import stamp, write_record
 
-SHAPES = {"q|o": (4096, 4096), "gate|up": (4096, 14336), "down": (14336, 4096), "k|v": (4096, 1024)}  # (in, out)
+SHAPES = {"q|o": (4096, 4096), "gate|up": (4096, 14336), "down": (14336, 4096), "k|v": (4096, 1024),  # (in, out)
+          # the fused launches a step makes (`SparseConcat`: q|k|v, gate|up), one adapter of their width: the
+          # grid a step launches (more tiles, fewer splits, another register cap), which the sites' shapes miss
+          "qkv": (4096, 6144), "gateup": (4096, 28672)}
 KEEPS = (0.3, 0.5, 0.7, 1.0)
 VARIANTS = ("base", "fused", "separate", "merged")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
