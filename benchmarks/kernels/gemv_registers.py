@@ -1,0 +1,110 @@
+"""Registers and spills of the sparse GEMV as a decode step launches it, with and without a LoRA
+adapter (issue 45; docs/kernels/lora_gemv.md 'register cap'). No GPU needed: Triton compiles each
+launch for sm_90 and `cuobjdump -res-usage` reads the cubin.
+
+A step launches the kernel in four forms a layer (Llama-3.1-8B dims, bf16): q|k|v (three segments,
+the input RMSNorm formed in the launch), o (the residual added), gate|up (two segments, the norm)
+and down (SwiGLU's product formed in the load, the residual added); `plain` is what
+`lora_gemv_bench.py` times (x given). Each is compiled with the launcher's own choices for a
+device of `--sms` SMs named `--device-name` (`default_config`: the tuned table of that device, else
+the default tiles and splits; the register cap `max_registers` of that grid), LORA off and on
+(rank 16, specialised as launched). STACK > 0 means the cap made ptxas spill to local memory,
+which the one-wave grid trades for residency; the step pays it in L1/L2 traffic a program.
+
+    PYTHONPATH=src python3 benchmarks/kernels/gemv_registers.py --sms 132 --device-name "NVIDIA H100 80GB HBM3" --out R.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+
+from sparsedecode.kernels import common
+from sparsedecode.kernels import sparse_gemv as sg
+from sparsedecode.records import stamp, write_record
+
+# name: (K, N, segments, NORM, RESID, GLU), Llama-3.1-8B (d 4096, d_ff 14336, 8 KV heads of 128)
+LAUNCHES = {"q|k|v": (4096, 6144, 3, True, False, False), "o": (4096, 4096, 1, False, True, False),
+            "gate|up": (4096, 28672, 2, True, False, False), "down": (14336, 4096, 1, False, True, True),
+            "plain": (4096, 14336, 1, False, False, False)}
+RANK = 16
+
+
+def compile_launch(K, N, nseg, norm, resid, glu, lora, config, maxnreg, ss_tiles=1) -> dict:
+    """REG, STACK and LOCAL bytes of the kernel compiled for sm_90 as `_sparse_gemv_op` launches it
+    (`ss_tiles`: the column tiles of the launch whose residual sums of squares a norm reads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    block_n, block_k, splits, warps, stages = config
+    fn, ty = sg._sparse_gemv_kernel, "*bf16"
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=nseg, SEG_ALIGNED=True, HAS_BIAS=False,
+                  EVEN_N=N % block_n == 0, DBUF=stages == 4, GLU=glu, PDL=True, BITS=stages == 4,
+                  COLS=block_n // 2 if stages == 4 else block_n, RESID=resid, NORM=norm,
+                  SS_BLOCK=sg._pow2(ss_tiles) if norm else 1,
+                  STRIDE=N if stages == 4 else 0, FIN_LOAD=sg.finish_mode(warps) == "load", LORA=lora,
+                  BLOCK_R=RANK)
+    types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
+                 Count="*i32", thr_f="fp32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32",
+                 At=ty, Bt=ty, lora_s="fp32", lora_s1="fp32", lora_s2="fp32")
+    names = fn.arg_names
+    sig = {n: types.get(n, "i32") for n in names}
+    sig.update({n: "constexpr" for n in consts})
+    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "rows_per_split", "K")
+               + (("At", "Bt", "rank", "a_stride") if lora else ())]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
+                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=1, maxnreg=maxnreg))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", out, re.S)
+    if m is None:
+        raise SystemExit(f"cuobjdump printed no resource usage: {out[:400]}")
+    return {"regs": int(m.group(1)), "stack_bytes": int(m.group(2)), "local_bytes": int(m.group(3))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sms", type=int, required=True, help="SMs of the device (H100 SXM 132, H200 132)")
+    ap.add_argument("--device-name", required=True, help="its torch name: picks its tuned table, if shipped")
+    ap.add_argument("--out", required=True, help="the record (never overwritten)")
+    a = ap.parse_args()
+    common.sm_count = lambda index: a.sms  # the launcher's choices for that device, here without it
+    common.device_name = lambda index: a.device_name
+    dev = torch.device("cuda", 0)
+    # a norm reads the sums of squares of the launch before it: o's before gate|up, down's before q|k|v
+    producer = {"q|k|v": "down", "gate|up": "o"}
+    rows = []
+    for name, (K, N, nseg, norm, resid, glu) in LAUNCHES.items():
+        config = sg.default_config(K, N, torch.bfloat16, dev)
+        programs = -(-N // config[0]) * common.splits(K, config[1], config[2])
+        cap = sg.max_registers(programs, config[3], dev)
+        row = {"launch": name, "K": K, "N": N, "config": list(config), "programs": programs, "maxnreg": cap}
+        ss_tiles = 1
+        if name in producer:
+            pk, pn = LAUNCHES[producer[name]][:2]
+            ss_tiles = -(-pn // sg.default_config(pk, pn, torch.bfloat16, dev)[0])
+        for lora in (False, True):
+            row["lora" if lora else "base"] = compile_launch(K, N, nseg, norm, resid, glu, lora, config, cap, ss_tiles)
+        rows.append(row)
+        print(f"{name:8s} {K}x{N} config {config} programs {programs} cap {cap}: base {row['base']} | "
+              f"lora {row['lora']}", flush=True)
+    import triton
+
+    write_record(a.out, stamp({"kind": "gemv_registers", "sms": a.sms, "device_name": a.device_name,
+                               "triton": triton.__version__, "rank": RANK, "dtype": "bfloat16", "rows": rows}))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
