@@ -39,29 +39,17 @@ def compile_launch(K, N, nseg, norm, resid, glu, lora, config, maxnreg, ss_tiles
     """REG, STACK and LOCAL bytes of the kernel compiled for sm_90 as `_sparse_gemv_op` launches it
     (`ss_tiles`: the column tiles of the launch whose residual sums of squares a norm reads)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from sparsedecode.kernels.sm90 import compile_sparse_gemv
 
     block_n, block_k, splits, warps, stages = config
-    fn, ty = sg._sparse_gemv_kernel, "*bf16"
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=nseg, SEG_ALIGNED=True, HAS_BIAS=False,
                   EVEN_N=N % block_n == 0, DBUF=stages == 4, GLU=glu, PDL=True, BITS=stages == 4,
                   COLS=block_n // 2 if stages == 4 else block_n, RESID=resid, NORM=norm,
                   SS_BLOCK=sg._pow2(ss_tiles) if norm else 1,
                   STRIDE=N if stages == 4 else 0, FIN_LOAD=sg.finish_mode(warps) == "load", LORA=lora,
                   BLOCK_R=RANK)
-    types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
-                 Count="*i32", thr_f="fp32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32",
-                 At=ty, Bt=ty, lora_s="fp32", lora_s1="fp32", lora_s2="fp32")
-    names = fn.arg_names
-    sig = {n: types.get(n, "i32") for n in names}
-    sig.update({n: "constexpr" for n in consts})
-    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "rows_per_split", "K")
-               + (("At", "Bt", "rank", "a_stride") if lora else ())]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
-                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=1, maxnreg=maxnreg))
+    k = compile_sparse_gemv(torch.bfloat16, consts, warps, maxnreg)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

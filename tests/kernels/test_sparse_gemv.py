@@ -295,34 +295,21 @@ def test_triton_kernel_under_interpreter():
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, bits=False,
                         stride=0, lora=False):
     try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
     except ImportError as e:
         pytest.skip(f"triton's compiler API is not available: {e}")
     from sparsedecode.kernels import sparse_gemv as sg
+    from sparsedecode.kernels.sm90 import compile_sparse_gemv
 
-    fn = sg._sparse_gemv_kernel
-    ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
                   EVEN_N=even_n, DBUF=dbuf, GLU=glu, PDL=pdl, BITS=bits, COLS=block_n // 2 if bits else block_n,
                   RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride,
                   FIN_LOAD=sg.finish_mode(1) == "load",  # the split-K finish as launched
                   LORA=lora, BLOCK_R=16)
-    types = dict(X=ty, W=ty, Bias=ty, Y=ty, U=ty, Thr0="*fp32", Thr1="*fp32", Thr2="*fp32", Acc="*fp32",
-                 Count="*i32", thr_f="fp32", Res=ty, SsOut="*fp32", SsIn="*fp32", eps="fp32",
-                 At=ty, Bt=ty, lora_s="fp32", lora_s1="fp32", lora_s2="fp32")
-    names = fn.arg_names
-    sig = {n: types.get(n, "i32") for n in names}
-    sig.update({n: "constexpr" for n in consts})
-    # what the launcher specialises (torch's allocations are 16-byte aligned; 4096-row splits are whole tiles)
-    aligned = [(names.index(n),) for n in ("X", "W", "Y", "Acc", "N", "stride_wk", "rows_per_split", "K")
-               + (("At", "Bt", "rank", "a_stride") if lora else ())]  # rank 16: specialised as well
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
-                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=1, num_stages=1))
+        return compile_sparse_gemv(dtype, consts)
     except (RuntimeError, FileNotFoundError) as e:
         if "ptxas" in str(e).lower():
             pytest.skip(f"no ptxas for sm_90: {e}")
