@@ -12,6 +12,7 @@ the default tiles and splits; the register cap `max_registers` of that grid), LO
 which the one-wave grid trades for residency; the step pays it in L1/L2 traffic a program.
 
     PYTHONPATH=src python3 benchmarks/kernels/gemv_registers.py --sms 132 --device-name "NVIDIA H100 80GB HBM3" --out R.json
+        [--lora-programs-per-sm 8]   # the adapter's launches as gemv.lora_programs_per_sm=8 makes them
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sms", type=int, required=True, help="SMs of the device (H100 SXM 132, H200 132)")
     ap.add_argument("--device-name", required=True, help="its torch name: picks its tuned table, if shipped")
+    ap.add_argument("--lora-programs-per-sm", type=int, default=None,
+                    help="compile the adapter's launches as gemv.lora_programs_per_sm=N launches them (default: unset)")
     ap.add_argument("--out", required=True, help="the record (never overwritten)")
     a = ap.parse_args()
     common.sm_count = lambda index: a.sms  # the launcher's choices for that device, here without it
@@ -82,14 +85,20 @@ def main() -> None:
         if name in producer:
             pk, pn = LAUNCHES[producer[name]][:2]
             ss_tiles = -(-pn // sg.default_config(pk, pn, torch.bfloat16, dev)[0])
-        for lora in (False, True):
-            row["lora" if lora else "base"] = compile_launch(K, N, nseg, norm, resid, glu, lora, config, cap, ss_tiles)
+        row["base"] = compile_launch(K, N, nseg, norm, resid, glu, False, config, cap, ss_tiles)
+        if a.lora_programs_per_sm is not None:  # what sparse_gemv launches for an adapter under that option
+            config = sg.default_config(K, N, torch.bfloat16, dev, a.lora_programs_per_sm, tuned=False)
+            programs = -(-N // config[0]) * common.splits(K, config[1], config[2])
+            cap = sg.max_registers(programs, config[3], dev)
+        row.update(lora_config=list(config), lora_programs=programs, lora_maxnreg=cap)
+        row["lora"] = compile_launch(K, N, nseg, norm, resid, glu, True, config, cap, ss_tiles)
         rows.append(row)
-        print(f"{name:8s} {K}x{N} config {config} programs {programs} cap {cap}: base {row['base']} | "
-              f"lora {row['lora']}", flush=True)
+        print(f"{name:8s} {K}x{N} config {row['config']} cap {row['maxnreg']}: base {row['base']} | "
+              f"lora (config {config}, cap {cap}) {row['lora']}", flush=True)
     import triton
 
     write_record(a.out, stamp({"kind": "gemv_registers", "sms": a.sms, "device_name": a.device_name,
+                               "lora_programs_per_sm": a.lora_programs_per_sm,
                                "triton": triton.__version__, "rank": RANK, "dtype": "bfloat16", "rows": rows}))
     print(f"wrote {a.out}")
 

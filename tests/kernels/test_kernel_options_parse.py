@@ -17,6 +17,9 @@ def test_parse_sets_only_what_it_names_and_round_trips_through_a_record():
     assert k.changed() == {"gemv.pdl": False, "attention.min_split_keys": None}
     assert KernelOptions.parse(k.label()) == k and KernelOptions().label() == "default"
     assert KernelOptions.parse("", base=k) == k
+    lp = KernelOptions.parse("lora.merge=false,gemv.lora_programs_per_sm=8")
+    assert lp.gemv.lora_programs_per_sm == 8 and KernelOptions.from_dict(lp.to_dict()) == lp
+    assert KernelOptions.parse("gemv.lora_programs_per_sm=none").gemv == GemvOptions()
 
 
 @pytest.mark.parametrize("text,match", [
@@ -24,6 +27,7 @@ def test_parse_sets_only_what_it_names_and_round_trips_through_a_record():
     ("gemv.programs_per_sm=many", "write an integer"),
     ("gemv.programs_per_sm=none", "write an integer$"),
     ("attention.programs_per_sm=0", ">= 1"),
+    ("gemv.lora_programs_per_sm=0", "gemv.lora_programs_per_sm.*>= 1"),
     ("gemv.stages=8", "unknown kernel option 'gemv.stages'"),
     ("pdl=false", "unknown kernel option 'pdl'"),
     ("gemv.pdl", "write KEY=VALUE"),

@@ -376,3 +376,33 @@ def test_lora_kernel_in_cuda_graph_follows_threshold_updates():
         graph.replay()
         fails += check(y, x, w_t, thr, a_t, b_t, b, f"graph replay keep={keep}")
     assert not fails, "\n".join(fails)
+
+
+def test_an_adapter_launch_takes_its_own_programs_per_sm(monkeypatch):
+    """gemv.lora_programs_per_sm: a launch carrying an adapter gets the default tiles with the splits
+    for that many programs a SM, the tuned table not read (docs/kernels/lora_gemv.md 'register cap
+    with an adapter'); a launch without one, or the option unset, keeps the launcher's own choice."""
+    from sparsedecode.kernels import sparse_gemv as sg
+    from sparsedecode.kernels.options import GemvOptions
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the wrapper's checks pass on CPU; no kernel runs
+    asked, launched = [], []
+    real = sg.default_config
+
+    def spy_config(K, N, dtype, device, programs_per_sm=16, tuned=True):
+        asked.append((programs_per_sm, tuned))
+        return real(K, N, dtype, device, programs_per_sm, tuned)
+
+    def spy_op(x, w_t, *args):
+        launched.append(args[6:11])  # block_n, block_k, splits, num_warps, stages (0s: the op chooses)
+        return torch.zeros(w_t.shape[1]), torch.zeros(0)
+
+    monkeypatch.setattr(sg, "default_config", spy_config)
+    monkeypatch.setattr(sg, "_sparse_gemv_op", spy_op)
+    x, w_t, a_t, b_t, b = make(130, 257, 7, torch.float32)
+    lora_gemv(x, w_t, 0.5, a_t, b_t, SCALE, b, options=GemvOptions(lora_programs_per_sm=3))
+    assert asked == [(3, False)] and launched[-1] == real(130, 257, torch.float32, x.device, 3, False)
+    asked.clear()
+    lora_gemv(x, w_t, 0.5, a_t, b_t, SCALE, b)  # unset: the op picks, as without an adapter
+    sg.sparse_gemv(x, w_t, 0.5, b, options=GemvOptions(lora_programs_per_sm=3))  # no adapter: unaffected
+    assert asked == [] and launched[-2:] == [(0, 0, 0, 0, 0)] * 2

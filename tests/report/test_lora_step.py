@@ -69,3 +69,20 @@ def test_a_campaign_without_apart_cells_is_refused(campaign_folder, tmp_path):
     shutil.rmtree(folder / "cells" / "lora.lora.merge-false")
     with pytest.raises(InputError, match="no cells with an adapter apart"):
         lora_step.load(folder)
+
+
+def test_two_apart_variants_in_one_folder_are_refused(campaign_folder, tmp_path):
+    """A campaign timing the adapter apart under two kernel variants (e.g. gemv.lora_programs_per_sm)
+    would pool them into one 'apart' column: refused, with where to compare them."""
+    import shutil
+
+    folder = tmp_path / "c"
+    shutil.copytree(campaign_folder, folder)
+    src, dst = folder / "cells" / "lora.lora.merge-false", folder / "cells" / "lora.lora.merge-false_other"
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.json"):
+        rec = json.loads(f.read_text())
+        rec["group"] = dst.name
+        f.write_text(json.dumps(rec))
+    with pytest.raises(InputError, match="several groups time one form"):
+        lora_step.load(folder)

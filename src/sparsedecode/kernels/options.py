@@ -37,11 +37,16 @@ class GemvOptions:
         resolves to true or false and records so (`Engine.kernels`); it won every mode's
         step on the H200 (benchmarks/records/h200/campaigns/h200_dense_gemv). true: asked
         for, refused where it cannot run; false: F.linear.
+    lora_programs_per_sm: the same aim for a launch that carries an adapter apart (None: as
+        programs_per_sm and the tuned table): fewer programs a SM raise the register cap of the
+        one-wave grid, so the adapter's tiles need not spill (docs/kernels/lora_gemv.md, 'register
+        cap with an adapter'); the default tiles with its splits, the tuned table not read.
     """
 
     pdl: bool = True
     programs_per_sm: int = 16
     dense: bool | None = None
+    lora_programs_per_sm: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.pdl, bool):
@@ -49,6 +54,8 @@ class GemvOptions:
         if self.dense is not None and not isinstance(self.dense, bool):
             raise InputError(f"gemv.dense must be true, false or none, got {self.dense!r}")
         _positive_int(self.programs_per_sm, "gemv.programs_per_sm")
+        if self.lora_programs_per_sm is not None:
+            _positive_int(self.lora_programs_per_sm, "gemv.lora_programs_per_sm")
 
 
 @dataclass(frozen=True)

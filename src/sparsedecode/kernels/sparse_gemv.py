@@ -96,12 +96,12 @@ def tuned_configs(name: str) -> dict[tuple[int, int, str, int], tuple[int, int, 
 
 
 def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
-                   programs_per_sm: int = GemvOptions.programs_per_sm) -> tuple[int, int, int, int, int]:
+                   programs_per_sm: int = GemvOptions.programs_per_sm, tuned: bool = True) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, splits, num_warps, num_stages) for a (K, N) weight, static per shape
     and device: the device's measured config (kernels/tuned/<device>.json) when it has the
-    shape; else one-warp programs over ROW_BYTES of a row (fewer for narrow N), stages 4, and
+    shape and `tuned`; else one-warp programs over ROW_BYTES of a row (fewer for narrow N), stages 4, and
     splits of whole BLOCK_K tiles for about `programs_per_sm` programs per SM."""
-    if device.type == "cuda":
+    if device.type == "cuda" and tuned:
         index = common.device_index(device)
         key = (K, N, str(dtype).removeprefix("torch."), common.sm_count(index))
         tuned = tuned_configs(common.device_name(index)).get(key)
@@ -563,6 +563,8 @@ def sparse_gemv(
         thr_ts, thr_f = [], float(thresholds[0])
     bounds = [] if segments is None else _bounds(segments)
     norm_w, ss_in, eps = norm if norm is not None else (None, None, 0.0)
+    if lora is not None and config is None and options.lora_programs_per_sm is not None:
+        config = default_config(K, N, x.dtype, x.device, options.lora_programs_per_sm, tuned=False)
     y, ss = _sparse_gemv_op(x.reshape(K), w_t, thr_ts, thr_f, bounds, bias, *(ws or (None, None)),
                             *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K),
                             None if residual is None else residual.reshape(N), norm_w, ss_in, float(eps),

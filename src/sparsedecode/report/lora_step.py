@@ -54,14 +54,19 @@ def load(folder: str | Path) -> dict:
     if cc.dims is None:
         raise InputError(f"{folder}: the records name no model dims ({cc.dims_note})")
     by: dict[tuple, list[dict]] = {}
-    dtypes = set()
+    dtypes, groups = set(), {}
     for cell in cc.cells:
         rec = read_record(cell.path)
         ad = rec.get("adapter")
         merge = ((rec.get("kernels") or {}).get("lora") or {}).get("merge", True)
         form = "none" if ad is None else "merged" if merge else "apart"
         by.setdefault((form, rec["cell"], cell.context), []).append(rec)
+        groups.setdefault(form, set()).add(rec.get("group"))
         dtypes.add(rec.get("dtype"))
+    several = {f: sorted(g) for f, g in groups.items() if len(g) > 1}
+    if several:
+        raise InputError(f"{folder}: several groups time one form {several} (kernel variants): this table "
+                         "sets one of each form side by side; compare the variants with `sparsedecode report`")
     if not any(k[0] == "apart" for k in by) or not any(k[0] == "none" for k in by):
         raise InputError(f"{folder}: no cells with an adapter apart (lora.merge=false) and without one; "
                          "time both in one campaign (examples/campaigns/h200_lora_8b.toml)")
