@@ -62,6 +62,15 @@ def compile_launch(K, N, nseg, norm, resid, glu, lora, config, maxnreg, ss_tiles
     return {"regs": int(m.group(1)), "stack_bytes": int(m.group(2)), "local_bytes": int(m.group(3))}
 
 
+def grid(K: int, N: int, dev, programs_per_sm: int | None = None) -> tuple[tuple, int, int]:
+    """(config, programs, register cap) of a (K, N) launch on `dev`, as `_sparse_gemv_op` picks them;
+    with `programs_per_sm`, as `sparse_gemv` picks them for an adapter under gemv.lora_programs_per_sm."""
+    config = (sg.default_config(K, N, torch.bfloat16, dev) if programs_per_sm is None
+              else sg.default_config(K, N, torch.bfloat16, dev, programs_per_sm, tuned=False))
+    programs = -(-N // config[0]) * common.splits(K, config[1], config[2])
+    return config, programs, sg.max_registers(programs, config[3], dev)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sms", type=int, required=True, help="SMs of the device (H100 SXM 132, H200 132)")
@@ -77,19 +86,15 @@ def main() -> None:
     producer = {"q|k|v": "down", "gate|up": "o"}
     rows = []
     for name, (K, N, nseg, norm, resid, glu) in LAUNCHES.items():
-        config = sg.default_config(K, N, torch.bfloat16, dev)
-        programs = -(-N // config[0]) * common.splits(K, config[1], config[2])
-        cap = sg.max_registers(programs, config[3], dev)
+        config, programs, cap = grid(K, N, dev)
         row = {"launch": name, "K": K, "N": N, "config": list(config), "programs": programs, "maxnreg": cap}
         ss_tiles = 1
         if name in producer:
             pk, pn = LAUNCHES[producer[name]][:2]
-            ss_tiles = -(-pn // sg.default_config(pk, pn, torch.bfloat16, dev)[0])
+            ss_tiles = -(-pn // grid(pk, pn, dev)[0][0])
         row["base"] = compile_launch(K, N, nseg, norm, resid, glu, False, config, cap, ss_tiles)
         if a.lora_programs_per_sm is not None:  # what sparse_gemv launches for an adapter under that option
-            config = sg.default_config(K, N, torch.bfloat16, dev, a.lora_programs_per_sm, tuned=False)
-            programs = -(-N // config[0]) * common.splits(K, config[1], config[2])
-            cap = sg.max_registers(programs, config[3], dev)
+            config, programs, cap = grid(K, N, dev, a.lora_programs_per_sm)
         row.update(lora_config=list(config), lora_programs=programs, lora_maxnreg=cap)
         row["lora"] = compile_launch(K, N, nseg, norm, resid, glu, True, config, cap, ss_tiles)
         rows.append(row)
