@@ -48,7 +48,7 @@ def test_the_table_pairs_apart_with_no_adapter(campaign_folder):
         assert r["adapter_mb"] == pytest.approx(want)
     assert got["dense"]["keep"] == 1.0 and 0.3 < got["proj50"]["keep"] < 0.7
     table = lora_step.markdown(data)
-    assert table.count("\n") == 4 and "| proj50 | 64 |" in table
+    assert table.count("\n") == 4 and "| proj50 | 64 | `lora.merge=false` |" in table
 
 
 def test_adapter_bytes_are_kept_rows_of_a_and_all_of_b():
@@ -71,18 +71,39 @@ def test_a_campaign_without_apart_cells_is_refused(campaign_folder, tmp_path):
         lora_step.load(folder)
 
 
-def test_two_apart_variants_in_one_folder_are_refused(campaign_folder, tmp_path):
-    """A campaign timing the adapter apart under two kernel variants (e.g. gemv.lora_programs_per_sm)
-    would pool them into one 'apart' column: refused, with where to compare them."""
+def _second_apart_group(campaign_folder, tmp_path, kernels):
+    """A copy of the campaign with the apart cells again under another group whose spec's
+    --kernels is `kernels` (as a grid variant such as gemv.lora_programs_per_sm=8 writes them),
+    their steps 1 ms slower."""
     import shutil
 
     folder = tmp_path / "c"
     shutil.copytree(campaign_folder, folder)
-    src, dst = folder / "cells" / "lora.lora.merge-false", folder / "cells" / "lora.lora.merge-false_other"
+    src, dst = folder / "cells" / "lora.lora.merge-false", folder / "cells" / "cap.lora.merge-false_other"
     shutil.copytree(src, dst)
     for f in dst.glob("*.json"):
         rec = json.loads(f.read_text())
-        rec["group"] = dst.name
+        rec["group"], rec["spec"]["kernels"] = dst.name, kernels
+        rec["ms_per_token"] += 1.0
         f.write_text(json.dumps(rec))
+    return folder
+
+
+def test_two_apart_variants_are_two_rows(campaign_folder, tmp_path):
+    """The acceptance campaign times the adapter apart at the launcher's splits and at
+    gemv.lora_programs_per_sm=8: one row each, the launcher's own first, priced alike."""
+    data = lora_step.load(_second_apart_group(campaign_folder, tmp_path, "lora.merge=false,gemv.lora_programs_per_sm=8"))
+    got = lora_step.rows(data)
+    assert [(r["cell"], r["variant"]) for r in got] == [
+        ("dense", "lora.merge=false"), ("dense", "lora.merge=false,gemv.lora_programs_per_sm=8"),
+        ("proj50", "lora.merge=false"), ("proj50", "lora.merge=false,gemv.lora_programs_per_sm=8")]
+    for own, cap in (got[:2], got[2:]):
+        assert cap["ms"]["none"] == own["ms"]["none"] and cap["adapter_mb"] == pytest.approx(own["adapter_mb"])
+        assert cap["extra_us"] == pytest.approx(own["extra_us"] + 1e3)
+    assert "| proj50 | 64 | `lora.merge=false,gemv.lora_programs_per_sm=8` |" in lora_step.markdown(data)
+
+
+def test_two_groups_of_the_same_apart_kernels_are_refused(campaign_folder, tmp_path):
+    """Two groups timing the same form with the same kernels would pool into one row: refused."""
     with pytest.raises(InputError, match="several groups time one form"):
-        lora_step.load(folder)
+        lora_step.load(_second_apart_group(campaign_folder, tmp_path, "lora.merge=false"))

@@ -3,8 +3,9 @@ from one timing campaign whose grids time the same modes without an adapter, wit
 (kernels lora.merge=true, the default) and with it apart (lora.merge=false): e.g.
 `examples/campaigns/h200_lora_8b.toml`.
 
-Per mode and context: the step without an adapter, merged and apart (median over blocks of each
-cell's ms/token), the apart step's extra time over the step without one, and the adapter's own
+Per mode, context and apart variant (the cell's --kernels, e.g. `lora.merge=false` against
+`lora.merge=false,gemv.lora_programs_per_sm=8`: one row each): the step without an adapter, merged
+and apart (median over blocks of each cell's ms/token), the apart step's extra time over the step without one, and the adapter's own
 bytes per step beside it: per adapted site the kept rows of A^T (the site's realized keep times
 its input width; every row in a dense step) plus all of B^T, times the rank and the dtype's size,
 over every layer. 'extra / bytes' divides the extra time by those bytes at the measured ceiling
@@ -60,13 +61,14 @@ def load(folder: str | Path) -> dict:
         ad = rec.get("adapter")
         merge = ((rec.get("kernels") or {}).get("lora") or {}).get("merge", True)
         form = "none" if ad is None else "merged" if merge else "apart"
-        by.setdefault((form, rec["cell"], cell.context), []).append(rec)
-        groups.setdefault(form, set()).add(rec.get("group"))
+        variant = ((rec.get("spec") or {}).get("kernels") or "") if form == "apart" else ""
+        by.setdefault((form, variant, rec["cell"], cell.context), []).append(rec)
+        groups.setdefault((form, variant), set()).add(rec.get("group"))
         dtypes.add(rec.get("dtype"))
-    several = {f: sorted(g) for f, g in groups.items() if len(g) > 1}
+    several = {"/".join(filter(None, f)): sorted(g) for f, g in groups.items() if len(g) > 1}
     if several:
-        raise InputError(f"{folder}: several groups time one form {several} (kernel variants): this table "
-                         "sets one of each form side by side; compare the variants with `sparsedecode report`")
+        raise InputError(f"{folder}: several groups time one form {several} with the same kernels: this table "
+                         "sets one of each form side by side; compare them with `sparsedecode report`")
     if not any(k[0] == "apart" for k in by) or not any(k[0] == "none" for k in by):
         raise InputError(f"{folder}: no cells with an adapter apart (lora.merge=false) and without one; "
                          "time both in one campaign (examples/campaigns/h200_lora_8b.toml)")
@@ -78,41 +80,50 @@ def load(folder: str | Path) -> dict:
 
 
 def rows(data: dict) -> list[dict]:
-    """One row per (mode, context) that has a cell without an adapter and one apart."""
+    """One row per (mode, context, apart variant) that has a cell without an adapter and one apart;
+    the variants in the order of their kernels string (the shortest, the launcher's own, first)."""
     cells, out = data["cells"], []
-    for cell, n in sorted({(k[1], k[2]) for k in cells}, key=lambda k: (k[1], k[0] != "dense", k[0])):
-        ms = {f: statistics.median(r["ms_per_token"] for r in cells[(f, cell, n)])
-              for f in FORMS if (f, cell, n) in cells}
-        if "none" not in ms or "apart" not in ms:
-            continue
-        apart = cells[("apart", cell, n)]
-        keep = statistics.median((r.get("realized_projection_keep") or 1.0) for r in apart)
-        mlp = [r["realized_mlp_keep"] for r in apart if r.get("realized_mlp_keep") is not None]
-        act = None if not mlp else (3 * statistics.median(mlp) - 1) / 2  # (1 + 2k)/3 -> k: CATS/SATS
-        mb = adapter_bytes(data["dims"], apart[0]["adapter"], keep, data["dtype"], act) / 1e6
-        extra_us = (ms["apart"] - ms["none"]) * 1e3
-        at_ceiling = None if data["ceiling_gbps"] is None else mb * 1e6 / (data["ceiling_gbps"] * 1e9) * 1e6
-        out.append({"cell": cell, "context": n, "keep": keep, "ms": ms, "extra_us": extra_us,
-                    "merged_extra_us": None if "merged" not in ms else (ms["merged"] - ms["none"]) * 1e3,
-                    "adapter_mb": mb, "bytes_us": at_ceiling,
-                    "ratio": None if not at_ceiling else extra_us / at_ceiling,
-                    "blocks": len(apart)})
+
+    def med(key):
+        return statistics.median(r["ms_per_token"] for r in cells[key])
+
+    variants = sorted({k[1] for k in cells if k[0] == "apart"}, key=lambda v: (len(v), v))
+    for cell, n in sorted({(k[2], k[3]) for k in cells}, key=lambda k: (k[1], k[0] != "dense", k[0])):
+        for v in variants:
+            if ("none", "", cell, n) not in cells or ("apart", v, cell, n) not in cells:
+                continue
+            ms = {"none": med(("none", "", cell, n)), "apart": med(("apart", v, cell, n))}
+            if ("merged", "", cell, n) in cells:
+                ms["merged"] = med(("merged", "", cell, n))
+            apart = cells[("apart", v, cell, n)]
+            keep = statistics.median((r.get("realized_projection_keep") or 1.0) for r in apart)
+            mlp = [r["realized_mlp_keep"] for r in apart if r.get("realized_mlp_keep") is not None]
+            act = None if not mlp else (3 * statistics.median(mlp) - 1) / 2  # (1 + 2k)/3 -> k: CATS/SATS
+            mb = adapter_bytes(data["dims"], apart[0]["adapter"], keep, data["dtype"], act) / 1e6
+            extra_us = (ms["apart"] - ms["none"]) * 1e3
+            at_ceiling = None if data["ceiling_gbps"] is None else mb * 1e6 / (data["ceiling_gbps"] * 1e9) * 1e6
+            out.append({"cell": cell, "context": n, "variant": v, "keep": keep, "ms": ms, "extra_us": extra_us,
+                        "merged_extra_us": None if "merged" not in ms else (ms["merged"] - ms["none"]) * 1e3,
+                        "adapter_mb": mb, "bytes_us": at_ceiling,
+                        "ratio": None if not at_ceiling else extra_us / at_ceiling,
+                        "blocks": len(apart)})
     if not out:
         raise InputError("no mode has both a cell without an adapter and one with it apart")
     return out
 
 
 def markdown(data: dict) -> str:
-    """The table: one row per mode and context."""
+    """The table: one row per mode, context and apart variant."""
     def ms(v):
         return "" if v is None else f"{v:.3f}"
 
-    head = ("| mode | context | realized keep | no adapter (ms) | merged (ms) | apart (ms) | apart extra (µs) "
+    head = ("| mode | context | apart kernels | realized keep | no adapter (ms) | merged (ms) | apart (ms) "
+            "| apart extra (µs) "
             "| merged extra (µs) | adapter MB/step | its bytes at the ceiling (µs) | extra / bytes (target <= 1.3) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows(data):
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.1f}x" + (" (met)" if r["ratio"] <= TARGET else " (missed)")
-        lines.append(f"| {r['cell']} | {r['context']} | {r['keep']:.3f} | {ms(r['ms'].get('none'))} | "
+        lines.append(f"| {r['cell']} | {r['context']} | `{r['variant']}` | {r['keep']:.3f} | {ms(r['ms'].get('none'))} | "
                      f"{ms(r['ms'].get('merged'))} | {ms(r['ms'].get('apart'))} | {r['extra_us']:+.1f} | "
                      f"{'' if r['merged_extra_us'] is None else format(r['merged_extra_us'], '+.1f')} | "
                      f"{r['adapter_mb']:.2f} | {'' if r['bytes_us'] is None else format(r['bytes_us'], '.1f')} | {ratio} |")
