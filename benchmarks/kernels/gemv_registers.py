@@ -13,6 +13,7 @@ which the one-wave grid trades for residency; the step pays it in L1/L2 traffic 
 
     PYTHONPATH=src python3 benchmarks/kernels/gemv_registers.py --sms 132 --device-name "NVIDIA H100 80GB HBM3" --out R.json
         [--lora-programs-per-sm 8]   # the adapter's launches as gemv.lora_programs_per_sm=8 makes them
+        [--no-lora-prefetch]         # ... as gemv.lora_prefetch=false makes them
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ LAUNCHES = {"q|k|v": (4096, 6144, 3, True, False, False), "o": (4096, 4096, 1, F
 RANK = 16
 
 
-def compile_launch(K, N, nseg, norm, resid, glu, lora, config, maxnreg, ss_tiles=1) -> dict:
+def compile_launch(K, N, nseg, norm, resid, glu, lora, config, maxnreg, ss_tiles=1, prefetch=True) -> dict:
     """REG, STACK and LOCAL bytes of the kernel compiled for sm_90 as `_sparse_gemv_op` launches it
     (`ss_tiles`: the column tiles of the launch whose residual sums of squares a norm reads)."""
     import triton
@@ -49,7 +50,7 @@ def compile_launch(K, N, nseg, norm, resid, glu, lora, config, maxnreg, ss_tiles
                   COLS=block_n // 2 if stages == 4 else block_n, RESID=resid, NORM=norm,
                   SS_BLOCK=sg._pow2(ss_tiles) if norm else 1,
                   STRIDE=N if stages == 4 else 0, FIN_LOAD=sg.finish_mode(warps) == "load", LORA=lora,
-                  BLOCK_R=RANK)
+                  BLOCK_R=RANK, A_PF=prefetch)
     k = compile_sparse_gemv(torch.bfloat16, consts, warps, maxnreg)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--device-name", required=True, help="its torch name: picks its tuned table, if shipped")
     ap.add_argument("--lora-programs-per-sm", type=int, default=None,
                     help="compile the adapter's launches as gemv.lora_programs_per_sm=N launches them (default: unset)")
+    ap.add_argument("--no-lora-prefetch", dest="lora_prefetch", action="store_false",
+                    help="compile the adapter's launches as gemv.lora_prefetch=false launches them (A^T at its sum)")
     ap.add_argument("--out", required=True, help="the record (never overwritten)")
     a = ap.parse_args()
     common.sm_count = lambda index: a.sms  # the launcher's choices for that device, here without it
@@ -96,14 +99,14 @@ def main() -> None:
         if a.lora_programs_per_sm is not None:  # what sparse_gemv launches for an adapter under that option
             config, programs, cap = grid(K, N, dev, a.lora_programs_per_sm)
         row.update(lora_config=list(config), lora_programs=programs, lora_maxnreg=cap)
-        row["lora"] = compile_launch(K, N, nseg, norm, resid, glu, True, config, cap, ss_tiles)
+        row["lora"] = compile_launch(K, N, nseg, norm, resid, glu, True, config, cap, ss_tiles, a.lora_prefetch)
         rows.append(row)
         print(f"{name:8s} {K}x{N} config {row['config']} cap {row['maxnreg']}: base {row['base']} | "
               f"lora (config {config}, cap {cap}) {row['lora']}", flush=True)
     import triton
 
     write_record(a.out, stamp({"kind": "gemv_registers", "sms": a.sms, "device_name": a.device_name,
-                               "lora_programs_per_sm": a.lora_programs_per_sm,
+                               "lora_programs_per_sm": a.lora_programs_per_sm, "lora_prefetch": a.lora_prefetch,
                                "triton": triton.__version__, "rank": RANK, "dtype": "bfloat16", "rows": rows}))
     print(f"wrote {a.out}")
 

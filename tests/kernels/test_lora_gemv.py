@@ -27,6 +27,7 @@ from sparsedecode.errors import InputError
 from sparsedecode.kernels.common import keep_mask
 from sparsedecode.kernels.cpu_gemv import cpu_kernel, sparse_gemv_cpu, sparse_gemv_lora_cpu
 from sparsedecode.kernels.lora_gemv import lora_delta, lora_gemv, lora_gemv_ref, lora_workspace
+from sparsedecode.kernels.options import GemvOptions
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SHAPES = [(77, 45, 1), (130, 257, 7), (333, 45, 16)]  # (in K, out N, rank r)
@@ -193,9 +194,12 @@ def _finish_cases(device, slack) -> tuple[int, list[str]]:
     for splits in (1, 2, 19):
         for stages, block_k, warps in ((1, 16, 4), (1, 8, 1), (4, 16, 4), (4, 8, 1)):
             cfg = (64, block_k, splits, warps, stages)
-            y = lora_gemv(x, w_t, t, bad, b_t, SCALE, b, config=cfg)
-            fails += check(y, x, w_t, t, a_t, b_t, b, f"lora_gemv config={cfg}", slack.get(dtype, 0.0))
-            n += 1
+            # stages 4: A^T's next tile in flight (the default) or each loaded at its sum
+            for opts in (GemvOptions(), GemvOptions(lora_prefetch=False))[:2 if stages == 4 else 1]:
+                y = lora_gemv(x, w_t, t, bad, b_t, SCALE, b, config=cfg, options=opts)
+                fails += check(y, x, w_t, t, a_t, b_t, b, f"lora_gemv config={cfg} prefetch={opts.lora_prefetch}",
+                               slack.get(dtype, 0.0))
+                n += 1
     for cfg in ((64, 16, 1, 1, 4), (64, 16, 1, 4, 1)):
         base = sparse_gemv(x, w_t, t, b, config=cfg)
         if not torch.equal(lora_gemv(x, w_t, t, bad, torch.zeros_like(b_t), SCALE, b, config=cfg), base):
@@ -272,20 +276,21 @@ def _segment_cases(device, slack) -> tuple[int, list[str]]:
     norm_w = make(203, 1, 1, dtype, device=device, seed=10)[0].reshape(-1)
     normed = (x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5)).to(dtype) * norm_w
     tn = [torch.tensor(threshold_for(normed, 0.5), device=device)] * 3
-    y = sparse_gemv(x, w_t, tn, b, segments=widths, lora=(a_t, b_t, [SCALE, SCALE, SCALE]),
-                    norm=(norm_w, sumsq(x), 1e-5), config=(32, 16, 2, 1, 4))
-    lo = 0
-    for j, width in enumerate(widths):
-        cols = slice(lo, lo + width)
-        fails += check(y[..., cols], normed, w_t[:, cols], tn[0].item(), a_t[:, j * r:(j + 1) * r], b_t[:, cols],
-                       b[cols], f"segmented lora norm= site {j}", 2.0**-9)
-        lo += width
+    for opts in (GemvOptions(), GemvOptions(lora_prefetch=False)):  # q|k|v as a step launches it
+        y = sparse_gemv(x, w_t, tn, b, segments=widths, lora=(a_t, b_t, [SCALE, SCALE, SCALE]),
+                        norm=(norm_w, sumsq(x), 1e-5), config=(32, 16, 2, 1, 4), options=opts)
+        lo = 0
+        for j, width in enumerate(widths):
+            cols = slice(lo, lo + width)
+            fails += check(y[..., cols], normed, w_t[:, cols], tn[0].item(), a_t[:, j * r:(j + 1) * r], b_t[:, cols],
+                           b[cols], f"segmented lora norm= site {j} prefetch={opts.lora_prefetch}", 2.0**-9)
+            lo += width
     try:
         sparse_gemv(x, w_t, ts, b, config=(64, 16, 2, 1, 4), segments=widths, lora=(a_t, b_t, scales))
         fails.append("a segment bound off the tile grid (96 on tiles of 64) must be refused")
     except InputError as e:
         fails += [] if "tile grid" in str(e) else [f"wrong refusal: {e}"]
-    return n + 2, fails
+    return n + 3, fails
 
 
 def _interpreter_worker() -> None:
@@ -337,16 +342,19 @@ def test_adapter_loads_are_predicated_on_hopper():
     import re
 
     ptx0 = _compile_for_hopper(torch.bfloat16, 256, 16, even_n=True, dbuf=True, stride=4096).asm["ptx"]
-    ptx = _compile_for_hopper(torch.bfloat16, 256, 16, even_n=True, dbuf=True, stride=4096, lora=True).asm["ptx"]
-    base, with_a = _weight_loads(ptx0), _weight_loads(ptx)
-    assert len(with_a) > len(base) and all(p for p, _ in with_a), "A^T's rows: predicated 16-byte vectors"
     small = lambda p: len(re.findall(r"ld\.global\.b16", p))  # noqa: E731
-    # a few 2-byte loads of x in the adapter tile's layout may be re-issued; A^T's rows as 2-byte
-    # loads would add 8 or more a lane (what a rank the launcher does not specialise as a multiple
-    # of 16 compiles to)
-    assert small(ptx) - small(ptx0) < 8, "A^T's rows must load as vectors"
-    assert ptx.count("atom.global.gpu.acq_rel.add") == ptx0.count("atom.global.gpu.acq_rel.add") == 1
-    assert "red.global.gpu.relaxed.add.f32" in ptx and "red.global.gpu.relaxed.add.f32" not in ptx0
+    base = _weight_loads(ptx0)
+    for prefetch in (True, False):  # gemv.lora_prefetch: the next tile's A^T in flight, or at its sum
+        ptx = _compile_for_hopper(torch.bfloat16, 256, 16, even_n=True, dbuf=True, stride=4096, lora=True,
+                                  prefetch=prefetch).asm["ptx"]
+        with_a = _weight_loads(ptx)
+        assert len(with_a) > len(base) and all(p for p, _ in with_a), "A^T's rows: predicated 16-byte vectors"
+        # a few 2-byte loads of x in the adapter tile's layout may be re-issued; A^T's rows as 2-byte
+        # loads would add 8 or more a lane (what a rank the launcher does not specialise as a multiple
+        # of 16 compiles to)
+        assert small(ptx) - small(ptx0) < 8, "A^T's rows must load as vectors"
+        assert ptx.count("atom.global.gpu.acq_rel.add") == ptx0.count("atom.global.gpu.acq_rel.add") == 1
+        assert "red.global.gpu.relaxed.add.f32" in ptx and "red.global.gpu.relaxed.add.f32" not in ptx0
 
 
 gpu = pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
@@ -383,8 +391,6 @@ def test_an_adapter_launch_takes_its_own_programs_per_sm(monkeypatch):
     for that many programs a SM, the tuned table not read (docs/kernels/lora_gemv.md 'register cap
     with an adapter'); a launch without one, or the option unset, keeps the launcher's own choice."""
     from sparsedecode.kernels import sparse_gemv as sg
-    from sparsedecode.kernels.options import GemvOptions
-
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the wrapper's checks pass on CPU; no kernel runs
     asked, launched = [], []
     real = sg.default_config

@@ -293,7 +293,7 @@ def test_triton_kernel_under_interpreter():
 
 
 def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, glu=False, bits=False,
-                        stride=0, lora=False):
+                        stride=0, lora=False, prefetch=True):
     try:
         import triton  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
@@ -307,7 +307,7 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
                   EVEN_N=even_n, DBUF=dbuf, GLU=glu, PDL=pdl, BITS=bits, COLS=block_n // 2 if bits else block_n,
                   RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride,
                   FIN_LOAD=sg.finish_mode(1) == "load",  # the split-K finish as launched
-                  LORA=lora, BLOCK_R=16)
+                  LORA=lora, BLOCK_R=16, A_PF=prefetch)
     try:
         return compile_sparse_gemv(dtype, consts)
     except (RuntimeError, FileNotFoundError) as e:

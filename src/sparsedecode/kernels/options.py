@@ -41,16 +41,23 @@ class GemvOptions:
         programs_per_sm and the tuned table): fewer programs a SM raise the register cap of the
         one-wave grid, so the adapter's tiles need not spill (docs/kernels/lora_gemv.md, 'register
         cap with an adapter'); the default tiles with its splits, the tuned table not read.
+    lora_prefetch: in the two-tiles-in-flight loop, the adapter's A^T rows of the next tile are
+        loaded beside the weight's (true) or each tile's at its sum (false: one A^T tile live in
+        registers, not two; fewer spills at the launcher's cap, the load's latency exposed;
+        docs/kernels/lora_gemv.md, 'A^T tile in flight').
     """
 
     pdl: bool = True
     programs_per_sm: int = 16
     dense: bool | None = None
     lora_programs_per_sm: int | None = None
+    lora_prefetch: bool = True
 
     def __post_init__(self):
         if not isinstance(self.pdl, bool):
             raise InputError(f"gemv.pdl must be true or false, got {self.pdl!r}")
+        if not isinstance(self.lora_prefetch, bool):
+            raise InputError(f"gemv.lora_prefetch must be true or false, got {self.lora_prefetch!r}")
         if self.dense is not None and not isinstance(self.dense, bool):
             raise InputError(f"gemv.dense must be true, false or none, got {self.dense!r}")
         _positive_int(self.programs_per_sm, "gemv.programs_per_sm")

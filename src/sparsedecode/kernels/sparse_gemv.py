@@ -288,7 +288,7 @@ if triton is not None:
         U, GLU: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr,
         Res, SsOut, SsIn, n_ss, eps, RESID: tl.constexpr, NORM: tl.constexpr, SS_BLOCK: tl.constexpr,
         STRIDE: tl.constexpr, FIN_LOAD: tl.constexpr,
-        At, Bt, rank, a_stride, lora_s, lora_s1, lora_s2, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+        At, Bt, rank, a_stride, lora_s, lora_s1, lora_s2, LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_PF: tl.constexpr,
     ):
         if PDL:  # launched as a programmatic dependent: every memory access waits for the
             # previous kernel; the next one may launch now (docs/kernels/sparse_gemv.md#pdl-trigger)
@@ -343,18 +343,21 @@ if triton is not None:
                 w_c = _load_tile(Wl, k_lo, ar, k_lo + ar < k_hi, x_c, t0, offs_l, mask_l, stride_l, EVEN_N)
                 x_n = _load_x(X + k_lo + BLOCK_K + ar, U + k_lo + BLOCK_K + ar, k_lo + BLOCK_K + ar < k_hi,
                               GLU, r_norm, NORM)
-            if LORA:
+            if LORA and A_PF:
                 a_c = _load_a(At, k_lo, ar, k_lo + ar < k_hi, x_c, t0, r_t, a_stride, BLOCK_R)
             for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):  # k0: the tile loaded now
                 offs_k = k0 + ar
                 w_n = _load_tile(Wl, k0, ar, offs_k < k_hi, x_n, t0, offs_l, mask_l, stride_l, EVEN_N)
-                if LORA:  # the adapter's rows of tile k0 in flight beside the weight's
+                if LORA and A_PF:  # the adapter's rows of tile k0 in flight beside the weight's
                     a_n = _load_a(At, k0, ar, offs_k < k_hi, x_n, t0, r_t, a_stride, BLOCK_R)
                 x_nn = _load_x(X + offs_k + BLOCK_K, U + offs_k + BLOCK_K, offs_k + BLOCK_K < k_hi, GLU, r_norm, NORM)
                 acc_l, acc_h = _sum_tile(acc_l, acc_h, w_c, x_c, BITS)  # tile k0 - BLOCK_K
-                if LORA:
+                if LORA and A_PF:
                     acc_u += tl.sum(a_c.to(tl.float32) * x_c[:, None], axis=0)
                     a_c = a_n
+                elif LORA:  # gemv.lora_prefetch=false: tile k0 - BLOCK_K's rows loaded at their sum
+                    a_s = _load_a(At, k0 - BLOCK_K, ar, offs_k - BLOCK_K < k_hi, x_c, t0, r_t, a_stride, BLOCK_R)
+                    acc_u += tl.sum(a_s.to(tl.float32) * x_c[:, None], axis=0)
                 x_c, w_c, x_n = x_n, w_n, x_nn
             _finish_splits(Acc, Count, Bias, Y, _columns(acc_l, acc_h, BITS, BLOCK_N), offs_n,
                            mask_n, pid_n, num_splits, HAS_BIAS, Res, SsOut, RESID, FIN_LOAD,
@@ -392,7 +395,7 @@ def _sparse_gemv_op(
     block_n: int, block_k: int, splits: int, num_warps: int, stages: int, up: Tensor | None,
     residual: Tensor | None, norm_w: Tensor | None, ss_in: Tensor | None, eps: float,
     pdl: bool, programs_per_sm: int, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
-    lora_scales: list[float] | None = None,
+    lora_scales: list[float] | None = None, lora_prefetch: bool = True,
 ) -> tuple[Tensor, Tensor]:
     # Declared pure although it writes the workspace: the kernel returns the workspace to
     # all-zero before it exits, so no caller can observe the writes, and torch.compile need
@@ -438,14 +441,14 @@ def _sparse_gemv_op(
         SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
         STRIDE=w_t.stride(0) if stages == 4 else 0, FIN_LOAD=finish_mode(num_warps) == "load",
         At=lora_a if lora else x, Bt=lora_b if lora else x, rank=rank,
-        a_stride=lora_a.shape[1] if lora else 0, lora_s=scales[0], lora_s1=scales[1], lora_s2=scales[2], LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)),
+        a_stride=lora_a.shape[1] if lora else 0, lora_s=scales[0], lora_s1=scales[1], lora_s2=scales[2], LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)), A_PF=lora_prefetch,
         num_warps=num_warps, num_stages=1, **cap, **({"launch_pdl": True} if pdl else {}))
     return y, ss
 
 
 @_sparse_gemv_op.register_fake
 def _(x, w_t, thr_ts, thr_f, bounds, bias, ws_acc, ws_count, block_n, block_k, splits, num_warps, stages,
-      up, residual, norm_w, ss_in, eps, pdl, programs_per_sm, lora_a=None, lora_b=None, lora_scales=None):
+      up, residual, norm_w, ss_in, eps, pdl, programs_per_sm, lora_a=None, lora_b=None, lora_scales=None, lora_prefetch=True):
     K, N = w_t.shape
     if not block_n:
         block_n = default_config(K, N, x.dtype, x.device, programs_per_sm)[0]
@@ -569,7 +572,7 @@ def sparse_gemv(
                             *(config or (0, 0, 0, 0, 0)), None if up is None else up.reshape(K),
                             None if residual is None else residual.reshape(N), norm_w, ss_in, float(eps),
                             options.pdl, options.programs_per_sm, *(lora[:2] if lora else (None, None)),
-                            None if lora is None else lora_scales(lora[2]))
+                            None if lora is None else lora_scales(lora[2]), options.lora_prefetch)
     y = y.reshape(*x.shape[:-1], N)
     return y if residual is None else (y, ss)
 
