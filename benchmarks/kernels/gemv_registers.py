@@ -45,12 +45,9 @@ def compile_launch(K, N, nseg, norm, resid, glu, lora, config, maxnreg, ss_tiles
     from sparsedecode.kernels.sm90 import compile_sparse_gemv
 
     block_n, block_k, splits, warps, stages = config
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=nseg, SEG_ALIGNED=True, HAS_BIAS=False,
-                  EVEN_N=N % block_n == 0, DBUF=stages == 4, GLU=glu, PDL=True, BITS=stages == 4,
-                  COLS=block_n // 2 if stages == 4 else block_n, RESID=resid, NORM=norm,
-                  SS_BLOCK=sg._pow2(ss_tiles) if norm else 1,
-                  STRIDE=N if stages == 4 else 0, FIN_LOAD=sg.finish_mode(warps) == "load", LORA=lora,
-                  BLOCK_R=RANK, A_PF=prefetch)
+    consts = sg.launch_constexprs(N, block_n, block_k, warps, stages, bits=stages == 4, stride=N, nseg=nseg,
+                                  pdl=True, glu=glu, resid=resid, norm=norm, n_ss=ss_tiles if norm else 0,
+                                  lora=lora, rank=RANK, lora_prefetch=prefetch)
     k = compile_sparse_gemv(torch.bfloat16, consts, warps, maxnreg)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -303,11 +303,9 @@ def _compile_for_hopper(dtype, block_n, block_k, even_n, dbuf=False, pdl=False, 
     from sparsedecode.kernels import sparse_gemv as sg
     from sparsedecode.kernels.sm90 import compile_sparse_gemv
 
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=True, NSEG=1, SEG_ALIGNED=True, HAS_BIAS=True,
-                  EVEN_N=even_n, DBUF=dbuf, GLU=glu, PDL=pdl, BITS=bits, COLS=block_n // 2 if bits else block_n,
-                  RESID=False, NORM=False, SS_BLOCK=1, STRIDE=stride,
-                  FIN_LOAD=sg.finish_mode(1) == "load",  # the split-K finish as launched
-                  LORA=lora, BLOCK_R=16, A_PF=prefetch)
+    n = block_n * 8 + (0 if even_n else 1)  # EVEN_N as the launcher derives it
+    consts = sg.launch_constexprs(n, block_n, block_k, 1, 4 if dbuf else 1, bits=bits, stride=stride, has_bias=True,
+                                  pdl=pdl, glu=glu, lora=lora, rank=16, lora_prefetch=prefetch)  # one warp
     try:
         return compile_sparse_gemv(dtype, consts)
     except (RuntimeError, FileNotFoundError) as e:

@@ -19,11 +19,6 @@ path of `SparseLinear` and the tests' oracle.
 
 from __future__ import annotations
 
-import functools
-import json
-import re
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
@@ -44,6 +39,7 @@ from sparsedecode.kernels.common import (  # noqa: F401 (check_threshold, keep_m
 from sparsedecode.kernels.common import interpreting as _interpreting
 from sparsedecode.kernels.common import pow2 as _pow2
 from sparsedecode.kernels.options import DEFAULT, GemvOptions
+from sparsedecode.kernels.tuned import read_tuned, tuned_configs, tuned_file  # noqa: F401 (importable here)
 
 try:
     import triton
@@ -56,7 +52,6 @@ BLOCK_K = 16  # rows per loop iteration: 8 KB of weight per one-warp program at 
 STAGES = (1, 4)  # the loops: 1 plain (segments off the tile grid), 4 two tiles in flight (the default)
 CPU_SPLITS = 3  # under the interpreter: several splits, so the atomic reduction is exercised
 MIN_BLOCK_K = 4  # smallest BLOCK_K a config may ask for (fewer rows, more programs in flight)
-TUNED_DIR = Path(__file__).with_name("tuned")  # one JSON file of measured tile configs per device
 
 
 def sparse_gemv_ref(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = None) -> Tensor:
@@ -73,26 +68,6 @@ def sparse_gemv_ref(x: Tensor, w_t: Tensor, threshold, bias: Tensor | None = Non
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
-
-
-def tuned_file(name: str) -> Path:
-    """The tuned-config file of a device named `name` (torch.cuda.get_device_name)."""
-    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]", "_", name) + ".json")
-
-
-def read_tuned(path) -> dict[tuple[int, int, str, int], tuple[int, int, int, int, int]]:
-    """(K, N, dtype name, SM count) -> (BLOCK_N, BLOCK_K, splits, num_warps, num_stages) of a
-    tuned file ({"rows": [{"K", "N", "dtype", "sm_count", "config"}]}, as `sparse_gemv_bench.py
-    --choose` writes it)."""
-    rows = json.loads(Path(path).read_text())["rows"]
-    return {(r["K"], r["N"], r["dtype"], r["sm_count"]): tuple(r["config"]) for r in rows}
-
-
-@functools.cache
-def tuned_configs(name: str) -> dict[tuple[int, int, str, int], tuple[int, int, int, int, int]]:
-    """The measured configs shipped for the device named `name` (none for a device without a file)."""
-    path = tuned_file(name)
-    return read_tuned(path) if path.exists() else {}
 
 
 def default_config(K: int, N: int, dtype: torch.dtype, device: torch.device,
@@ -388,6 +363,20 @@ if triton is not None:
                        FIN_LOAD, Bt, N, rank, r_t, s_t, acc_u, LORA, BLOCK_R)
 
 
+def launch_constexprs(N: int, block_n: int, block_k: int, num_warps: int, stages: int, *, bits: bool,
+                      stride: int, nseg: int = 1, seg_aligned: bool = True, has_bias: bool = False,
+                      thr_t: bool = True, glu: bool = False, pdl: bool = False, resid: bool = False,
+                      norm: bool = False, n_ss: int = 0, lora: bool = False, rank: int = 0,
+                      lora_prefetch: bool = True) -> dict:
+    """Every constexpr of `_sparse_gemv_kernel` as the launcher sets it, in one place for the launch,
+    the sm_90 compiles of the tests and `benchmarks/kernels/gemv_registers.py` (`kernels.sm90`)."""
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, THR_T=thr_t, NSEG=nseg, SEG_ALIGNED=seg_aligned,
+                HAS_BIAS=has_bias, EVEN_N=N % block_n == 0, DBUF=stages == 4, GLU=glu, PDL=pdl, BITS=bits,
+                COLS=block_n // 2 if bits else block_n, RESID=resid, NORM=norm, SS_BLOCK=_pow2(max(1, n_ss)),
+                STRIDE=stride if stages == 4 else 0, FIN_LOAD=finish_mode(num_warps) == "load", LORA=lora,
+                BLOCK_R=max(MIN_BLOCK, _pow2(rank)), A_PF=lora_prefetch)
+
+
 @torch.library.custom_op("sparsedecode::sparse_gemv", mutates_args=())
 def _sparse_gemv_op(
     x: Tensor, w_t: Tensor, thr_ts: list[Tensor], thr_f: float, bounds: list[int], bias: Tensor | None,
@@ -431,17 +420,17 @@ def _sparse_gemv_op(
     pdl = pdl and on_gpu
     cap = {"maxnreg": max_registers(n_tiles * splits, num_warps, x.device)} if on_gpu else {}
     _sparse_gemv_kernel[(n_tiles, splits)](
-        *args, BLOCK_N=block_n, BLOCK_K=block_k, THR_T=bool(thr_ts), NSEG=max(1, len(thr_ts)),
-        SEG_ALIGNED=all(b % block_n == 0 for b in bounds), HAS_BIAS=bias is not None, EVEN_N=N % block_n == 0,
-        DBUF=stages == 4, U=up if up is not None else norm_w if norm_w is not None else x, GLU=up is not None,
-        PDL=pdl, BITS=bits, COLS=block_n // 2 if bits else block_n,
+        *args, U=up if up is not None else norm_w if norm_w is not None else x,
         Res=residual if residual is not None else x, SsOut=ss if residual is not None else ws_acc,
         SsIn=ss_in if ss_in is not None else ws_acc, n_ss=0 if ss_in is None else ss_in.numel(), eps=eps,
-        RESID=residual is not None, NORM=norm_w is not None,
-        SS_BLOCK=_pow2(max(1, 0 if ss_in is None else ss_in.numel())),
-        STRIDE=w_t.stride(0) if stages == 4 else 0, FIN_LOAD=finish_mode(num_warps) == "load",
-        At=lora_a if lora else x, Bt=lora_b if lora else x, rank=rank,
-        a_stride=lora_a.shape[1] if lora else 0, lora_s=scales[0], lora_s1=scales[1], lora_s2=scales[2], LORA=lora, BLOCK_R=max(MIN_BLOCK, _pow2(rank)), A_PF=lora_prefetch,
+        At=lora_a if lora else x, Bt=lora_b if lora else x, rank=rank, a_stride=lora_a.shape[1] if lora else 0,
+        lora_s=scales[0], lora_s1=scales[1], lora_s2=scales[2],
+        **launch_constexprs(N, block_n, block_k, num_warps, stages, bits=bits, stride=w_t.stride(0),
+                            nseg=max(1, len(thr_ts)), seg_aligned=all(b % block_n == 0 for b in bounds),
+                            has_bias=bias is not None, thr_t=bool(thr_ts), glu=up is not None, pdl=pdl,
+                            resid=residual is not None, norm=norm_w is not None,
+                            n_ss=0 if ss_in is None else ss_in.numel(), lora=lora, rank=rank,
+                            lora_prefetch=lora_prefetch),
         num_warps=num_warps, num_stages=1, **cap, **({"launch_pdl": True} if pdl else {}))
     return y, ss
 
@@ -596,6 +585,6 @@ def sparse_gemv_segments_ref(x: Tensor, w_t: Tensor, thresholds: list, segments:
 
 
 __all__ = [
-    "default_config", "keep_mask", "read_tuned", "sparse_gemv", "sparse_gemv_ref", "sparse_gemv_segments_ref",
+    "default_config", "keep_mask", "launch_constexprs", "read_tuned", "sparse_gemv", "sparse_gemv_ref", "sparse_gemv_segments_ref",
     "sumsq", "tuned_configs", "tuned_file", "workspace",
 ]
