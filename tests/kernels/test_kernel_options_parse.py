@@ -20,6 +20,8 @@ def test_parse_sets_only_what_it_names_and_round_trips_through_a_record():
     lp = KernelOptions.parse("lora.merge=false,gemv.lora_programs_per_sm=8")
     assert lp.gemv.lora_programs_per_sm == 8 and KernelOptions.from_dict(lp.to_dict()) == lp
     assert KernelOptions.parse("gemv.lora_programs_per_sm=none").gemv == GemvOptions()
+    pf = KernelOptions.parse("lora.merge=false,gemv.lora_prefetch=false")
+    assert pf.gemv == GemvOptions(lora_prefetch=False) and KernelOptions.from_dict(pf.to_dict()) == pf
 
 
 @pytest.mark.parametrize("text,match", [
@@ -28,6 +30,7 @@ def test_parse_sets_only_what_it_names_and_round_trips_through_a_record():
     ("gemv.programs_per_sm=none", "write an integer$"),
     ("attention.programs_per_sm=0", ">= 1"),
     ("gemv.lora_programs_per_sm=0", "gemv.lora_programs_per_sm.*>= 1"),
+    ("gemv.lora_prefetch=2", "write true or false"),
     ("gemv.stages=8", "unknown kernel option 'gemv.stages'"),
     ("pdl=false", "unknown kernel option 'pdl'"),
     ("gemv.pdl", "write KEY=VALUE"),
@@ -42,6 +45,8 @@ def test_options_are_frozen_and_checked_when_built():
         KernelOptions().gemv.pdl = False  # type: ignore[misc]
     with pytest.raises(InputError, match="gemv.pdl must be true or false"):
         GemvOptions(pdl="yes")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="gemv.lora_prefetch must be true or false"):
+        GemvOptions(lora_prefetch=None)  # type: ignore[arg-type]
     with pytest.raises(InputError, match="unknown kernel option group"):
         KernelOptions.from_dict({"gemv": {}, "norms": {}})
     with pytest.raises(InputError, match="takes a GemvOptions"):
