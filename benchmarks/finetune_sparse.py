@@ -45,7 +45,7 @@ from sparsedecode.corpus import text_ids, wikitext_path
 from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import get_calibrator, measure_keep
 from sparsedecode.projection.routing import RoutingTable, build_routing_table, calibrate_routing
-from sparsedecode.projection.thresholds import ACT_SITE, INPUT_SITES, Thresholds, site_params
+from sparsedecode.projection.thresholds import Thresholds, cats_projection_keep
 from sparsedecode.quality.finetune import RECORD as FT_RECORD
 from sparsedecode.quality.finetune import FinetuneOptions, finetune
 from sparsedecode.quality.perplexity import CHUNK, DENSE, resumable_chunked_nll
@@ -122,12 +122,10 @@ def run(a) -> None:
 
     def record(name, label, method, keep, route, nll, real, routed, table, th, adapter, seconds):
         dims = eng.dims
-        attn = sum(site_params(dims, s) for s in ("q", "k", "v", "o"))
-        total = sum(site_params(dims, s) for s in INPUT_SITES)
         eff = 1.0 if real is None else real
         if route is not None:
             eff = routed * real + (1.0 - routed)  # SATS §3.2: r x keep_sparse + (1 - r)
-        rp = (attn + site_params(dims, "gate") + site_params(dims, ACT_SITE) * eff) / total
+        rp = cats_projection_keep(dims, eff)
         ft = None if adapter is None else read_record(adapter / FT_RECORD)
         write_record(a.out / f"{name}.json", stamp({
             "kind": KIND, "name": name, "label": label, "method": method, "target_keep": keep,

@@ -34,7 +34,7 @@ from sparsedecode.corpus import text_ids, wikitext_path
 from sparsedecode.errors import InputError
 from sparsedecode.projection.calibrate import get_calibrator, measure_keep
 from sparsedecode.projection.routing import RoutingTable, build_routing_table, calibrate_routing
-from sparsedecode.projection.thresholds import ACT_SITE, INPUT_SITES, Thresholds, site_params
+from sparsedecode.projection.thresholds import Thresholds, cats_projection_keep
 from sparsedecode.quality.perplexity import CHUNK, DENSE, resumable_chunked_nll
 from sparsedecode.records import stamp, write_record
 
@@ -140,8 +140,6 @@ def run(a) -> None:
     nll = resumable_chunked_nll(eng, test[:ppl_end], a.chunks, [s[0] for s in pending], settings, a.out / PROGRESS)
 
     dims = eng.dims
-    attn = sum(site_params(dims, s) for s in ("q", "k", "v", "o"))
-    total = sum(site_params(dims, s) for s in INPUT_SITES)
     for name, method, keep, route in pending:
         th = None if method == "dense" else thresholds[f"{method}{keep:g}"]
         real = None if th is None else realized[f"{method}{keep:g}"]
@@ -152,7 +150,7 @@ def run(a) -> None:
             routed = tables[route].routed_fraction(scored)
             routed_cal = tables[route].routed
             eff = routed * real + (1.0 - routed)  # SATS §3.2: r x keep_sparse + (1 - r)
-        rp = (attn + site_params(dims, "gate") + site_params(dims, ACT_SITE) * eff) / total
+        rp = cats_projection_keep(dims, eff)
         rec = stamp({
             "kind": KIND, "name": name, "label": _label(method, keep, route), "method": method,
             "target_keep": keep, "routing_target": route, "model": eng.name, "device": str(eng.device),

@@ -81,3 +81,18 @@ def test_site_widths_and_parameter_counts():
     assert [site_width(QWEN, s) for s in ("q", "o", "gate", "down", "act")] == [896, 896, 896, 4864, 4864]
     assert site_params(SMOL, "k") == 576 * 3 * 64
     assert sum(site_params(SMOL, s) for s in ("q", "k", "v", "o", "gate", "up", "down")) == SMOL.proj_params
+
+
+def test_cats_projection_keep_prices_up_and_down_by_the_act_keep():
+    """SATS §3.2: q, k, v, o and gate read whole; up's rows and down's columns at the kept fraction of
+    SiLU(gate) channels. act_keep_of_mlp inverts the MLP's own weight keep (what the counters give)."""
+    from sparsedecode.projection.thresholds import act_keep_of_mlp, cats_projection_keep
+
+    dims = ModelDims(name="m", d=8, d_ff=24, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, vocab=10)
+    attn, mlp_one = 8 * 8 + 2 * 8 * 4 + 8 * 8, 8 * 24  # q, k, v (one KV head of 4), o; one MLP matrix
+    total = attn + 3 * mlp_one
+    assert cats_projection_keep(dims, 1.0) == pytest.approx(1.0)
+    assert cats_projection_keep(dims, 0.0) == pytest.approx((attn + mlp_one) / total)
+    assert cats_projection_keep(dims, 0.25) == pytest.approx((attn + mlp_one + 2 * mlp_one * 0.25) / total)
+    for k in (0.0, 0.3, 1.0):
+        assert act_keep_of_mlp(dims, (1 + 2 * k) / 3) == pytest.approx(k)

@@ -70,6 +70,21 @@ def site_params(dims: ModelDims, site: str) -> int:
     }[site]
 
 
+def cats_projection_keep(dims: ModelDims, act_keep: float) -> float:
+    """The keep over the seven projections' weights of a CATS/SATS step (SATS §3.2): q, k, v, o and
+    gate read whole, up's rows and down's columns of the kept SiLU(gate) channels (`act_keep`; under
+    routing the effective keep r * keep + (1 - r))."""
+    whole = sum(site_params(dims, s) for s in ("q", "k", "v", "o", "gate"))
+    return (whole + site_params(dims, ACT_SITE) * act_keep) / sum(site_params(dims, s) for s in INPUT_SITES)
+
+
+def act_keep_of_mlp(dims: ModelDims, mlp_keep: float) -> float:
+    """The kept fraction of SiLU(gate) channels of a CATS/SATS step whose MLP (gate, up, down)
+    reads `mlp_keep` of its weights (gate whole): what the sparse modules' counters report."""
+    mlp = sum(site_params(dims, s) for s in ("gate", "up", "down"))
+    return (mlp * mlp_keep - site_params(dims, "gate")) / site_params(dims, ACT_SITE)
+
+
 @dataclass
 class Thresholds:
     """Thresholds t per site key (a channel is kept when |x| > t) and their header.
@@ -182,6 +197,6 @@ class Thresholds:
 
 
 __all__ = [
-    "ACT_SITE", "INPUT_SITES", "MODULE_OF", "SITES", "Thresholds", "parse_key", "site_key",
-    "site_params", "site_width",
+    "ACT_SITE", "INPUT_SITES", "MODULE_OF", "SITES", "Thresholds", "act_keep_of_mlp", "cats_projection_keep",
+    "parse_key", "site_key", "site_params", "site_width",
 ]

@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 
 from sparsedecode.errors import InputError
+from sparsedecode.projection.thresholds import act_keep_of_mlp
 from sparsedecode.records import read_record
 
 FORMS = ("none", "merged", "apart")
@@ -98,7 +99,7 @@ def rows(data: dict) -> list[dict]:
             apart = cells[("apart", v, cell, n)]
             keep = statistics.median((r.get("realized_projection_keep") or 1.0) for r in apart)
             mlp = [r["realized_mlp_keep"] for r in apart if r.get("realized_mlp_keep") is not None]
-            act = None if not mlp else (3 * statistics.median(mlp) - 1) / 2  # (1 + 2k)/3 -> k: CATS/SATS
+            act = None if not mlp else act_keep_of_mlp(data["dims"], statistics.median(mlp))  # CATS/SATS
             mb = adapter_bytes(data["dims"], apart[0]["adapter"], keep, data["dtype"], act) / 1e6
             extra_us = (ms["apart"] - ms["none"]) * 1e3
             at_ceiling = None if data["ceiling_gbps"] is None else mb * 1e6 / (data["ceiling_gbps"] * 1e9) * 1e6

@@ -454,11 +454,9 @@ KEEP_STEPS = 8  # eager tracked steps that measure the realized projection keep
 def seven_projection_keep(dims, mlp_keep: float) -> float:
     """The keep over the seven projections' weights of a step that reads the MLP's (gate, up,
     down) at `mlp_keep` and the attention projections whole (CATS/SATS, SATS §3.2)."""
-    from sparsedecode.projection.thresholds import INPUT_SITES, site_params
+    from sparsedecode.projection.thresholds import act_keep_of_mlp, cats_projection_keep
 
-    total = sum(site_params(dims, s) for s in INPUT_SITES)
-    mlp = sum(site_params(dims, s) for s in ("gate", "up", "down"))
-    return (total - mlp + mlp * mlp_keep) / total
+    return cats_projection_keep(dims, act_keep_of_mlp(dims, mlp_keep))
 
 
 def _tracked_keep(eng, n: int, tokens) -> float:
