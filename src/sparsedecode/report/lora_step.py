@@ -4,11 +4,11 @@ from one timing campaign whose grids time the same modes without an adapter, wit
 `examples/campaigns/h200_lora_8b.toml`.
 
 Per mode, context and apart variant (the cell's --kernels, e.g. `lora.merge=false` against
-`lora.merge=false,gemv.lora_programs_per_sm=8`: one row each): the step without an adapter, merged
-and apart (median over blocks of each cell's ms/token), the apart step's extra time over the step without one, and the adapter's own
-bytes per step beside it: per adapted site the kept rows of A^T (the site's realized keep times
-its input width; every row in a dense step) plus all of B^T, times the rank and the dtype's size,
-over every layer. 'extra / bytes' divides the extra time by those bytes at the measured ceiling
+`lora.merge=false,gemv.lora_prefetch=false`: one row each): the step without an adapter, merged
+and apart (median over blocks of each cell's ms/token), the apart step's extra time over the
+step without one, and the adapter's own bytes per step beside it: per adapted site the kept
+rows of A^T (the site's realized keep times its input width; every row in a dense step) plus all
+of B^T, times the rank and the dtype's size, over every layer. 'extra / bytes' divides the extra time by those bytes at the measured ceiling
 (the campaign's ceiling.json); the issue's target is at most 1.3. Nothing here is measured.
 """
 
@@ -21,7 +21,6 @@ from sparsedecode.errors import InputError
 from sparsedecode.projection.thresholds import act_keep_of_mlp
 from sparsedecode.records import read_record
 
-FORMS = ("none", "merged", "apart")
 TARGET = 1.3  # issue 45: the adapter's extra time within 1.3x of its bytes at the measured ceiling
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
