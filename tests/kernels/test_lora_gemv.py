@@ -391,6 +391,7 @@ def test_an_adapter_launch_takes_its_own_programs_per_sm(monkeypatch):
     for that many programs a SM, the tuned table not read (docs/kernels/lora_gemv.md 'register cap
     with an adapter'); a launch without one, or the option unset, keeps the launcher's own choice."""
     from sparsedecode.kernels import sparse_gemv as sg
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the wrapper's checks pass on CPU; no kernel runs
     asked, launched = [], []
     real = sg.default_config

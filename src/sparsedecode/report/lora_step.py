@@ -8,8 +8,9 @@ Per mode, context and apart variant (the cell's --kernels, e.g. `lora.merge=fals
 and apart (median over blocks of each cell's ms/token), the apart step's extra time over the
 step without one, and the adapter's own bytes per step beside it: per adapted site the kept
 rows of A^T (the site's realized keep times its input width; every row in a dense step) plus all
-of B^T, times the rank and the dtype's size, over every layer. 'extra / bytes' divides the extra time by those bytes at the measured ceiling
-(the campaign's ceiling.json); the issue's target is at most 1.3. Nothing here is measured.
+of B^T, times the rank and the dtype's size, over every layer. 'extra / bytes' divides the extra
+time by those bytes at the measured ceiling (the campaign's ceiling.json); the issue's target is
+at most 1.3. Nothing here is measured.
 """
 
 from __future__ import annotations
@@ -118,8 +119,7 @@ def markdown(data: dict) -> str:
         return "" if v is None else f"{v:.3f}"
 
     head = ("| mode | context | apart kernels | realized keep | no adapter (ms) | merged (ms) | apart (ms) "
-            "| apart extra (µs) "
-            "| merged extra (µs) | adapter MB/step | its bytes at the ceiling (µs) | extra / bytes (target <= 1.3) |")
+            "| apart extra (µs) | merged extra (µs) | adapter MB/step | its bytes at the ceiling (µs) | extra / bytes (target <= 1.3) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows(data):
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.1f}x" + (" (met)" if r["ratio"] <= TARGET else " (missed)")
